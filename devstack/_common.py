@@ -1,0 +1,98 @@
+"""Helpers shared by the PostgreSQL and Kafka service wrappers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+CACHE_DIR_ENV = "NOTIFY_OUTBOX_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Root of devstack's persistent cache: $NOTIFY_OUTBOX_CACHE_DIR or ~/.cache/notify-outbox."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "notify-outbox"
+
+
+class StackError(RuntimeError):
+    """A local service could not be set up; the message says what to do about it."""
+
+
+def free_ports(count: int, *, avoid: Iterable[int] = ()) -> list[int]:
+    """Return ``count`` distinct loopback ports that were free a moment ago."""
+    # All sockets stay bound until every port is picked, so the kernel cannot
+    # hand out the same port twice within one call.
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    skip = set(avoid)
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in skip:
+                ports.append(port)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object, or return ``{}`` if the file is missing or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write a JSON object atomically, so a concurrent reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """Return the last ``lines`` lines of a text file (empty if it does not exist)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def pid_alive(pid: int) -> bool:
+    """Tell whether a process with this pid exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    # The state letter follows the parenthesised command name, which may
+    # itself contain spaces or parentheses.
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def cmdline(pid: int) -> list[str]:
+    """Return the argv of a running process, or ``[]`` if it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]

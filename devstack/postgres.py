@@ -1,0 +1,350 @@
+"""A throwaway PostgreSQL server built from the locally installed binaries."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from urllib.parse import quote
+
+from devstack._common import StackError, cmdline, free_ports, pid_alive, read_json, tail, write_json
+
+__all__ = ["PostgresServer", "find_pg_bindir"]
+
+_log = logging.getLogger(__name__)
+
+PG_BINDIR_ENV = "NOTIFY_OUTBOX_PG_BINDIR"
+_SUPERUSER = "postgres"
+# PostgreSQL refuses to run as root, so as root the server runs as this account.
+_OS_USER = "postgres"
+_STATE_FILE = "devstack-postgres.json"
+_CONF_FILE = "devstack.conf"
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+_START_TIMEOUT_S = 120
+_STOP_MODES = ("smart", "fast", "immediate")
+
+
+def find_pg_bindir() -> Path:
+    """Locate the directory holding ``initdb`` and ``pg_ctl``."""
+    candidates: list[Path] = []
+    override = os.environ.get(PG_BINDIR_ENV)
+    if override:
+        candidates.append(Path(override))
+    else:
+        candidates.append(Path("/usr/lib/postgresql/15/bin"))
+        candidates.extend(
+            sorted(
+                Path("/usr/lib/postgresql").glob("*/bin"),
+                key=lambda p: _version_key(p.parent.name),
+                reverse=True,
+            )
+        )
+        on_path = shutil.which("pg_ctl")
+        if on_path:
+            candidates.append(Path(on_path).resolve().parent)
+    for candidate in candidates:
+        if (candidate / "initdb").is_file() and (candidate / "pg_ctl").is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates) or "(nowhere)"
+    raise StackError(
+        f"PostgreSQL binaries not found: looked in {looked}; "
+        f"install postgresql-15 (apt-get install postgresql-15) or set {PG_BINDIR_ENV}"
+    )
+
+
+def _version_key(name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in name.split("."))
+    except ValueError:
+        return (0,)
+
+
+def _quote_conf(value: str) -> str:
+    # Every GUC accepts a single-quoted value, whatever its type.
+    return "'" + value.replace("'", "''") + "'"
+
+
+class PostgresServer:
+    """One PostgreSQL cluster under ``base_dir`` listening on 127.0.0.1 only.
+
+    ``base_dir`` holds ``data/`` (the cluster), ``run/`` (the unix socket),
+    ``postgres.log`` and a small JSON file that pins the port, so a second
+    process constructing a server on the same directory controls the same
+    cluster. The settings file is rewritten from the constructor's arguments
+    on every start, so pass the same ``durable``/``extra_conf`` when
+    restarting from another handle.
+    """
+
+    def __init__(
+        self,
+        base_dir: Path,
+        *,
+        port: int | None = None,
+        durable: bool = True,
+        extra_conf: Mapping[str, str] | None = None,
+    ) -> None:
+        self.base_dir = Path(base_dir).resolve()
+        self.data_dir = self.base_dir / "data"
+        self.socket_dir = self.base_dir / "run"
+        self.log_path = self.base_dir / "postgres.log"
+        self.durable = durable
+        self.extra_conf: dict[str, str] = dict(extra_conf or {})
+        self._state_path = self.base_dir / _STATE_FILE
+        self._bindir: Path | None = None
+        state = read_json(self._state_path)
+        if port is not None:
+            self.port = port
+        elif isinstance(state.get("port"), int):
+            self.port = int(state["port"])
+        else:
+            self.port = free_ports(1)[0]
+
+    def __repr__(self) -> str:
+        return f"PostgresServer(base_dir={str(self.base_dir)!r}, port={self.port})"
+
+    @property
+    def dsn(self) -> str:
+        """DSN of the ``postgres`` database as the trusted superuser."""
+        return self.dsn_for("postgres")
+
+    def dsn_for(self, database: str, user: str = _SUPERUSER, password: str | None = None) -> str:
+        """Build a TCP DSN for ``database``; roles other than postgres need a password."""
+        auth = quote(user, safe="")
+        if password is not None:
+            auth += ":" + quote(password, safe="")
+        return f"postgresql://{auth}@127.0.0.1:{self.port}/{quote(database, safe='')}"
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the running postmaster, or None."""
+        try:
+            first = (self.data_dir / "postmaster.pid").read_text().splitlines()[0]
+            pid = int(first.strip())
+        except (OSError, ValueError, IndexError):
+            return None
+        if not pid_alive(pid):
+            return None
+        argv = cmdline(pid)
+        # Guards against a stale pid file whose pid now belongs to another program.
+        if argv and not Path(argv[0]).name.startswith(("postgres", "postmaster")):
+            return None
+        return pid
+
+    def is_running(self) -> bool:
+        """Tell whether the postmaster of this cluster is alive."""
+        return self.pid is not None
+
+    def start(self) -> None:
+        """Start the server, running initdb first if the cluster does not exist yet."""
+        if self.is_running():
+            return
+        self._bindir = find_pg_bindir()
+        self._prepare_dirs()
+        state = read_json(self._state_path)
+        if not state.get("initialized") or not (self.data_dir / "PG_VERSION").is_file():
+            self._initdb()
+        self._write_conf()
+        write_json(self._state_path, {"port": self.port, "initialized": True})
+        result = self._run(
+            [
+                "pg_ctl",
+                "start",
+                "-w",
+                "-t",
+                str(_START_TIMEOUT_S),
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.log_path),
+            ]
+        )
+        if result.returncode != 0 or not self.is_running():
+            raise StackError(
+                f"PostgreSQL did not start on 127.0.0.1:{self.port} "
+                f"(pg_ctl exit {result.returncode}: {result.stdout.strip()}), "
+                f"see {self.log_path} (last lines:\n{tail(self.log_path)})"
+            )
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server; ``mode="immediate"`` skips the shutdown checkpoint like a crash."""
+        if mode not in _STOP_MODES:
+            raise ValueError(f"mode must be one of {_STOP_MODES}, not {mode!r}")
+        if not self.is_running():
+            return
+        self._bindir = self._bindir or find_pg_bindir()
+        result = self._run(
+            [
+                "pg_ctl",
+                "stop",
+                "-w",
+                "-t",
+                str(_START_TIMEOUT_S),
+                "-m",
+                mode,
+                "-D",
+                str(self.data_dir),
+            ]
+        )
+        if result.returncode != 0 and self.is_running():
+            raise StackError(
+                f"PostgreSQL did not stop (pg_ctl exit {result.returncode}: "
+                f"{result.stdout.strip()}), see {self.log_path}"
+            )
+
+    def restart(self) -> None:
+        """Stop and start again on the same port with the same data."""
+        self.stop()
+        self.start()
+
+    # -- internals ---------------------------------------------------------
+
+    def _os_user(self) -> pwd.struct_passwd | None:
+        """The account the server runs as, or None to run as the current user."""
+        if os.geteuid() != 0:
+            return None
+        try:
+            return pwd.getpwnam(_OS_USER)
+        except KeyError:
+            raise StackError(
+                f"running as root, and PostgreSQL refuses to run as root, but there is no "
+                f"{_OS_USER!r} user to run it as: create it (useradd --system {_OS_USER}) "
+                "or run as an unprivileged user"
+            ) from None
+
+    def _prepare_dirs(self) -> None:
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        socket_path = self.socket_dir / f".s.PGSQL.{self.port}"
+        if len(str(socket_path)) > _MAX_SOCKET_PATH:
+            raise StackError(
+                f"unix socket path {socket_path} is longer than {_MAX_SOCKET_PATH} bytes; "
+                "use a shorter base directory"
+            )
+        user = self._os_user()
+        for path in (self.data_dir, self.socket_dir):
+            path.mkdir(mode=0o700, exist_ok=True)
+        self.log_path.touch(exist_ok=True)
+        if user is None:
+            return
+        for path in (self.data_dir, self.socket_dir, self.log_path):
+            os.chown(path, user.pw_uid, user.pw_gid)
+        self._grant_search(user)
+
+    def _grant_search(self, user: pwd.struct_passwd) -> None:
+        # Root-owned private dirs (pytest's /tmp/pytest-of-root, mkdtemp results)
+        # would keep the postgres user from reaching data/. Adding only the
+        # search bit lets it traverse them without being able to list them.
+        groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
+        for directory in (self.base_dir, *self.base_dir.parents):
+            st = directory.stat()
+            if st.st_uid == user.pw_uid:
+                needed = stat.S_IXUSR
+            elif st.st_gid in groups:
+                needed = stat.S_IXGRP
+            else:
+                needed = stat.S_IXOTH
+            if not st.st_mode & needed:
+                _log.warning(
+                    "granting search permission on %s so the %s user can reach %s",
+                    directory,
+                    user.pw_name,
+                    self.data_dir,
+                )
+                os.chmod(directory, stat.S_IMODE(st.st_mode) | needed)
+
+    def _initdb(self) -> None:
+        # A half-initialised data dir from an interrupted run would make initdb
+        # refuse to proceed; it holds nothing worth keeping.
+        for child in self.data_dir.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        cmd = [
+            "initdb",
+            "-D",
+            str(self.data_dir),
+            "-U",
+            _SUPERUSER,
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+        ]
+        if not self.durable:
+            cmd.append("--no-sync")
+        result = self._run(cmd)
+        if result.returncode != 0:
+            raise StackError(
+                f"initdb failed (exit {result.returncode}) for {self.data_dir}:\n"
+                f"{result.stdout.strip()[-4000:]}"
+            )
+        with (self.data_dir / "postgresql.conf").open("a") as fh:
+            fh.write(f"\ninclude '{_CONF_FILE}'\n")
+        hba = (
+            "# Written by devstack. Only the superuser is trusted over TCP, so tests\n"
+            "# of password handling for other roles are meaningful.\n"
+            "local all all trust\n"
+            f"host all {_SUPERUSER} 127.0.0.1/32 trust\n"
+            "host all all 127.0.0.1/32 scram-sha-256\n"
+        )
+        self._write_owned(self.data_dir / "pg_hba.conf", hba)
+
+    def _write_conf(self) -> None:
+        settings: dict[str, str] = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(self.port),
+            "unix_socket_directories": str(self.socket_dir),
+            "max_connections": "400",
+            "shared_preload_libraries": "pg_stat_statements",
+            "password_encryption": "scram-sha-256",
+            "logging_collector": "off",
+            "log_line_prefix": "%m [%p] %q%u@%d ",
+        }
+        if not self.durable:
+            settings.update(
+                {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+            )
+        settings.update(self.extra_conf)
+        lines = ["# Written by devstack on every start; edit extra_conf instead."]
+        lines.extend(f"{key} = {_quote_conf(value)}" for key, value in settings.items())
+        self._write_owned(self.data_dir / _CONF_FILE, "\n".join(lines) + "\n")
+
+    def _write_owned(self, path: Path, text: str) -> None:
+        path.write_text(text)
+        user = self._os_user()
+        if user is not None:
+            os.chown(path, user.pw_uid, user.pw_gid)
+        path.chmod(0o600)
+
+    def _run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """Run a PostgreSQL tool from the bindir, as the postgres user when root."""
+        assert self._bindir is not None
+        user = self._os_user()
+        env = dict(os.environ)
+        env["LC_ALL"] = "C"
+        if user is not None:
+            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        try:
+            return subprocess.run(
+                [str(self._bindir / argv[0]), *argv[1:]],
+                cwd=self.base_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                # The postmaster must not share our process group, or a Ctrl-C
+                # aimed at the test run would take it down mid-test.
+                start_new_session=True,
+                check=False,
+                user=None if user is None else user.pw_uid,
+                group=None if user is None else user.pw_gid,
+                extra_groups=None if user is None else [],
+            )
+        except OSError as exc:
+            raise StackError(f"could not run {argv[0]} from {self._bindir}: {exc}") from exc
