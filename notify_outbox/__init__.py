@@ -1,0 +1,54 @@
+"""notify-outbox: a transactional outbox relay from PostgreSQL to Apache Kafka.
+
+Producers write events into the outbox table inside their own transaction (``enqueue`` or a
+plain ``INSERT``); a trigger NOTIFYs the relay at commit; the relay claims the rows with
+``FOR UPDATE SKIP LOCKED``, publishes them to Kafka and marks them only after the broker
+acknowledged. A slow fallback poll catches any missed notification.
+"""
+
+from .claimer import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore, PgOutboxStore
+from .enqueue import OutboxEvent, enqueue, enqueue_many
+from .errors import (
+    ConfigurationError,
+    EventValidationError,
+    MigrationError,
+    NotifyOutboxError,
+    PublisherUnavailable,
+)
+from .events import RelayEvents
+from .migrations import VerifyReport, migrate, render_migrations, verify
+from .names import OutboxNames
+from .publisher import KafkaPublisher, Publisher, PublishResult
+from .relay import Relay
+from .settings import DatabaseSettings, OutboxSettings, load_settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchOutcome",
+    "ClaimedBatch",
+    "ConfigurationError",
+    "DatabaseSettings",
+    "EventValidationError",
+    "KafkaPublisher",
+    "MigrationError",
+    "NotifyOutboxError",
+    "OutboxEvent",
+    "OutboxNames",
+    "OutboxRow",
+    "OutboxSettings",
+    "OutboxStore",
+    "PgOutboxStore",
+    "PublishResult",
+    "Publisher",
+    "PublisherUnavailable",
+    "Relay",
+    "RelayEvents",
+    "VerifyReport",
+    "enqueue",
+    "enqueue_many",
+    "load_settings",
+    "migrate",
+    "render_migrations",
+    "verify",
+]

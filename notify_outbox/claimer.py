@@ -1,0 +1,139 @@
+"""Claiming and marking rows: the relay's side of the outbox table.
+
+``OutboxStore`` is the port the relay's logic talks to; ``PgOutboxStore`` implements it with
+asyncpg. A claim is one transaction: the claimed rows stay locked while they are published,
+and the outcome (published, retry later, dead-letter) is written in the same transaction, so a
+crashed relay's rows simply become claimable again when its connection goes away.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import asyncpg
+
+from .sqlfiles import Queries
+
+__all__ = [
+    "BatchOutcome",
+    "ClaimedBatch",
+    "OutboxRow",
+    "OutboxStore",
+    "PgOutboxStore",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A claimed outbox row, as the publisher needs it."""
+
+    id: int
+    event_id: uuid.UUID
+    topic: str
+    key: str | None
+    payload: str | None  # jsonb as JSON text
+    payload_bytes: bytes | None
+    headers: str | None  # jsonb object as JSON text
+    event_type: str | None = None
+    aggregate_type: str | None = None
+    aggregate_id: str | None = None
+    attempts: int = 0
+
+
+@dataclass
+class BatchOutcome:
+    """What to write back for a claimed batch. Rows in none of the lists stay pending as they
+    were (for example the rows held back behind a failed row of the same key)."""
+
+    published: list[int] = field(default_factory=list)
+    retry: list[tuple[int, str, float]] = field(default_factory=list)  # id, error, delay (s)
+    dead: list[tuple[int, str]] = field(default_factory=list)  # id, error
+
+
+class ClaimedBatch(Protocol):
+    """Rows locked by one claim; ``complete`` writes the outcome before the claim commits."""
+
+    @property
+    def rows(self) -> Sequence[OutboxRow]: ...
+
+    async def complete(self, outcome: BatchOutcome) -> None: ...
+
+
+class OutboxStore(Protocol):
+    """The database operations the relay needs (a port, so tests can use a fake)."""
+
+    def claim(self, limit: int) -> AbstractAsyncContextManager[ClaimedBatch]:
+        """Lock up to ``limit`` due rows in per-key commit order until the context exits."""
+        ...
+
+    async def has_due(self) -> bool:
+        """Whether any row is due, without locking anything."""
+        ...
+
+    async def delete_expired(self, older_than: float, limit: int) -> int:
+        """Delete up to ``limit`` rows published more than ``older_than`` seconds ago."""
+        ...
+
+
+class _PgBatch:
+    def __init__(
+        self, conn: asyncpg.Connection, queries: Queries, rows: list[OutboxRow], delete: bool
+    ) -> None:
+        self._conn = conn
+        self._q = queries
+        self._rows = rows
+        self._delete = delete
+
+    @property
+    def rows(self) -> Sequence[OutboxRow]:
+        return self._rows
+
+    async def complete(self, outcome: BatchOutcome) -> None:
+        if outcome.published:
+            query = "delete_published" if self._delete else "mark_published"
+            await self._conn.execute(self._q[query], outcome.published)
+        if outcome.retry:
+            ids, errors, delays = zip(*outcome.retry, strict=True)
+            await self._conn.execute(
+                self._q["record_failures"], list(ids), list(errors), list(delays)
+            )
+        if outcome.dead:
+            ids, errors = zip(*outcome.dead, strict=True)
+            await self._conn.execute(self._q["dead_letter"], list(ids), list(errors))
+
+
+class PgOutboxStore:
+    """``OutboxStore`` on an asyncpg pool (worker connections; never the listener's)."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        queries: Queries,
+        *,
+        delete_on_publish: bool,
+        command_timeout: float,
+    ) -> None:
+        self._pool = pool
+        self._q = queries
+        self._delete = delete_on_publish
+        self._timeout = command_timeout
+
+    @asynccontextmanager
+    async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
+        async with self._pool.acquire() as conn, conn.transaction():
+            records = await conn.fetch(self._q["claim"], limit, timeout=self._timeout)
+            rows = [OutboxRow(**dict(r)) for r in records]
+            yield _PgBatch(conn, self._q, rows, self._delete)
+
+    async def has_due(self) -> bool:
+        return bool(await self._pool.fetchval(self._q["has_due"], timeout=self._timeout))
+
+    async def delete_expired(self, older_than: float, limit: int) -> int:
+        status = await self._pool.execute(
+            self._q["delete_expired"], older_than, limit, timeout=self._timeout
+        )
+        return int(status.split()[-1])

@@ -1,0 +1,269 @@
+"""The command line: ``notify-outbox`` / ``python -m notify_outbox``.
+
+A thin shell over the same objects the embedded API uses. Exit codes: 0 done (or a graceful
+stop), 1 runtime failure, 2 bad usage or settings, 3 stopped by ``shutdown_timeout`` with work
+left in flight, 4 ``migrate --check`` found the database out of date, 130 aborted by a second
+signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import asyncpg
+
+from .errors import ConfigurationError, MigrationError
+from .migrations import migrate, render_migrations, verify
+from .names import OutboxNames, validate_identifier
+from .relay import Relay
+from .settings import DatabaseSettings, OutboxSettings, load_settings, redact
+from .sqlfiles import Queries, render, sql_dir
+
+__all__ = ["main"]
+
+log = logging.getLogger("notify_outbox.cli")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_FORCED, EXIT_OUTDATED, EXIT_ABORTED = 0, 1, 2, 3, 4, 130
+
+
+def _db_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN: argv is visible)")
+    _name_flags(p)
+
+
+def _name_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schema", dest="db_schema", help="outbox schema [NOTIFY_OUTBOX_DB_SCHEMA]")
+    p.add_argument("--table", help="outbox table [NOTIFY_OUTBOX_TABLE]")
+    p.add_argument("--channel", help="NOTIFY channel [NOTIFY_OUTBOX_CHANNEL]")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="notify-outbox",
+        description="Relay outbox events from PostgreSQL to Kafka. Settings come from "
+        "NOTIFY_OUTBOX_* environment variables; flags override them.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("migrate", help="apply pending migrations (safe to run concurrently)")
+    _db_flags(p)
+    p.add_argument("--check", action="store_true", help="only check: exit 4 if not up to date")
+
+    p = sub.add_parser("verify", help="same as `migrate --check`")
+    _db_flags(p)
+
+    p = sub.add_parser("sql", help="print the migrations' SQL for psql, Alembic or Flyway")
+    _name_flags(p)
+    p.add_argument("--since", type=int, default=0, help="only migrations after this version")
+    p.add_argument("--grants", action="store_true", help="print least-privilege GRANTs instead")
+    p.add_argument("--relay-role", default="notify_outbox_relay", help="role of the relay")
+    p.add_argument("--app-role", default="notify_outbox_app", help="role of the application")
+
+    p = sub.add_parser("run", help="run the relay until SIGTERM/SIGINT (twice: abort)")
+    _db_flags(p)
+    p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
+    p.add_argument("--workers", type=int, help="worker coroutines [NOTIFY_OUTBOX_WORKERS]")
+    p.add_argument("--batch-size", type=int, help="rows per claim [NOTIFY_OUTBOX_BATCH_SIZE]")
+    p.add_argument("--poll-interval", type=float, help="fallback poll seconds")
+    p.add_argument(
+        "--poll-only", action="store_true", default=None, help="never LISTEN (PgBouncer)"
+    )
+    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+
+    p = sub.add_parser("status", help="print pending, retrying and dead-lettered counts (JSON)")
+    _db_flags(p)
+
+    p = sub.add_parser("requeue", help="move dead-lettered events back into the outbox")
+    _db_flags(p)
+    p.add_argument("ids", nargs="+", type=int, help="ids of dead-lettered rows")
+    return parser
+
+
+def _overrides(args: argparse.Namespace, *fields: str) -> dict[str, Any]:
+    return {f: getattr(args, f, None) for f in ("dsn", "db_schema", "table", "channel", *fields)}
+
+
+async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(settings.dsn.get_secret_value(), timeout=30)
+    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
+        raise ConfigurationError(
+            f"cannot connect to PostgreSQL (NOTIFY_OUTBOX_DSN): {redact(str(e), settings)}"
+        ) from None
+
+
+async def _migrate(settings: DatabaseSettings, check: bool) -> int:
+    conn = await _connect(settings)
+    try:
+        if check:
+            report = await verify(conn, settings.names)
+            print(report.describe())
+            return EXIT_OK if report.ok else EXIT_OUTDATED
+        applied = await migrate(conn, settings.names)
+        print(f"applied migrations {applied}" if applied else "already up to date")
+        return EXIT_OK
+    finally:
+        await conn.close()
+
+
+async def _status(settings: DatabaseSettings) -> int:
+    conn = await _connect(settings)
+    try:
+        row = await conn.fetchrow(Queries(settings.names)["stats"])
+        print(json.dumps(dict(row) if row else {}))
+        return EXIT_OK
+    finally:
+        await conn.close()
+
+
+async def _requeue(settings: DatabaseSettings, ids: list[int]) -> int:
+    conn = await _connect(settings)
+    try:
+        async with conn.transaction():
+            rows = await conn.fetch(Queries(settings.names)["requeue_dead"], ids)
+        print(f"requeued {len(rows)} of {len(ids)} events")
+        return EXIT_OK if len(rows) == len(ids) else EXIT_FAILED
+    finally:
+        await conn.close()
+
+
+def _fault_hook_from_env() -> Callable[[str], None] | None:
+    """Test-only: ``NOTIFY_OUTBOX_TEST_CRASH_AT=after_ack`` kills the process (SIGKILL) the
+    first time a batch reaches that point, so fault tests can crash it at an exact step."""
+    point = os.environ.get("NOTIFY_OUTBOX_TEST_CRASH_AT")
+    if not point:
+        return None
+
+    def hook(reached: str) -> None:
+        if reached == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+async def _run_relay(settings: OutboxSettings) -> int:
+    relay = Relay(settings, fault_hook=_fault_hook_from_env())
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        log.info("received %s", signal.Signals(signum).name)
+        if signals_seen == 1:
+            relay.request_stop()
+        else:
+            relay.abort()
+
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+        installed.append(sig)
+    try:
+        ready = asyncio.ensure_future(relay.wait_ready())
+        ready.add_done_callback(
+            lambda _f: log.info(
+                "relay running: %d workers, %s, table %s, Kafka %s",
+                settings.workers,
+                "poll-only" if settings.poll_only else f"listening on {settings.channel!r}",
+                settings.names.qualified_table,
+                settings.kafka_bootstrap_servers,
+            )
+        )
+        try:
+            await relay.run()
+        finally:
+            ready.cancel()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+    return {"stopped": EXIT_OK, "forced": EXIT_FORCED, "aborted": EXIT_ABORTED}.get(
+        relay.outcome, EXIT_FAILED
+    )
+
+
+def _names_from(args: argparse.Namespace) -> OutboxNames:
+    env = os.environ
+    return OutboxNames(
+        schema=args.db_schema or env.get("NOTIFY_OUTBOX_DB_SCHEMA", "public"),
+        table=args.table or env.get("NOTIFY_OUTBOX_TABLE", "outbox"),
+        channel=args.channel or env.get("NOTIFY_OUTBOX_CHANNEL", "notify_outbox"),
+    )
+
+
+def _print_sql(args: argparse.Namespace) -> int:
+    names = _names_from(args)
+    if not args.grants:
+        sys.stdout.write(render_migrations(names, since=args.since))
+        return EXIT_OK
+    text = render(
+        (sql_dir() / "grants.sql")
+        .read_text(encoding="utf-8")
+        .replace("@relay_role@", '"' + validate_identifier(args.relay_role, "--relay-role") + '"')
+        .replace("@app_role@", '"' + validate_identifier(args.app_role, "--app-role") + '"'),
+        names,
+    )
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _run_async(coro: Coroutine[Any, Any, int], *, uvloop_ok: bool) -> int:
+    if uvloop_ok:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return int(uvloop.run(coro))
+    return asyncio.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``notify-outbox`` command; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "sql":
+            return _print_sql(args)
+        if args.command in ("migrate", "verify"):
+            db = load_settings(DatabaseSettings, **_overrides(args))
+            check = args.command == "verify" or args.check
+            return asyncio.run(_migrate(db, check))
+        if args.command == "status":
+            return asyncio.run(_status(load_settings(DatabaseSettings, **_overrides(args))))
+        if args.command == "requeue":
+            db = load_settings(DatabaseSettings, **_overrides(args))
+            return asyncio.run(_requeue(db, args.ids))
+        settings = load_settings(
+            OutboxSettings,
+            **_overrides(
+                args,
+                "kafka_bootstrap_servers",
+                "workers",
+                "batch_size",
+                "poll_interval",
+                "poll_only",
+            ),
+        )
+        return _run_async(_run_relay(settings), uvloop_ok=not args.no_uvloop)
+    except ConfigurationError as e:
+        print(f"notify-outbox: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (MigrationError, asyncpg.PostgresError) as e:
+        print(f"notify-outbox: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_ABORTED

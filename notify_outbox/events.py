@@ -1,0 +1,47 @@
+"""Counters and named events that the relay emits: for metrics, and for tests that wait on
+what the code did ("listening", "marked") instead of sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+__all__ = ["RelayEvents"]
+
+Hook = Callable[[str, int], None]
+
+
+class RelayEvents:
+    """Counts events by name and lets callers await them.
+
+    Names used by the relay: ``listening``, ``listener_lost``, ``wake:<source>`` (source is
+    notification, poll, reconnect, start or backlog), ``claimed``, ``published``, ``retried``,
+    ``dead_lettered``, ``batch_done``, ``kafka_unavailable``, ``db_error``, ``cleanup``.
+    ``claimed``, ``published``, ``retried`` and ``dead_lettered`` count rows; the others count
+    occurrences.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._changed = asyncio.Event()
+        self._hooks: list[Hook] = []
+
+    def add_hook(self, hook: Hook) -> None:
+        """Call ``hook(name, amount)`` on every event (it must not block or raise)."""
+        self._hooks.append(hook)
+
+    def emit(self, name: str, amount: int = 1) -> None:
+        """Record ``amount`` occurrences of ``name``."""
+        self.counts[name] += amount
+        for hook in self._hooks:
+            hook(name, amount)
+        self._changed.set()
+
+    async def wait_for(self, name: str, at_least: int = 1) -> int:
+        """Wait until ``name`` has been counted ``at_least`` times in total; bound it with a
+        timeout of your own."""
+        while self.counts[name] < at_least:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.counts[name]

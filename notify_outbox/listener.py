@@ -1,0 +1,124 @@
+"""The listener: one dedicated connection that LISTENs on the outbox channel.
+
+A notification is only a hint to claim (its payload is never trusted: any role can NOTIFY any
+channel). The connection is never taken from a pool (a pool reset drops LISTEN) and never
+opens a transaction (a listener stuck in a transaction would fill the server's notify queue).
+Its health is proven actively: every ``listen_health_interval`` it NOTIFYs a token on its own
+channel and must hear the echo within ``listen_health_timeout``; that catches a dead socket
+that TCP alone would not report for many minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import asyncpg
+
+from .events import RelayEvents
+from .settings import OutboxSettings
+
+__all__ = ["PROBE_PREFIX", "Listener"]
+
+log = logging.getLogger("notify_outbox.listener")
+
+PROBE_PREFIX = "notify-outbox-probe:"
+_CONNECTION_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+
+
+class ListenerLost(Exception):
+    """The listening connection is gone or did not answer its health probe."""
+
+
+class Listener:
+    """Keeps a LISTEN alive and calls ``wake(source)`` on every hint to claim."""
+
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        wake: Callable[[str], None],
+        events: RelayEvents,
+        *,
+        connect: Callable[..., Any] = asyncpg.connect,
+    ) -> None:
+        self._settings = settings
+        self._wake = wake
+        self._events = events
+        self._connect = connect
+        self._probes: dict[str, asyncio.Future[None]] = {}
+        self.connection: asyncpg.Connection | None = None
+
+    def _on_notification(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+        if payload.startswith(PROBE_PREFIX):
+            # Our own health probe (or another relay's): proves the LISTEN, wakes nobody.
+            waiter = self._probes.get(payload)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
+        self._wake("notification")
+
+    async def _probe(self, conn: asyncpg.Connection) -> None:
+        token = PROBE_PREFIX + secrets.token_hex(8)
+        echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._probes[token] = echo
+        try:
+            with anyio.fail_after(self._settings.listen_health_timeout):
+                await conn.execute("SELECT pg_notify($1, $2)", self._settings.channel, token)
+                await echo
+        except TimeoutError:
+            raise ListenerLost(
+                f"no echo of the health probe within {self._settings.listen_health_timeout}s"
+            ) from None
+        finally:
+            del self._probes[token]
+
+    async def _serve(self, conn: asyncpg.Connection, first: bool) -> None:
+        lost = anyio.Event()
+        conn.add_termination_listener(lambda _c: lost.set())
+        # asyncpg runs LISTEN outside any transaction, so it is committed before the catch-up
+        # claim that the wake below starts: nothing committed after this point is missed.
+        await conn.add_listener(self._settings.channel, self._on_notification)
+        self._events.emit("listening")
+        self._wake("start" if first else "reconnect")
+        while True:
+            with anyio.move_on_after(self._settings.listen_health_interval):
+                await lost.wait()
+            if lost.is_set():
+                raise ListenerLost("the listening connection was closed")
+            await self._probe(conn)
+
+    async def run(self) -> None:
+        """Listen until cancelled, reconnecting with exponential backoff and jitter."""
+        s = self._settings
+        delay = s.reconnect_min_delay
+        first = True
+        while True:
+            conn: asyncpg.Connection | None = None
+            try:
+                with anyio.fail_after(s.db_command_timeout):
+                    conn = await self._connect(
+                        s.dsn.get_secret_value(),
+                        server_settings={"application_name": "notify-outbox-listener"},
+                    )
+                self.connection = conn
+                delay = s.reconnect_min_delay
+                await self._serve(conn, first)
+            except (*_CONNECTION_ERRORS, ListenerLost) as e:
+                self._events.emit("listener_lost")
+                log.warning(
+                    "listener connection lost (%s); reconnecting in about %.1fs",
+                    type(e).__name__ if not isinstance(e, ListenerLost) else e,
+                    delay,
+                )
+            finally:
+                self.connection = None
+                if conn is not None:
+                    conn.terminate()
+            first = False
+            await anyio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, s.reconnect_max_delay)

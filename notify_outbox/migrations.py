@@ -1,0 +1,201 @@
+"""Versioned schema migrations: apply them, check them, or print them for another tool."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from .names import OutboxNames
+from .sqlfiles import Migration, load_migrations, render
+
+__all__ = ["VerifyReport", "migrate", "render_migrations", "verify"]
+
+_TRACKING = """
+CREATE SCHEMA IF NOT EXISTS @schema@;
+CREATE TABLE IF NOT EXISTS @migrations@ (
+    target     text        NOT NULL,
+    version    integer     NOT NULL,
+    name       text        NOT NULL,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (target, version)
+);
+"""
+
+# Everything a migration defines, as (kind, name, definition) rows, for one schema. Compared
+# between the real schema and a scratch copy built from the shipped migrations.
+_CATALOG = """
+WITH rels AS (
+    SELECT c.oid, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE n.nspname = $1 AND c.relname = ANY($2::text[])
+)
+SELECT 'column' AS kind, r.relname || '.' || a.attname AS name,
+       format_type(a.atttypid, a.atttypmod)
+       || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
+       || CASE a.attidentity WHEN 'd' THEN ' identity' WHEN 'a' THEN ' identity always'
+          ELSE '' END
+       || coalesce(' default ' || pg_get_expr(d.adbin, d.adrelid), '') AS definition
+FROM rels r JOIN pg_attribute a ON a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped
+LEFT JOIN pg_attrdef d ON d.adrelid = r.oid AND d.adnum = a.attnum
+UNION ALL
+SELECT 'index', i.relname, pg_get_indexdef(i.oid)
+FROM rels r JOIN pg_index x ON x.indrelid = r.oid JOIN pg_class i ON i.oid = x.indexrelid
+UNION ALL
+SELECT 'constraint', r.relname || '.' || c.conname, pg_get_constraintdef(c.oid)
+FROM rels r JOIN pg_constraint c ON c.conrelid = r.oid
+UNION ALL
+SELECT 'trigger', t.tgname, pg_get_triggerdef(t.oid) || ' enabled=' || t.tgenabled::text
+FROM rels r JOIN pg_trigger t ON t.tgrelid = r.oid AND NOT t.tgisinternal
+UNION ALL
+SELECT 'reloptions', r.relname, array_to_string(c.reloptions, ',')
+FROM rels r JOIN pg_class c ON c.oid = r.oid
+UNION ALL
+SELECT 'function', p.proname, p.prosrc
+FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = $1 AND p.proname LIKE $3
+"""
+
+
+def _checksum(migration: Migration) -> str:
+    return hashlib.sha256(migration.template.encode()).hexdigest()
+
+
+def render_migrations(names: OutboxNames, *, since: int = 0) -> str:
+    """All migrations after version ``since`` as one SQL script, for psql, Alembic or Flyway."""
+    parts = []
+    for m in load_migrations():
+        if m.version > since:
+            parts.append(f"-- notify-outbox migration {m.version:04d}_{m.name}\n")
+            parts.append(m.render(names).rstrip() + "\n\n")
+    return "".join(parts)
+
+
+async def migrate(conn: asyncpg.Connection, names: OutboxNames) -> list[int]:
+    """Apply the pending migrations for one outbox and return the versions applied.
+
+    Safe to run from several processes at once: the whole run holds a transaction-scoped
+    advisory lock, so the second process waits, then finds nothing left to do.
+    """
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1::bigint)", names.lock_namespace)
+        await conn.execute(render(_TRACKING, names))
+        table = render("@migrations@", names)
+        rows = await conn.fetch(f"SELECT version FROM {table} WHERE target = $1", names.target)
+        done = {r["version"] for r in rows}
+        applied = []
+        for m in load_migrations():
+            if m.version in done:
+                continue
+            await conn.execute(m.render(names))
+            await conn.execute(
+                f"INSERT INTO {table} (target, version, name, checksum) VALUES ($1, $2, $3, $4)",
+                names.target,
+                m.version,
+                m.name,
+                _checksum(m),
+            )
+            applied.append(m.version)
+    return applied
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found; ``ok`` when the database matches the shipped migrations."""
+
+    applied: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    changed: list[int] = field(default_factory=list)
+    schema_differences: list[str] = field(default_factory=list)
+    # Objects the migrations do not declare (an index a user added, say): reported, not failed.
+    extras: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every migration is applied, unchanged, and the schema is as declared."""
+        return not (self.pending or self.changed or self.schema_differences)
+
+    def describe(self) -> str:
+        """A human-readable summary, one finding per line."""
+        lines = [f"not declared by the migrations (left alone): {e}" for e in self.extras]
+        if self.ok:
+            lines.insert(0, f"up to date: migrations {self.applied} applied, schema matches")
+            return "\n".join(lines)
+        if self.pending:
+            lines.append(f"pending migrations: {self.pending} (run `notify-outbox migrate`)")
+        if self.changed:
+            lines.append(f"applied migrations whose shipped SQL changed since: {self.changed}")
+        lines.extend(f"schema differs: {d}" for d in self.schema_differences)
+        return "\n".join(lines)
+
+
+async def _catalog(conn: asyncpg.Connection, schema: str, table: str) -> dict[str, str]:
+    rows = await conn.fetch(
+        _CATALOG, schema, [table, f"{table}_dead_letter", f"{table}_id_seq"], f"{table}\\_%"
+    )
+    return {f"{r['kind']} {r['name']}": r["definition"] or "" for r in rows}
+
+
+async def verify(conn: asyncpg.Connection, names: OutboxNames) -> VerifyReport:
+    """Compare the database with the shipped migrations without changing anything.
+
+    The expected schema is built by applying the migrations to a scratch schema inside a
+    transaction that is always rolled back, so the comparison covers every column, index,
+    constraint, trigger and function exactly as the migrations declare them.
+    """
+    report = VerifyReport()
+    table = render("@migrations@", names)
+    exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
+    recorded: dict[int, str] = {}
+    if exists:
+        rows = await conn.fetch(
+            f"SELECT version, checksum FROM {table} WHERE target = $1", names.target
+        )
+        recorded = {r["version"]: r["checksum"] for r in rows}
+    for m in load_migrations():
+        if m.version not in recorded:
+            report.pending.append(m.version)
+        else:
+            report.applied.append(m.version)
+            if recorded[m.version] != _checksum(m):
+                report.changed.append(m.version)
+    if report.pending:
+        return report
+
+    scratch = OutboxNames(f"notify_outbox_verify_{secrets.token_hex(6)}", names.table)
+    subs = scratch.substitutions()
+    # Keep what does not depend on the schema's name identical to the real outbox.
+    real = names.substitutions()
+    for token in ("@lock_ns@", "@target_literal@", "@channel_literal@"):
+        subs[token] = real[token]
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        # With only pg_catalog on the search path every definition comes out schema-qualified,
+        # so the real and the scratch schema print alike.
+        await conn.execute("SET LOCAL search_path = pg_catalog")
+        actual = await _catalog(conn, names.schema, names.table)
+        for m in load_migrations():
+            text = m.template
+            for token, value in subs.items():
+                text = text.replace(token, value)
+            await conn.execute(text)
+        expected_raw = await _catalog(conn, scratch.schema, names.table)
+    finally:
+        await tx.rollback()
+    expected = {k: v.replace(scratch.schema, names.schema) for k, v in expected_raw.items()}
+    for key in sorted(expected.keys() | actual.keys()):
+        if key not in actual:
+            report.schema_differences.append(f"missing {key}")
+        elif key not in expected:
+            report.extras.append(key)
+        elif expected[key] != actual[key]:
+            if key.startswith("function "):
+                report.schema_differences.append(f"{key}: body differs from the migrations")
+            else:
+                report.schema_differences.append(
+                    f"{key}: expected {expected[key]!r}, found {actual[key]!r}"
+                )
+    return report

@@ -1,0 +1,90 @@
+"""Validated, quoted database names for one outbox (schema, table, channel).
+
+Every name that comes from settings passes through here before it reaches SQL: it must be a
+plain lower-case identifier, and it is rendered double-quoted anyway. Values never take this
+path; they always travel as query parameters.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+from .errors import ConfigurationError
+
+__all__ = ["OutboxNames", "validate_identifier"]
+
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
+# PostgreSQL truncates identifiers longer than 63 bytes, silently. The table name is shorter
+# still because derived names (the dead-letter table, indexes, the sequence) append suffixes.
+_MAX_NAME = 63
+_MAX_TABLE = 40
+
+
+def validate_identifier(value: str, what: str, *, max_length: int = _MAX_NAME) -> str:
+    """Return ``value`` if it is a safe lower-case identifier, else raise ConfigurationError."""
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        raise ConfigurationError(
+            f"{what} must be a lower-case identifier: letters a-z, digits and underscores, "
+            f"not starting with a digit (got {value!r})"
+        )
+    if len(value.encode()) > max_length:
+        raise ConfigurationError(
+            f"{what} is {len(value.encode())} bytes long; the limit is {max_length} bytes"
+        )
+    return value
+
+
+def _quote(name: str) -> str:
+    # Names are validated to [a-z0-9_], so quoting cannot be escaped; it is still done so that
+    # reserved words such as "order" work as table names.
+    return f'"{name}"'
+
+
+@dataclass(frozen=True)
+class OutboxNames:
+    """The names of one outbox: schema, table and NOTIFY channel, validated on construction."""
+
+    schema: str = "public"
+    table: str = "outbox"
+    channel: str = "notify_outbox"
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.schema, "schema")
+        validate_identifier(self.table, "table", max_length=_MAX_TABLE)
+        validate_identifier(self.channel, "channel")
+
+    @property
+    def qualified_table(self) -> str:
+        """The outbox table, schema-qualified and quoted."""
+        return f"{_quote(self.schema)}.{_quote(self.table)}"
+
+    @property
+    def target(self) -> str:
+        """A stable label for this outbox, used as the migration tracking key."""
+        return f"{self.schema}.{self.table}"
+
+    @property
+    def lock_namespace(self) -> int:
+        """First key of this outbox's advisory locks: a stable signed 32-bit number."""
+        n = zlib.crc32(f"notify_outbox:{self.target}".encode())
+        return n - (1 << 32) if n >= (1 << 31) else n
+
+    def substitutions(self) -> dict[str, str]:
+        """Tokens that the SQL files use, mapped to their rendered text."""
+        s, t = _quote(self.schema), self.table
+        return {
+            "@schema@": s,
+            "@table@": self.qualified_table,
+            "@table_name@": _quote(t),
+            "@dead_letter@": f"{s}.{_quote(t + '_dead_letter')}",
+            "@migrations@": f"{s}.{_quote('notify_outbox_migrations')}",
+            "@id_seq@": f"{s}.{_quote(t + '_id_seq')}",
+            # Literal strings below are built from validated names only: no quote can occur.
+            "@id_seq_literal@": f"'{s}.{_quote(t + '_id_seq')}'",
+            "@channel_literal@": f"'{self.channel}'",
+            "@target_literal@": f"'{self.target}'",
+            "@prefix@": t,
+            "@lock_ns@": str(self.lock_namespace),
+        }

@@ -1,0 +1,399 @@
+"""The relay: one task group owning the listener, the fallback poller, housekeeping and the
+workers that claim, publish and mark.
+
+Embedded use::
+
+    async with Relay(settings) as relay:
+        ...  # the relay runs in the background of your event loop
+
+or ``await Relay(settings).run()`` until ``request_stop()`` (graceful) or cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import anyio
+import asyncpg
+
+from .claimer import BatchOutcome, OutboxRow, OutboxStore, PgOutboxStore
+from .errors import MigrationError, PublisherUnavailable
+from .events import RelayEvents
+from .listener import Listener
+from .publisher import KafkaPublisher, Publisher, PublishResult
+from .settings import OutboxSettings, redact
+from .sqlfiles import Queries
+from .wakeup import Doorbell
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("notify_outbox.relay")
+
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# Points where a test can stop the process dead (see NOTIFY_OUTBOX_TEST_CRASH_AT in the CLI).
+FaultHook = Callable[[str], None]
+
+
+class Relay:
+    """Moves committed outbox rows to Kafka: at least once, per-key in commit order.
+
+    ``store`` and ``publisher`` are the two ports; leave them out to use PostgreSQL (through
+    ``settings.dsn``) and Kafka (through ``settings.kafka_bootstrap_servers``).
+    """
+
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        *,
+        store: OutboxStore | None = None,
+        publisher: Publisher | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.events = RelayEvents()
+        self.outcome: Literal["running", "stopped", "forced", "aborted", "failed"] = "running"
+        self._store = store
+        self._publisher = publisher
+        self._fault_hook = fault_hook
+        self._doorbell = Doorbell()
+        self._stopping = False
+        self._stop_requested = anyio.Event()
+        self._abort_scope = anyio.CancelScope()
+        self._ready = anyio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._pool: asyncpg.Pool | None = None
+        self.listener: Listener | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self.run(), name="notify-outbox-relay")
+        ready = asyncio.ensure_future(self._ready.wait())
+        await asyncio.wait([ready, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if self._task.done():
+            ready.cancel()
+            self._task.result()  # raises the start-up error
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def wait_ready(self) -> None:
+        """Wait until the workers run (and, unless poll-only, the first LISTEN is up)."""
+        await self._ready.wait()
+
+    def request_stop(self) -> None:
+        """Stop claiming; in-flight batches finish (up to ``shutdown_timeout``), then exit.
+        Safe to call from a signal handler running in the loop, and more than once."""
+        if self._stopping:
+            return
+        log.info(
+            "stopping: finishing in-flight batches (up to %ss)", self.settings.shutdown_timeout
+        )
+        self._stopping = True
+        self._doorbell.close()
+        self._stop_requested.set()
+
+    def abort(self) -> None:
+        """Stop now: in-flight claims roll back, their rows stay pending (and may be sent
+        again later: at-least-once)."""
+        log.warning("aborting: in-flight batches are rolled back")
+        self._stopping = True
+        self._doorbell.close()
+        self._stop_requested.set()
+        if self.outcome == "running":
+            self.outcome = "aborted"
+        self._abort_scope.cancel()
+
+    async def stop(self) -> None:
+        """Graceful stop of a relay started with ``async with``; returns when it has exited."""
+        self.request_stop()
+        if self._task is not None:
+            await self._task
+
+    # --- the run ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until ``request_stop()``/``abort()`` or cancellation.
+
+        Raises MigrationError when the outbox table does not exist, and re-raises unexpected
+        errors of any worker after stopping the others (never runs half-alive).
+        """
+        try:
+            with self._abort_scope:
+                await self._run()
+        except BaseException:
+            if self.outcome == "running":
+                self.outcome = "failed"
+            raise
+        if self.outcome == "running":
+            self.outcome = "stopped"
+
+    async def _run(self) -> None:
+        try:
+            if not await self._open():
+                return
+            async with anyio.create_task_group() as services:
+                if not self.settings.poll_only:
+                    self.listener = Listener(self.settings, self._wake, self.events)
+                    services.start_soon(self.listener.run, name="listener")
+                services.start_soon(self._poller, name="poller")
+                services.start_soon(self._housekeeping, name="housekeeping")
+                services.start_soon(self._shutdown_watchdog, name="watchdog")
+                async with anyio.create_task_group() as workers:
+                    for n in range(self.settings.workers):
+                        workers.start_soon(self._worker, name=f"worker-{n}")
+                    if self.settings.poll_only:
+                        self._wake("start")
+                    else:
+                        await self.events.wait_for("listening")
+                    self._ready.set()
+                # Every worker has exited: nothing is in flight any more.
+                services.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+
+    async def _open(self) -> bool:
+        """Connect to PostgreSQL and Kafka, retrying until they answer or a stop is asked."""
+        s = self.settings
+        if self._store is None:
+            self._pool = await self._until_stopped(self._connect_pool())
+            if self._pool is None:
+                return False
+            table = s.names.qualified_table
+            if not await self._pool.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+                raise MigrationError(
+                    f"outbox table {table} does not exist: run `notify-outbox migrate` first"
+                )
+            self._store = PgOutboxStore(
+                self._pool,
+                Queries(s.names),
+                delete_on_publish=s.delete_on_publish,
+                command_timeout=s.db_command_timeout,
+            )
+        if self._publisher is None:
+            kafka = KafkaPublisher(s)
+            self._publisher = kafka
+            if not await self._until_stopped(self._start_kafka(kafka)):
+                return False
+        return True
+
+    async def _start_kafka(self, kafka: KafkaPublisher) -> bool:
+        await kafka.start()
+        return True
+
+    async def _connect_pool(self) -> asyncpg.Pool:
+        s = self.settings
+        delay = s.reconnect_min_delay
+        # A worker holds its transaction open while Kafka acknowledges; if the relay ever
+        # hangs, the server ends that transaction rather than keep rows locked forever.
+        idle_tx_ms = int((s.kafka_send_timeout + 2 * s.db_command_timeout) * 1000)
+        while True:
+            try:
+                with anyio.fail_after(s.db_command_timeout):
+                    pool: asyncpg.Pool = await asyncpg.create_pool(
+                        s.dsn.get_secret_value(),
+                        min_size=1,
+                        max_size=s.workers + 2,
+                        command_timeout=s.db_command_timeout,
+                        server_settings={
+                            "application_name": "notify-outbox-worker",
+                            "idle_in_transaction_session_timeout": str(idle_tx_ms),
+                        },
+                    )
+                return pool
+            except _DB_ERRORS as e:
+                log.warning(
+                    "PostgreSQL not reachable (%s); retrying in about %.1fs",
+                    redact(str(e) or type(e).__name__, s),
+                    delay,
+                )
+                await anyio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, s.reconnect_max_delay)
+
+    async def _close(self) -> None:
+        aborted = self._abort_scope.cancel_called or self.outcome in ("failed", "aborted")
+        if isinstance(self._publisher, KafkaPublisher):
+            await self._publisher.stop(1.0 if aborted else self.settings.shutdown_timeout)
+        if self._pool is not None:
+            if aborted:
+                self._pool.terminate()
+            else:
+                with anyio.move_on_after(self.settings.db_command_timeout) as scope:
+                    await self._pool.close()
+                if scope.cancelled_caught:
+                    self._pool.terminate()
+            self._pool = None
+
+    async def _until_stopped(self, coro: Any) -> Any:
+        """Run ``coro`` until it returns or a stop is requested (then return None)."""
+        result: Any = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await self._stop_requested.wait()
+                tg.cancel_scope.cancel()
+
+            async def work() -> None:
+                nonlocal result
+                result = await coro
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            tg.start_soon(work)
+        return result
+
+    async def _shutdown_watchdog(self) -> None:
+        await self._stop_requested.wait()
+        await anyio.sleep(self.settings.shutdown_timeout)
+        log.error(
+            "in-flight batches did not finish within shutdown_timeout=%ss; aborting",
+            self.settings.shutdown_timeout,
+        )
+        self.outcome = "forced"
+        self._abort_scope.cancel()
+
+    # --- wake-ups -----------------------------------------------------------------------------
+
+    def _wake(self, source: str) -> None:
+        self.events.emit(f"wake:{source}")
+        if source in ("start", "reconnect"):
+            # A backlog may have built up while nobody listened: let every worker at it.
+            self._doorbell.ring_all()
+        else:
+            self._doorbell.ring()
+
+    async def _poller(self) -> None:
+        assert self._store is not None
+        while True:
+            await anyio.sleep(self.settings.poll_interval)
+            try:
+                due = await self._store.has_due()
+            except _DB_ERRORS as e:
+                log.debug("fallback poll failed: %s", redact(str(e), self.settings))
+                continue
+            if due:
+                self._wake("poll")
+
+    async def _housekeeping(self) -> None:
+        s = self.settings
+        assert self._store is not None
+        if s.delete_on_publish:
+            return
+        while True:
+            await anyio.sleep(s.cleanup_interval)
+            try:
+                while n := await self._store.delete_expired(s.keep_published, s.cleanup_batch):
+                    self.events.emit("cleanup", n)
+                    if n < s.cleanup_batch:
+                        break
+            except _DB_ERRORS as e:
+                log.warning("retention cleanup failed: %s", redact(str(e), s))
+
+    # --- workers ------------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while await self._doorbell.wait():
+            await self._drain()
+
+    async def _drain(self) -> None:
+        """Claim batches until a claim comes back empty (a wake-up drains the table)."""
+        s = self.settings
+        db_delay = s.reconnect_min_delay
+        while not self._stopping:
+            try:
+                claimed = await self._process_batch()
+            except PublisherUnavailable as e:
+                self.events.emit("kafka_unavailable")
+                log.warning("Kafka unavailable (%s); rows stay pending", e)
+                assert self._publisher is not None
+                await self._until_stopped(self._publisher.wait_available())
+                continue
+            except _DB_ERRORS as e:
+                self.events.emit("db_error")
+                log.warning(
+                    "database error in worker (%s); retrying in about %.1fs",
+                    redact(str(e) or type(e).__name__, s),
+                    db_delay,
+                )
+                await self._until_stopped(anyio.sleep(db_delay * random.uniform(0.5, 1.0)))
+                db_delay = min(db_delay * 2, s.reconnect_max_delay)
+                continue
+            db_delay = s.reconnect_min_delay
+            if claimed == 0:
+                return
+            if claimed >= s.batch_size:
+                # More is probably waiting: bring an idle sibling in to help.
+                self._wake("backlog")
+
+    async def _process_batch(self) -> int:
+        assert self._store is not None
+        assert self._publisher is not None
+        async with self._store.claim(self.settings.batch_size) as batch:
+            rows = batch.rows
+            if not rows:
+                return 0
+            self.events.emit("claimed", len(rows))
+            self._fault("after_claim")
+            result = await self._publisher.publish(rows)
+            self._fault("after_ack")
+            outcome = self._decide(rows, result)
+            await batch.complete(outcome)
+        self._fault("after_mark")
+        self.events.emit("published", len(outcome.published))
+        if outcome.retry:
+            self.events.emit("retried", len(outcome.retry))
+        if outcome.dead:
+            self.events.emit("dead_lettered", len(outcome.dead))
+        self.events.emit("batch_done")
+        if result.unavailable is not None:
+            raise PublisherUnavailable(result.unavailable)
+        return len(rows)
+
+    def _fault(self, point: str) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(point)
+
+    def _decide(self, rows: Sequence[OutboxRow], result: PublishResult) -> BatchOutcome:
+        s = self.settings
+        by_id = {r.id: r for r in rows}
+        outcome = BatchOutcome(published=list(result.delivered))
+        for row_id, reason in result.rejected:
+            log.error("dead-lettering row %s (topic %s): %s", row_id, by_id[row_id].topic, reason)
+            outcome.dead.append((row_id, reason))
+        for row_id, reason in result.failed:
+            attempts = by_id[row_id].attempts + 1
+            if attempts >= s.max_attempts:
+                log.error(
+                    "dead-lettering row %s (topic %s) after %d attempts: %s",
+                    row_id,
+                    by_id[row_id].topic,
+                    attempts,
+                    reason,
+                )
+                outcome.dead.append((row_id, f"{reason} (after {attempts} attempts)"))
+            else:
+                delay = min(s.retry_max_delay, s.retry_base_delay * 2 ** (attempts - 1))
+                delay *= random.uniform(0.5, 1.0)
+                log.warning(
+                    "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
+                    row_id,
+                    by_id[row_id].topic,
+                    attempts,
+                    s.max_attempts,
+                    delay,
+                    reason,
+                )
+                outcome.retry.append((row_id, reason, delay))
+        return outcome

@@ -1,0 +1,196 @@
+"""Settings of the relay, read from ``NOTIFY_OUTBOX_*`` environment variables or passed in code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar
+
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigurationError
+from .names import OutboxNames, validate_identifier
+
+__all__ = ["DatabaseSettings", "OutboxSettings", "load_settings", "redact"]
+
+
+class DatabaseSettings(BaseSettings):
+    """Where the outbox lives: enough for ``migrate``, ``verify`` and ``status``.
+    Every field maps to ``NOTIFY_OUTBOX_<FIELD>``.
+
+    The DSN may hold a password, so it is a ``SecretStr``: it prints as ``**********`` and
+    validation errors never echo any input value.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="NOTIFY_OUTBOX_",
+        extra="ignore",
+        hide_input_in_errors=True,
+        frozen=True,
+    )
+
+    dsn: SecretStr = Field(description="PostgreSQL DSN, postgresql://user:password@host/db")
+    db_schema: str = Field("public", description="Schema of the outbox table")
+    table: str = Field("outbox", description="Name of the outbox table")
+    channel: str = Field("notify_outbox", description="LISTEN/NOTIFY channel")
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn_scheme(cls, v: SecretStr) -> SecretStr:
+        if not v.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a URL starting with postgresql:// (value not shown)")
+        return v
+
+    @field_validator("db_schema", "table", "channel")
+    @classmethod
+    def _identifier(cls, v: str, info: ValidationInfo) -> str:
+        # The table name is shorter because derived names append suffixes to it.
+        limit = 40 if info.field_name == "table" else 63
+        try:
+            validate_identifier(v, "the name", max_length=limit)
+        except ConfigurationError as e:
+            raise ValueError(str(e).removeprefix("the name ")) from None
+        return v
+
+    @property
+    def names(self) -> OutboxNames:
+        """The validated schema, table and channel names."""
+        return OutboxNames(self.db_schema, self.table, self.channel)
+
+
+class OutboxSettings(DatabaseSettings):
+    """Everything the relay needs to know. Every field maps to ``NOTIFY_OUTBOX_<FIELD>``.
+
+    The Kafka passwords are ``SecretStr`` too.
+    """
+
+    # --- where they go ------------------------------------------------------------------------
+    kafka_bootstrap_servers: str = Field(description="Comma-separated host:port list")
+    kafka_client_id: str = "notify-outbox"
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Path | None = None
+    kafka_ssl_certfile: Path | None = None
+    kafka_ssl_keyfile: Path | None = None
+    kafka_ssl_password: SecretStr | None = None
+    kafka_compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    kafka_linger_ms: int = Field(0, ge=0, le=1000)
+    kafka_max_request_size: int = Field(1_048_576, ge=1024)
+    kafka_request_timeout_ms: int = Field(10_000, ge=100)
+    kafka_send_timeout: float = Field(
+        15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
+    )
+
+    # --- how the relay works ------------------------------------------------------------------
+    workers: int = Field(4, ge=1, le=256)
+    batch_size: int = Field(200, ge=1, le=10_000)
+    poll_interval: float = Field(5.0, gt=0, description="Fallback poll, seconds")
+    poll_only: bool = Field(False, description="Never LISTEN (e.g. behind PgBouncer)")
+    listen_health_interval: float = Field(10.0, gt=0)
+    listen_health_timeout: float = Field(5.0, gt=0)
+    reconnect_min_delay: float = Field(0.1, gt=0)
+    reconnect_max_delay: float = Field(10.0, gt=0)
+    db_command_timeout: float = Field(30.0, gt=0)
+
+    # --- failures -----------------------------------------------------------------------------
+    max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")
+    retry_base_delay: float = Field(1.0, ge=0)
+    retry_max_delay: float = Field(300.0, ge=0)
+
+    # --- retention and shutdown ---------------------------------------------------------------
+    keep_published: float = Field(
+        0.0, ge=0, description="Seconds to keep published rows; 0 deletes them on publish"
+    )
+    cleanup_interval: float = Field(60.0, gt=0)
+    cleanup_batch: int = Field(5000, ge=1)
+    shutdown_timeout: float = Field(30.0, gt=0)
+
+    @field_validator("kafka_bootstrap_servers")
+    @classmethod
+    def _servers(cls, v: str) -> str:
+        servers = [s.strip() for s in v.split(",") if s.strip()]
+        if not servers or any(":" not in s for s in servers):
+            raise ValueError("must be a comma-separated list of host:port")
+        return ",".join(servers)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.kafka_security_protocol.startswith("SASL_"):
+            if self.kafka_sasl_mechanism is None:
+                raise ValueError(
+                    "kafka_sasl_mechanism is required with a SASL_* kafka_security_protocol"
+                )
+            if not self.kafka_sasl_username or self.kafka_sasl_password is None:
+                raise ValueError(
+                    "kafka_sasl_username and kafka_sasl_password are required for SASL"
+                )
+        if self.retry_max_delay < self.retry_base_delay:
+            raise ValueError("retry_max_delay must be >= retry_base_delay")
+        if self.reconnect_max_delay < self.reconnect_min_delay:
+            raise ValueError("reconnect_max_delay must be >= reconnect_min_delay")
+        return self
+
+    @property
+    def delete_on_publish(self) -> bool:
+        """Whether published rows are deleted at once rather than kept for a while."""
+        return self.keep_published == 0
+
+
+_S = TypeVar("_S", bound=DatabaseSettings)
+
+
+def load_settings(cls: type[_S], /, **overrides: Any) -> _S:
+    """Build settings of type ``cls`` from the environment plus ``overrides`` (None values are
+    ignored, so unset CLI flags fall back to the environment).
+
+    Raises ConfigurationError with one line per wrong setting, naming the environment variable
+    and never quoting a value (so a password in a DSN cannot leak into logs).
+    """
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        raise ConfigurationError(format_validation_error(e)) from None
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem: ``NOTIFY_OUTBOX_X: message``, without input values."""
+    lines = []
+    for item in error.errors(include_input=False, include_url=False):
+        loc = [str(p) for p in item["loc"] if p != "__root__"]
+        field = f"NOTIFY_OUTBOX_{loc[0].upper()}" if loc else "settings"
+        msg = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "missing":
+            msg = "is required but not set"
+        lines.append(f"{field}: {msg}")
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+def redact(text: str, settings: DatabaseSettings) -> str:
+    """``text`` with every secret of ``settings`` replaced by ``***`` (defence in depth for
+    messages that come from libraries, such as connection errors)."""
+    secrets = [
+        settings.dsn,
+        getattr(settings, "kafka_sasl_password", None),
+        getattr(settings, "kafka_ssl_password", None),
+    ]
+    for secret in secrets:
+        if secret is not None and secret.get_secret_value():
+            text = text.replace(secret.get_secret_value(), "***")
+    try:
+        from urllib.parse import urlsplit
+
+        password = urlsplit(settings.dsn.get_secret_value()).password
+    except ValueError:
+        password = None
+    if password:
+        text = text.replace(password, "***")
+    return text

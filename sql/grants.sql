@@ -1,0 +1,16 @@
+-- Least-privilege roles for notify-outbox (print them rendered with
+-- `python -m notify_outbox sql --grants --relay-role R --app-role A`).
+-- The migrations run as the owner of the schema; neither role below can change the schema.
+
+-- The relay: claims (SELECT ... FOR UPDATE needs UPDATE), marks or deletes published rows,
+-- dead-letters failed ones, and re-queues dead letters on request. LISTEN needs no grant.
+GRANT USAGE ON SCHEMA @schema@ TO @relay_role@;
+GRANT SELECT, INSERT, UPDATE, DELETE ON @table@ TO @relay_role@;
+GRANT SELECT, INSERT, DELETE ON @dead_letter@ TO @relay_role@;
+GRANT USAGE ON SEQUENCE @id_seq@ TO @relay_role@;
+
+-- The application: only inserts events. The triggers run as the inserting role, so it also
+-- draws ids from the sequence. No SELECT: it cannot read other services' events.
+GRANT USAGE ON SCHEMA @schema@ TO @app_role@;
+GRANT INSERT ON @table@ TO @app_role@;
+GRANT USAGE ON SEQUENCE @id_seq@ TO @app_role@;

@@ -1,0 +1,114 @@
+-- Runtime queries of notify-outbox, one per "-- name:" block. Words between at-signs are
+-- replaced by validated, quoted names once at start-up; values are always $n parameters.
+
+-- name: claim
+-- Claims up to $1 rows in commit order per key, locking them until the claiming transaction
+-- ends. "heads" are the earliest pending row of their key (or keyless rows): a key is taken by
+-- whoever locks its head, and SKIP LOCKED lets other workers pass it by. "followers" are the
+-- later pending rows of the keys this worker now owns; no one else can claim them while the
+-- head is pending, so they are locked without SKIP LOCKED and sent in the same batch.
+WITH heads AS (
+    SELECT o.id, o.event_id, o.topic, o.key, o.payload::text AS payload, o.payload_bytes,
+           o.headers::text AS headers, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts
+    FROM @table@ AS o
+    WHERE o.published_at IS NULL
+      AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+      AND (o.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM @table@ AS p
+            WHERE p.key = o.key AND p.published_at IS NULL AND p.id < o.id))
+    ORDER BY o.id
+    LIMIT $1
+    FOR UPDATE OF o SKIP LOCKED
+), followers AS (
+    SELECT o.id, o.event_id, o.topic, o.key, o.payload::text AS payload, o.payload_bytes,
+           o.headers::text AS headers, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts
+    FROM @table@ AS o
+    WHERE o.key IN (SELECT h.key FROM heads AS h WHERE h.key IS NOT NULL)
+      AND o.published_at IS NULL
+      AND o.id NOT IN (SELECT h.id FROM heads AS h)
+    ORDER BY o.id
+    LIMIT $1
+    FOR UPDATE OF o
+)
+SELECT * FROM heads
+UNION ALL
+SELECT * FROM followers
+ORDER BY id;
+
+-- name: has_due
+-- A cheap look before a fallback poll opens a transaction: keeps an idle relay's load low.
+SELECT EXISTS (
+    SELECT 1 FROM @table@
+    WHERE published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+);
+
+-- name: mark_published
+UPDATE @table@ SET published_at = now() WHERE id = ANY($1::bigint[]);
+
+-- name: delete_published
+DELETE FROM @table@ WHERE id = ANY($1::bigint[]);
+
+-- name: record_failures
+-- $1 ids, $2 errors, $3 seconds until the next attempt.
+UPDATE @table@ AS o
+SET attempts = o.attempts + 1,
+    last_error = f.error,
+    next_attempt_at = now() + make_interval(secs => f.delay)
+FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS f(id, error, delay)
+WHERE o.id = f.id;
+
+-- name: dead_letter
+-- Moves rows to the dead-letter table with their error ($1 ids, $2 errors) in one statement.
+WITH moved AS (
+    DELETE FROM @table@ AS o
+    USING unnest($1::bigint[], $2::text[]) AS f(id, error)
+    WHERE o.id = f.id
+    RETURNING o.id, o.event_id, o.topic, o.key, o.payload, o.payload_bytes, o.headers,
+              o.event_type, o.aggregate_type, o.aggregate_id, o.idempotency_key, o.created_at,
+              o.attempts, f.error
+)
+INSERT INTO @dead_letter@ (id, event_id, topic, key, payload, payload_bytes, headers, event_type,
+                           aggregate_type, aggregate_id, idempotency_key, created_at, attempts,
+                           error)
+SELECT id, event_id, topic, key, payload, payload_bytes, headers, event_type, aggregate_type,
+       aggregate_id, idempotency_key, created_at, attempts + 1, error
+FROM moved;
+
+-- name: delete_expired
+-- Retention: removes up to $2 rows published more than $1 seconds ago.
+DELETE FROM @table@
+WHERE id IN (
+    SELECT id FROM @table@
+    WHERE published_at < now() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: insert_events
+-- The Python producer API: one round trip for any number of events.
+INSERT INTO @table@ (event_id, topic, key, payload, payload_bytes, headers, event_type,
+                     aggregate_type, aggregate_id, idempotency_key)
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]::jsonb[], $5::bytea[],
+                     $6::text[]::jsonb[], $7::text[], $8::text[], $9::text[], $10::text[]);
+
+-- name: requeue_dead
+-- Moves dead-lettered rows back into the outbox (same ids and event ids), attempts reset.
+WITH moved AS (
+    DELETE FROM @dead_letter@ WHERE id = ANY($1::bigint[])
+    RETURNING id, event_id, topic, key, payload, payload_bytes, headers, event_type,
+              aggregate_type, aggregate_id, idempotency_key, created_at
+)
+INSERT INTO @table@ (id, event_id, topic, key, payload, payload_bytes, headers, event_type,
+                     aggregate_type, aggregate_id, idempotency_key, created_at)
+OVERRIDING SYSTEM VALUE
+SELECT * FROM moved
+RETURNING id;
+
+-- name: stats
+SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending,
+       count(*) FILTER (WHERE published_at IS NULL AND attempts > 0) AS retrying,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE published_at IS NULL))::float8
+           AS oldest_pending_seconds,
+       count(*) FILTER (WHERE published_at IS NOT NULL) AS published_kept,
+       (SELECT count(*) FROM @dead_letter@) AS dead_lettered
+FROM @table@;

@@ -1,0 +1,167 @@
+"""Real services for every test that needs them.
+
+Order of preference: ``NOTIFY_OUTBOX_TEST_DSN`` / ``NOTIFY_OUTBOX_TEST_BOOTSTRAP_SERVERS``;
+otherwise testcontainers when a Docker engine answers; otherwise the project's own local
+stack (``devstack``: a throwaway PostgreSQL cluster and a KRaft Kafka broker). If none can be
+had, the tests fail with a message saying what to install. They never skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from notify_outbox import OutboxNames, migrate
+from tests.support import create_topics, dsn_with_database
+
+TEMPLATE_DB = "notify_outbox_template"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Services:
+    """Where the tests' PostgreSQL and Kafka are, and (for the local stack) how to restart
+    them."""
+
+    dsn: str  # a superuser DSN of the maintenance database
+    bootstrap: str
+    postgres: object | None = None  # devstack.PostgresServer when the project started it
+    kafka: object | None = None  # devstack.KafkaBroker when the project started it
+
+
+def _docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    dsn = os.environ.get("NOTIFY_OUTBOX_TEST_DSN")
+    bootstrap = os.environ.get("NOTIFY_OUTBOX_TEST_BOOTSTRAP_SERVERS")
+    if dsn and bootstrap:
+        yield Services(dsn, bootstrap)
+        return
+    if _docker_answers():
+        yield from _containers(dsn, bootstrap)
+        return
+    yield from _local_stack(tmp_path_factory.mktemp("stack"), dsn, bootstrap)
+
+
+def _containers(dsn: str | None, bootstrap: str | None) -> Iterator[Services]:
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.postgres import PostgresContainer
+
+    pg = kafka = None
+    try:
+        if not dsn:
+            pg = PostgresContainer("postgres:15", driver=None).start()
+            dsn = pg.get_connection_url()
+        if not bootstrap:
+            kafka = KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft()
+            kafka.with_env("KAFKA_AUTO_CREATE_TOPICS_ENABLE", "false").start()
+            bootstrap = kafka.get_bootstrap_server()
+        yield Services(dsn, bootstrap)
+    finally:
+        for c in (kafka, pg):
+            if c is not None:
+                c.stop()
+
+
+def _local_stack(base: Path, dsn: str | None, bootstrap: str | None) -> Iterator[Services]:
+    from devstack import KafkaBroker, PostgresServer, StackError
+
+    pg = kafka = None
+    try:
+        try:
+            if not dsn:
+                pg = PostgresServer(base / "postgres", durable=False)
+                pg.start()
+                dsn = pg.dsn
+            if not bootstrap:
+                kafka = KafkaBroker(base / "kafka")
+                kafka.start()
+                bootstrap = kafka.bootstrap_servers
+        except StackError as e:
+            pytest.fail(
+                f"no PostgreSQL/Kafka for the tests: {e}\n"
+                "Set NOTIFY_OUTBOX_TEST_DSN and NOTIFY_OUTBOX_TEST_BOOTSTRAP_SERVERS, run a "
+                "Docker engine, or install Java 17, Maven and the PostgreSQL 15 binaries.",
+                pytrace=False,
+            )
+        yield Services(dsn, bootstrap, pg, kafka)
+    finally:
+        for service in (kafka, pg):
+            if service is not None:
+                service.stop()  # type: ignore[attr-defined]
+
+
+async def _admin(dsn: str, *statements: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        for sql in statements:
+            await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def template_db(services: Services) -> str:
+    """A database with the default outbox migrated, cloned by every test (fast)."""
+
+    async def build() -> None:
+        await _admin(
+            services.dsn,
+            f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}" WITH (FORCE)',
+            f'CREATE DATABASE "{TEMPLATE_DB}"',
+        )
+        conn = await asyncpg.connect(dsn_with_database(services.dsn, TEMPLATE_DB))
+        try:
+            await migrate(conn, OutboxNames())
+        finally:
+            await conn.close()
+
+    asyncio.run(build())
+    return TEMPLATE_DB
+
+
+@pytest.fixture
+def db_dsn(services: Services, template_db: str) -> Iterator[str]:
+    """A superuser DSN of a fresh database of this test's own, already migrated."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    asyncio.run(_admin(services.dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"'))
+    yield dsn_with_database(services.dsn, name)
+    asyncio.run(_admin(services.dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def empty_db_dsn(services: Services) -> Iterator[str]:
+    """A superuser DSN of a fresh database with nothing migrated."""
+    name = f"e_{uuid.uuid4().hex[:16]}"
+    asyncio.run(_admin(services.dsn, f'CREATE DATABASE "{name}"'))
+    yield dsn_with_database(services.dsn, name)
+    asyncio.run(_admin(services.dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def topic(services: Services) -> str:
+    """A fresh topic with 3 partitions (auto-creation is off on the test broker)."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    asyncio.run(create_topics(services.bootstrap, [name], partitions=3))
+    return name

@@ -1,0 +1,175 @@
+"""The relay's logic against in-memory fakes: drain, order, retry, dead-letter, outage and
+shutdown behaviour, in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import anyio
+import pytest
+
+from notify_outbox import OutboxSettings, Relay
+from tests.fakes import FakePublisher, FakeStore
+
+pytestmark = pytest.mark.anyio
+
+
+def settings(**kw: object) -> OutboxSettings:
+    base: dict[str, object] = {
+        "dsn": "postgresql://u:secret@127.0.0.1:1/db",
+        "kafka_bootstrap_servers": "127.0.0.1:1",
+        "poll_only": True,
+        "poll_interval": 0.01,
+        "retry_base_delay": 0.0,
+        "retry_max_delay": 0.0,
+    }
+    base.update(kw)
+    return OutboxSettings(**base)  # type: ignore[arg-type]
+
+
+async def wait_drained(store: FakeStore, relay: Relay) -> None:
+    with anyio.fail_after(10):
+        while store.pending():
+            await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+
+
+async def test_drains_backlog_once_and_keeps_key_order() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    for i in range(1000):
+        store.add(key=f"k{i % 10}")
+    async with Relay(settings(workers=3, batch_size=50), store=store, publisher=pub) as relay:
+        await wait_drained(store, relay)
+    assert relay.outcome == "stopped"
+    ids = [r.id for r in pub.sent]
+    assert sorted(ids) == list(range(1, 1001))  # all, and each exactly once
+    per_key: dict[str | None, list[int]] = defaultdict(list)
+    for row in pub.sent:
+        per_key[row.key].append(row.id)
+    assert all(v == sorted(v) for v in per_key.values())
+    # A full batch wakes a sibling: more than one worker drained the backlog.
+    assert relay.events.counts["wake:backlog"] > 0
+
+
+async def test_failing_row_is_retried_then_dead_lettered_and_its_key_continues() -> None:
+    store = FakeStore()
+    poison = store.add(key="p")
+    after = store.add(key="p")
+    other = store.add(key="q")
+    pub = FakePublisher(lambda row: ("fail", "topic missing") if row.id == poison else None)
+    async with Relay(settings(max_attempts=3), store=store, publisher=pub) as relay:
+        await wait_drained(store, relay)
+    assert store.rows[poison].dead is not None
+    assert "after 3 attempts" in store.rows[poison].dead
+    assert store.rows[poison].errors == ["topic missing", "topic missing"]
+    # The later row of the poison key waited behind it, then went out; other keys never waited.
+    assert [r.id for r in pub.sent] == [other, after]
+    assert relay.events.counts["dead_lettered"] == 1
+    assert relay.events.counts["retried"] == 2
+
+
+async def test_rejected_row_is_dead_lettered_at_once() -> None:
+    store = FakeStore()
+    bad = store.add(key="k")
+    pub = FakePublisher(lambda row: ("reject", "malformed headers") if row.id == bad else None)
+    async with Relay(settings(max_attempts=10), store=store, publisher=pub) as relay:
+        await wait_drained(store, relay)
+    assert store.rows[bad].dead == "malformed headers"
+    assert store.rows[bad].errors == []
+
+
+async def test_kafka_outage_marks_nothing_and_recovers() -> None:
+    store = FakeStore()
+    for i in range(20):
+        store.add(key=f"k{i % 3}")
+    down = {"calls": 3}
+
+    def behaviour(_row: object) -> tuple[str, str] | None:
+        return ("unavailable", "broker down") if down["calls"] > 0 else None
+
+    pub = FakePublisher(behaviour)
+    original = pub.publish
+
+    async def publish(rows):  # type: ignore[no-untyped-def]
+        result = await original(rows)
+        down["calls"] -= 1
+        assert not result.delivered or down["calls"] < 0
+        return result
+
+    pub.publish = publish  # type: ignore[method-assign]
+    async with Relay(settings(), store=store, publisher=pub) as relay:
+        await wait_drained(store, relay)
+    assert relay.events.counts["kafka_unavailable"] == 3
+    assert pub.available_calls == 3
+    assert all(r.published for r in store.rows.values())
+    assert [r.id for r in pub.sent] == sorted(r.id for r in pub.sent)
+
+
+async def test_graceful_stop_finishes_the_in_flight_batch() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    for _ in range(5):
+        store.add(key="k")
+    pub.gate = anyio.Event()
+    relay = Relay(settings(), store=store, publisher=pub)
+    task = asyncio.create_task(relay.run())
+    await pub.entered.wait()
+    relay.request_stop()
+    pub.gate.set()
+    await task
+    assert relay.outcome == "stopped"
+    assert all(r.published for r in store.rows.values())
+    assert store.claims == 1  # no claim after the stop request
+
+
+async def test_shutdown_timeout_aborts_a_stuck_batch_and_keeps_rows_pending() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    store.add(key="k")
+    pub.gate = anyio.Event()  # never set: Kafka never answers
+    relay = Relay(settings(shutdown_timeout=0.2), store=store, publisher=pub)
+    task = asyncio.create_task(relay.run())
+    await pub.entered.wait()
+    relay.request_stop()
+    with anyio.fail_after(5):
+        await task
+    assert relay.outcome == "forced"
+    assert len(store.pending()) == 1
+    assert not store.locked
+
+
+async def test_cancelling_the_embedded_relay_rolls_back_the_batch() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    store.add(key="k")
+    pub.gate = anyio.Event()
+    task = asyncio.create_task(Relay(settings(), store=store, publisher=pub).run())
+    await pub.entered.wait()
+    task.cancel()
+    with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(store.pending()) == 1
+    assert not store.locked
+
+
+async def test_an_unexpected_error_stops_the_whole_relay() -> None:
+    store = FakeStore()
+    store.add()
+
+    def explode(_row: object) -> None:
+        raise RuntimeError("bug")
+
+    relay = Relay(settings(workers=3), store=store, publisher=FakePublisher(explode))
+    with anyio.fail_after(5), pytest.raises(ExceptionGroup) as info:
+        await relay.run()
+    assert info.group_contains(RuntimeError, match="bug")
+    assert relay.outcome == "failed"
+    assert len(store.pending()) == 1
+
+
+async def test_fallback_poll_wakes_a_worker_for_rows_that_came_without_a_wake_up() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    async with Relay(settings(poll_interval=0.02), store=store, publisher=pub) as relay:
+        await relay.events.wait_for("wake:start")
+        store.add(key="k")  # no notification at all
+        with anyio.fail_after(5):
+            await relay.events.wait_for("published")
+    assert relay.events.counts["wake:poll"] >= 1
+    assert len(pub.sent) == 1
