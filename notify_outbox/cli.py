@@ -51,24 +51,35 @@ def _parser() -> argparse.ArgumentParser:
         description="Relay outbox events from PostgreSQL to Kafka. Settings come from "
         "NOTIFY_OUTBOX_* environment variables; flags override them.",
     )
+    # Accepted before or after the command: `notify-outbox run --log-level DEBUG` works too.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO (default), WARNING, ERROR"
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("migrate", help="apply pending migrations (safe to run concurrently)")
+    p = sub.add_parser(
+        "migrate", parents=[common], help="apply pending migrations (safe to run concurrently)"
+    )
     _db_flags(p)
     p.add_argument("--check", action="store_true", help="only check: exit 4 if not up to date")
 
-    p = sub.add_parser("verify", help="same as `migrate --check`")
+    p = sub.add_parser("verify", parents=[common], help="same as `migrate --check`")
     _db_flags(p)
 
-    p = sub.add_parser("sql", help="print the migrations' SQL for psql, Alembic or Flyway")
+    p = sub.add_parser(
+        "sql", parents=[common], help="print the migrations' SQL for psql, Alembic or Flyway"
+    )
     _name_flags(p)
     p.add_argument("--since", type=int, default=0, help="only migrations after this version")
     p.add_argument("--grants", action="store_true", help="print least-privilege GRANTs instead")
     p.add_argument("--relay-role", default="notify_outbox_relay", help="role of the relay")
     p.add_argument("--app-role", default="notify_outbox_app", help="role of the application")
 
-    p = sub.add_parser("run", help="run the relay until SIGTERM/SIGINT (twice: abort)")
+    p = sub.add_parser(
+        "run", parents=[common], help="run the relay until SIGTERM/SIGINT (twice: abort)"
+    )
     _db_flags(p)
     p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
     p.add_argument("--workers", type=int, help="worker coroutines [NOTIFY_OUTBOX_WORKERS]")
@@ -79,10 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
 
-    p = sub.add_parser("status", help="print pending, retrying and dead-lettered counts (JSON)")
+    p = sub.add_parser(
+        "status", parents=[common], help="print pending, retrying and dead-lettered counts (JSON)"
+    )
     _db_flags(p)
 
-    p = sub.add_parser("requeue", help="move dead-lettered events back into the outbox")
+    p = sub.add_parser(
+        "requeue", parents=[common], help="move dead-lettered events back into the outbox"
+    )
     _db_flags(p)
     p.add_argument("ids", nargs="+", type=int, help="ids of dead-lettered rows")
     return parser

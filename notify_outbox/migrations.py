@@ -185,7 +185,14 @@ async def verify(conn: asyncpg.Connection, names: OutboxNames) -> VerifyReport:
         expected_raw = await _catalog(conn, scratch.schema, names.table)
     finally:
         await tx.rollback()
-    expected = {k: v.replace(scratch.schema, names.schema) for k, v in expected_raw.items()}
+    # PostgreSQL prints the scratch name bare and the real one quoted when it must be (a
+    # reserved word such as "select"): map one onto the other as the server would print it.
+    printed = await conn.fetchval("SELECT quote_ident($1)", names.schema)
+    # Function bodies hold our own rendering, always quoted: map that form first.
+    ours, theirs = f'"{scratch.schema}"', f'"{names.schema}"'
+    expected = {
+        k: v.replace(ours, theirs).replace(scratch.schema, printed) for k, v in expected_raw.items()
+    }
     for key in sorted(expected.keys() | actual.keys()):
         if key not in actual:
             report.schema_differences.append(f"missing {key}")

@@ -345,6 +345,7 @@ class Relay:
             if not rows:
                 return 0
             self.events.emit("claimed", len(rows))
+            log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
             result = await self._publisher.publish(rows)
             self._fault("after_ack")

@@ -1,0 +1,263 @@
+"""The relay in-process against real PostgreSQL and Kafka: mapping, rollback, fallback poll,
+poison rows, listener loss, retention, embedding and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import anyio
+import asyncpg
+import pytest
+
+from notify_outbox import OutboxSettings, Relay, enqueue
+from tests.conftest import Services
+from tests.support import consume, create_topics, header
+
+pytestmark = pytest.mark.anyio
+
+
+def make_settings(db_dsn: str, services: Services, **kw: Any) -> OutboxSettings:
+    base: dict[str, Any] = {
+        "dsn": db_dsn,
+        "kafka_bootstrap_servers": services.bootstrap,
+        "workers": 2,
+        "poll_interval": 30.0,  # long: these tests must not pass thanks to the poll
+    }
+    base.update(kw)
+    return OutboxSettings(**base)
+
+
+async def test_plain_sql_rows_become_kafka_messages(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(make_settings(db_dsn, services)) as relay:
+            await conn.execute(
+                f"""
+                INSERT INTO outbox (topic, key, payload, headers, event_type, aggregate_type,
+                                    aggregate_id)
+                VALUES ('{topic}', 'order-42', '{{"total": 10}}', '{{"trace": "abc"}}',
+                        'OrderPlaced', 'order', '42');
+                INSERT INTO outbox (topic, key, payload_bytes)
+                    VALUES ('{topic}', NULL, '\\x0001ff');
+                INSERT INTO outbox (topic, key) VALUES ('{topic}', 'order-42');  -- a tombstone
+                """
+            )
+            records, total = await consume(services.bootstrap, topic, expect=3, within=30)
+        assert relay.events.counts["wake:notification"] >= 1
+        assert relay.events.counts["wake:poll"] == 0
+    finally:
+        await conn.close()
+    assert total == 3
+    by_value = {r.value: r for r in records}
+    order = by_value[b'{"total": 10}']
+    assert order.key == b"order-42"
+    assert header(order, "trace") == "abc"
+    assert header(order, "outbox-event-type") == "OrderPlaced"
+    assert header(order, "outbox-aggregate-type") == "order"
+    assert header(order, "outbox-aggregate-id") == "42"
+    uuid.UUID(header(order, "outbox-event-id") or "")
+    assert by_value[b"\x00\x01\xff"].key is None
+    tombstone = by_value[None]
+    assert tombstone.key == b"order-42"
+    # Same key, same partition, commit order.
+    assert tombstone.partition == order.partition
+    assert tombstone.offset > order.offset
+
+
+async def test_rolled_back_events_are_never_published(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(make_settings(db_dsn, services)):
+            for i in range(5):
+                tx = conn.transaction()
+                await tx.start()
+                await enqueue(conn, topic=topic, key="k", payload={"rolled_back": i})
+                await tx.rollback()
+            marker = await enqueue(conn, topic=topic, key="k", payload={"marker": True})
+            records, _ = await consume(services.bootstrap, topic, expect=1, within=30)
+        # A graceful stop leaves no published row unmarked: the table is empty, and the
+        # topic holds exactly the one committed event.
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+        _, total = await consume(services.bootstrap, topic, expect=1, within=30)
+    finally:
+        await conn.close()
+    assert total == 1
+    assert header(records[0], "outbox-event-id") == str(marker)
+
+
+async def test_fallback_poll_delivers_when_the_trigger_is_disabled(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify")
+        async with Relay(make_settings(db_dsn, services, poll_interval=0.3)) as relay:
+            await enqueue(conn, topic=topic, key="k", payload={"n": 1})
+            await consume(services.bootstrap, topic, expect=1, within=30)
+        assert relay.events.counts["wake:notification"] == 0
+        assert relay.events.counts["wake:poll"] >= 1
+    finally:
+        await conn.close()
+
+
+async def test_poison_rows_are_dead_lettered_while_other_keys_flow(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Policy: a failing row holds back later rows of its key while it is retried; once it is
+    dead-lettered, they go on. Other keys never wait."""
+    settings = make_settings(
+        db_dsn,
+        services,
+        max_attempts=3,
+        retry_base_delay=0.05,
+        retry_max_delay=0.1,
+        poll_interval=0.2,  # retries become due between notifications
+        kafka_max_request_size=10_000,
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(settings) as relay:
+            await conn.execute(
+                f"""
+                INSERT INTO outbox (topic, key, payload) VALUES ('no-such-topic', 'p1', '{{}}');
+                INSERT INTO outbox (topic, key, payload) VALUES ('{topic}', 'p1', '{{"after": 1}}');
+                INSERT INTO outbox (topic, key, payload)
+                    VALUES ('{topic}', 'p2', jsonb_build_object('big', repeat('x', 20000)));
+                INSERT INTO outbox (topic, key, payload, headers)
+                    VALUES ('{topic}', 'p3', '{{}}', '{{"n": 1}}');
+                INSERT INTO outbox (topic, key, payload) VALUES ('{topic}', 'ok', '{{"fine": 1}}');
+                """
+            )
+            await relay.events.wait_for("dead_lettered", 3)
+            records, total = await consume(services.bootstrap, topic, expect=2, within=30)
+        dead = {
+            r["key"]: r
+            for r in await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
+        }
+        pending = await conn.fetchval("SELECT count(*) FROM outbox")
+    finally:
+        await conn.close()
+    assert set(dead) == {"p1", "p2", "p3"}
+    assert "does not exist" in dead["p1"]["error"]
+    assert dead["p1"]["attempts"] == 3
+    assert "MessageSizeTooLarge" in dead["p2"]["error"]
+    assert dead["p2"]["attempts"] == 3
+    assert "must have a string value" in dead["p3"]["error"]
+    assert dead["p3"]["attempts"] == 1  # malformed: dead-lettered at once
+    assert sorted(r.value or b"" for r in records) == [b'{"after": 1}', b'{"fine": 1}']
+    assert total == 2
+    assert pending == 0
+
+
+async def test_listener_reconnects_after_its_backend_is_terminated(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(make_settings(db_dsn, services, reconnect_min_delay=0.05)) as relay:
+            killed = await conn.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'notify-outbox-listener' AND datname = current_database()"
+            )
+            assert killed == 1
+            with anyio.fail_after(30):
+                await relay.events.wait_for("listening", 2)
+            await enqueue(conn, topic=topic, key="k", payload={"after": "reconnect"})
+            await consume(services.bootstrap, topic, expect=1, within=30)
+        assert relay.events.counts["listener_lost"] == 1
+        assert relay.events.counts["wake:reconnect"] == 1
+        assert relay.events.counts["wake:poll"] == 0
+    finally:
+        await conn.close()
+
+
+async def test_listener_is_never_idle_in_transaction(db_dsn: str, services: Services) -> None:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(make_settings(db_dsn, services)):
+            state = await conn.fetchval(
+                "SELECT state FROM pg_stat_activity "
+                "WHERE application_name = 'notify-outbox-listener' AND datname = current_database()"
+            )
+        assert state == "idle"
+    finally:
+        await conn.close()
+
+
+async def test_keep_published_marks_rows_then_cleans_them_up(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    settings = make_settings(db_dsn, services, keep_published=0.2, cleanup_interval=0.1)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(settings) as relay:
+            await enqueue(conn, topic=topic, key="k", payload={"n": 1})
+            with anyio.fail_after(30):
+                await relay.events.wait_for("published")
+            published_at = await conn.fetchval("SELECT published_at FROM outbox")
+            assert published_at is not None
+            with anyio.fail_after(30):
+                await relay.events.wait_for("cleanup")
+            assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+    finally:
+        await conn.close()
+
+
+async def test_embedded_relay_runs_in_the_host_loop_and_stops_on_cancellation(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    relay = Relay(make_settings(db_dsn, services))
+    task = asyncio.create_task(relay.run())
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(30):
+            await relay.wait_ready()
+        await enqueue(conn, topic=topic, key="k", payload={"n": 1})
+        await consume(services.bootstrap, topic, expect=1, within=30)
+        task.cancel()
+        with anyio.fail_after(10), pytest.raises(asyncio.CancelledError):
+            await task
+        # Its connections are gone with it.
+        left = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'notify-outbox%' "
+            "AND datname = current_database()"
+        )
+        assert left == 0
+    finally:
+        await conn.close()
+
+
+async def test_relay_refuses_to_start_without_the_outbox_table(
+    empty_db_dsn: str, services: Services
+) -> None:
+    from notify_outbox import MigrationError
+
+    with pytest.raises(MigrationError, match="notify-outbox migrate"):
+        async with Relay(make_settings(empty_db_dsn, services)):
+            pass
+
+
+async def test_topic_created_after_the_first_failure_is_used_on_retry(
+    db_dsn: str, services: Services
+) -> None:
+    late = f"late-{uuid.uuid4().hex[:8]}"
+    settings = make_settings(
+        db_dsn, services, retry_base_delay=0.05, retry_max_delay=0.1, poll_interval=0.2
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with Relay(settings) as relay:
+            await enqueue(conn, topic=late, key="k", payload={"n": 1})
+            with anyio.fail_after(30):
+                await relay.events.wait_for("retried")
+            await create_topics(services.bootstrap, [late], partitions=1)
+            await consume(services.bootstrap, late, expect=1, within=30)
+        assert await conn.fetchval("SELECT count(*) FROM outbox_dead_letter") == 0
+    finally:
+        await conn.close()
