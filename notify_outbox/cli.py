@@ -96,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     _db_flags(p)
 
     p = sub.add_parser(
+        "notify-mode", parents=[common], help="show or set how producers wake the relay"
+    )
+    _db_flags(p)
+    p.add_argument(
+        "mode",
+        nargs="?",
+        choices=["gated", "always", "off"],
+        help="gated: NOTIFY only while no relay is awake (default); always: every insert; "
+        "off: never (the fallback poll finds rows). Restart relays after a change.",
+    )
+
+    p = sub.add_parser(
         "requeue", parents=[common], help="move dead-lettered events back into the outbox"
     )
     _db_flags(p)
@@ -135,6 +147,19 @@ async def _status(settings: DatabaseSettings) -> int:
     try:
         row = await conn.fetchrow(Queries(settings.names)["stats"])
         print(json.dumps(dict(row) if row else {}))
+        return EXIT_OK
+    finally:
+        await conn.close()
+
+
+async def _notify_mode(settings: DatabaseSettings, mode: str | None) -> int:
+    conn = await _connect(settings)
+    q = Queries(settings.names)
+    try:
+        if mode is None:
+            print(await conn.fetchval(q["notify_mode"]))
+        else:
+            print(await conn.fetchval(q["set_notify_mode"], mode))
         return EXIT_OK
     finally:
         await conn.close()
@@ -259,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_migrate(db, check))
         if args.command == "status":
             return asyncio.run(_status(load_settings(DatabaseSettings, **_overrides(args))))
+        if args.command == "notify-mode":
+            db = load_settings(DatabaseSettings, **_overrides(args))
+            return asyncio.run(_notify_mode(db, args.mode))
         if args.command == "requeue":
             db = load_settings(DatabaseSettings, **_overrides(args))
             return asyncio.run(_requeue(db, args.ids))

@@ -22,6 +22,7 @@ import asyncpg
 
 from .events import RelayEvents
 from .settings import OutboxSettings
+from .sqlfiles import Queries
 
 __all__ = ["PROBE_PREFIX", "Listener"]
 
@@ -51,7 +52,13 @@ class Listener:
         self._events = events
         self._connect = connect
         self._probes: dict[str, asyncio.Future[None]] = {}
+        self._queries = Queries(settings.names)
+        # One query at a time on the connection (asyncpg refuses overlapping ones).
+        self._lock = asyncio.Lock()
         self.connection: asyncpg.Connection | None = None
+        #: Whether this relay holds the gated notify's awake marker A (on this connection).
+        self.marked = False
+        self._identity: tuple[int, Any] | None = None  # (pid, backend_start) of the session
 
     def _on_notification(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
         if payload.startswith(PROBE_PREFIX):
@@ -68,7 +75,8 @@ class Listener:
         self._probes[token] = echo
         try:
             with anyio.fail_after(self._settings.listen_health_timeout):
-                await conn.execute("SELECT pg_notify($1, $2)", self._settings.channel, token)
+                async with self._lock:
+                    await conn.execute("SELECT pg_notify($1, $2)", self._settings.channel, token)
                 await echo
         except TimeoutError:
             raise ListenerLost(
@@ -80,9 +88,20 @@ class Listener:
     async def _serve(self, conn: asyncpg.Connection, first: bool) -> None:
         lost = anyio.Event()
         conn.add_termination_listener(lambda _c: lost.set())
+        if self._identity is not None:
+            # A dropped client socket does not end the server session at once; until it
+            # ends, it may still hold the awake marker and producers may skip their NOTIFY.
+            # End it (only that exact session) before the catch-up claim below.
+            pid, started = self._identity
+            await conn.execute(self._queries["end_old_listener"], pid, started, 5000)
+        identity = await conn.fetchrow(self._queries["listener_identity"])
+        self._identity = (identity["pid"], identity["backend_start"]) if identity else None
         # asyncpg runs LISTEN outside any transaction, so it is committed before the catch-up
         # claim that the wake below starts: nothing committed after this point is missed.
-        await conn.add_listener(self._settings.channel, self._on_notification)
+        async with self._lock:
+            await conn.add_listener(self._settings.channel, self._on_notification)
+        # Only now may workers run gate statements on this connection.
+        self.connection = conn
         self._events.emit("listening")
         self._wake("start" if first else "reconnect")
         while True:
@@ -91,6 +110,58 @@ class Listener:
             if lost.is_set():
                 raise ListenerLost("the listening connection was closed")
             await self._probe(conn)
+
+    async def _gate_query(self, name: str) -> bool | None:
+        """Run one gate statement; the caller holds ``self._lock``. None if there is no
+        healthy connection to run it on.
+
+        Any failure terminates the connection: that releases A for certain, whereas a lock
+        state we are unsure of could leave producers skipping their NOTIFY forever.
+        """
+        conn = self.connection
+        if conn is None or conn.is_closed():
+            self.marked = False
+            return None
+        try:
+            with anyio.fail_after(self._settings.db_command_timeout):
+                return bool(await conn.fetchval(self._queries[name]))
+        except Exception as e:
+            # asyncpg also raises protocol-state errors when the server ended the session
+            # while it was idle: any failure means "this connection is done".
+            log.warning("listening connection failed a gate statement (%s); closing it", e)
+            self.marked = False
+            conn.terminate()
+            return None
+        except BaseException:  # cancellation mid-statement
+            self.marked = False
+            conn.terminate()
+            raise
+
+    async def mark_awake(self) -> bool:
+        """Take the awake marker A (never blocks); True if this relay now holds it."""
+        # The check and the statement sit under one lock: advisory locks are re-entrant, and
+        # taking A twice would leave it held after the one release of the sleep protocol.
+        async with self._lock:
+            if self.marked:
+                return True
+            self.marked = bool(await self._gate_query("mark_awake"))
+        if self.marked:
+            self._events.emit("gate_awake")
+        return self.marked
+
+    async def try_sleep(self) -> bool:
+        """Release A if no producer is in flight. True: A is released (or was never held, or
+        its connection is gone, which released it). False: producers are in flight that may
+        have skipped their NOTIFY; stay awake and claim again."""
+        async with self._lock:
+            if not self.marked:
+                return True
+            released = await self._gate_query("try_sleep")
+            if released is False:
+                return False
+            self.marked = False
+        self._events.emit("gate_sleep")
+        return True
 
     async def run(self) -> None:
         """Listen until cancelled, reconnecting with exponential backoff and jitter."""
@@ -105,7 +176,6 @@ class Listener:
                         s.dsn.get_secret_value(),
                         server_settings={"application_name": "notify-outbox-listener"},
                     )
-                self.connection = conn
                 delay = s.reconnect_min_delay
                 await self._serve(conn, first)
             except (*_CONNECTION_ERRORS, ListenerLost) as e:
@@ -117,6 +187,7 @@ class Listener:
                 )
             finally:
                 self.connection = None
+                self.marked = False  # a session-level lock dies with its session
                 if conn is not None:
                     conn.terminate()
             first = False

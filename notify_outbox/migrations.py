@@ -133,7 +133,10 @@ class VerifyReport:
 
 async def _catalog(conn: asyncpg.Connection, schema: str, table: str) -> dict[str, str]:
     rows = await conn.fetch(
-        _CATALOG, schema, [table, f"{table}_dead_letter", f"{table}_id_seq"], f"{table}\\_%"
+        _CATALOG,
+        schema,
+        [table, f"{table}_dead_letter", f"{table}_id_seq", f"{table}_config"],
+        f"{table}\\_%",
     )
     return {f"{r['kind']} {r['name']}": r["definition"] or "" for r in rows}
 
@@ -168,7 +171,7 @@ async def verify(conn: asyncpg.Connection, names: OutboxNames) -> VerifyReport:
     subs = scratch.substitutions()
     # Keep what does not depend on the schema's name identical to the real outbox.
     real = names.substitutions()
-    for token in ("@lock_ns@", "@target_literal@", "@channel_literal@"):
+    for token in OutboxNames.SCHEMA_INDEPENDENT:
         subs[token] = real[token]
     tx = conn.transaction()
     await tx.start()

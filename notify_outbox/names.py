@@ -67,9 +67,23 @@ class OutboxNames:
 
     @property
     def lock_namespace(self) -> int:
-        """First key of this outbox's advisory locks: a stable signed 32-bit number."""
+        """First key of this outbox's advisory locks: a stable signed 32-bit number.
+
+        Used as the first key of the two-key per-key ordering locks, and as the single bigint
+        key of the migration lock. The two forms are separate key spaces in PostgreSQL.
+        """
         n = zlib.crc32(f"notify_outbox:{self.target}".encode())
         return n - (1 << 32) if n >= (1 << 31) else n
+
+    @property
+    def gate_key(self) -> int:
+        """Bigint advisory key G of the gated notify: producers hold it shared until commit."""
+        return (1 << 33) + self.lock_namespace
+
+    @property
+    def awake_key(self) -> int:
+        """Bigint advisory key A of the gated notify: held by an awake relay."""
+        return (2 << 33) + self.lock_namespace
 
     def substitutions(self) -> dict[str, str]:
         """Tokens that the SQL files use, mapped to their rendered text."""
@@ -86,5 +100,17 @@ class OutboxNames:
             "@channel_literal@": f"'{self.channel}'",
             "@target_literal@": f"'{self.target}'",
             "@prefix@": t,
+            "@config@": f"{s}.{_quote(t + '_config')}",
             "@lock_ns@": str(self.lock_namespace),
+            "@gate_key@": str(self.gate_key),
+            "@awake_key@": str(self.awake_key),
         }
+
+    # Tokens whose values do not depend on the schema's name (see migrations.verify).
+    SCHEMA_INDEPENDENT = (
+        "@lock_ns@",
+        "@gate_key@",
+        "@awake_key@",
+        "@target_literal@",
+        "@channel_literal@",
+    )

@@ -27,7 +27,7 @@ from .events import RelayEvents
 from .listener import Listener
 from .publisher import KafkaPublisher, Publisher, PublishResult
 from .settings import OutboxSettings, redact
-from .sqlfiles import Queries
+from .sqlfiles import Queries, render
 from .wakeup import Doorbell
 
 __all__ = ["Relay"]
@@ -68,6 +68,10 @@ class Relay:
         self._task: asyncio.Task[None] | None = None
         self._pool: asyncpg.Pool | None = None
         self.listener: Listener | None = None
+        #: Whether this relay takes part in the gated notify (the database's notify_mode).
+        self.gated = False
+        self._busy_workers = 0
+        self._db_delay = settings.reconnect_min_delay
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -171,14 +175,18 @@ class Relay:
             self._pool = await self._until_stopped(self._connect_pool())
             if self._pool is None:
                 return False
-            table = s.names.qualified_table
-            if not await self._pool.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+            queries = Queries(s.names)
+            config = render("@config@", s.names)
+            if not await self._pool.fetchval("SELECT to_regclass($1) IS NOT NULL", config):
                 raise MigrationError(
-                    f"outbox table {table} does not exist: run `notify-outbox migrate` first"
+                    f"outbox {s.names.target} is missing or not up to date: "
+                    "run `notify-outbox migrate` first"
                 )
+            mode = await self._pool.fetchval(queries["notify_mode"])
+            self.gated = mode == "gated" and not s.poll_only
             self._store = PgOutboxStore(
                 self._pool,
-                Queries(s.names),
+                queries,
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
             )
@@ -305,37 +313,96 @@ class Relay:
 
     async def _worker(self) -> None:
         while await self._doorbell.wait():
-            await self._drain()
+            self._busy_workers += 1
+            try:
+                await self._drain()
+            finally:
+                self._busy_workers -= 1
 
     async def _drain(self) -> None:
-        """Claim batches until a claim comes back empty (a wake-up drains the table)."""
+        """Claim batches until the table is empty (a wake-up drains the table).
+
+        With the gated notify, a relay that sees sustained traffic marks itself awake, so
+        producers stop notifying; the last busy worker then lingers (claiming every
+        ``gate_poll_interval``) and only lets producers notify again through the sleep
+        protocol of migration 0002, followed by one more claim.
+        """
         s = self.settings
-        db_delay = s.reconnect_min_delay
+        productive = 0
         while not self._stopping:
-            try:
-                claimed = await self._process_batch()
-            except PublisherUnavailable as e:
-                self.events.emit("kafka_unavailable")
-                log.warning("Kafka unavailable (%s); rows stay pending", e)
-                assert self._publisher is not None
-                await self._until_stopped(self._publisher.wait_available())
+            claimed = await self._claim_once()
+            if claimed is None:
+                continue  # an error was handled (and waited out): claim again
+            if claimed > 0:
+                productive += 1
+                if self.gated and productive >= s.gate_mark_after and self.listener is not None:
+                    await self.listener.mark_awake()
+                if claimed >= s.batch_size:
+                    # More is probably waiting: bring an idle sibling in to help.
+                    self._wake("backlog")
                 continue
-            except _DB_ERRORS as e:
-                self.events.emit("db_error")
-                log.warning(
-                    "database error in worker (%s); retrying in about %.1fs",
-                    redact(str(e) or type(e).__name__, s),
-                    db_delay,
-                )
-                await self._until_stopped(anyio.sleep(db_delay * random.uniform(0.5, 1.0)))
-                db_delay = min(db_delay * 2, s.reconnect_max_delay)
-                continue
-            db_delay = s.reconnect_min_delay
-            if claimed == 0:
+            if not self._may_sleep():
                 return
-            if claimed >= s.batch_size:
-                # More is probably waiting: bring an idle sibling in to help.
-                self._wake("backlog")
+            if await self._linger():
+                productive = 1
+                continue
+            assert self.listener is not None
+            if not await self.listener.try_sleep():
+                # Producers in flight may have skipped their NOTIFY: stay awake.
+                await anyio.sleep(s.gate_poll_interval)
+                continue
+            # A is released: from now on producers notify. The loop's next claim, a new
+            # statement, sees every row whose producer skipped its NOTIFY; with A released,
+            # its empty result ends the drain.
+            productive = 0
+
+    def _may_sleep(self) -> bool:
+        """Whether this worker must run the sleep protocol before it idles: only the last
+        busy worker of a relay that holds the awake marker."""
+        return (
+            self.listener is not None
+            and self.listener.marked
+            and self._busy_workers == 1
+            and not self._stopping
+        )
+
+    async def _linger(self) -> bool:
+        """Keep claiming for ``gate_linger`` seconds; True as soon as a claim finds rows.
+
+        The deadline bounds the waits between claims, never a claim: cancelling a claim
+        halfway would abandon a batch between its send and its mark.
+        """
+        s = self.settings
+        deadline = anyio.current_time() + s.gate_linger
+        while anyio.current_time() < deadline and not self._stopping:
+            await anyio.sleep(s.gate_poll_interval)
+            if await self._claim_once():
+                return True
+        return False
+
+    async def _claim_once(self) -> int | None:
+        """One claim-publish-mark round; None after an error that was logged and waited out."""
+        s = self.settings
+        try:
+            claimed = await self._process_batch()
+        except PublisherUnavailable as e:
+            self.events.emit("kafka_unavailable")
+            log.warning("Kafka unavailable (%s); rows stay pending", e)
+            assert self._publisher is not None
+            await self._until_stopped(self._publisher.wait_available())
+            return None
+        except _DB_ERRORS as e:
+            self.events.emit("db_error")
+            log.warning(
+                "database error in worker (%s); retrying in about %.1fs",
+                redact(str(e) or type(e).__name__, s),
+                self._db_delay,
+            )
+            await self._until_stopped(anyio.sleep(self._db_delay * random.uniform(0.5, 1.0)))
+            self._db_delay = min(self._db_delay * 2, s.reconnect_max_delay)
+            return None
+        self._db_delay = s.reconnect_min_delay
+        return claimed
 
     async def _process_batch(self) -> int:
         assert self._store is not None

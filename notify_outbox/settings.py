@@ -100,6 +100,19 @@ class OutboxSettings(DatabaseSettings):
     reconnect_min_delay: float = Field(0.1, gt=0)
     reconnect_max_delay: float = Field(10.0, gt=0)
     db_command_timeout: float = Field(30.0, gt=0)
+    gate_linger: float = Field(
+        0.01,
+        ge=0,
+        description="Gated notify: how long an idle relay keeps claiming before it "
+        "lets producers NOTIFY again (seconds)",
+    )
+    gate_poll_interval: float = Field(0.002, gt=0, description="Claim interval while lingering")
+    gate_mark_after: int = Field(
+        2,
+        ge=1,
+        description="Gated notify: productive claims in a row before the relay marks "
+        "itself awake (at low load it stays asleep and producers simply notify)",
+    )
 
     # --- failures -----------------------------------------------------------------------------
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")

@@ -8,9 +8,12 @@ GRANT USAGE ON SCHEMA @schema@ TO @relay_role@;
 GRANT SELECT, INSERT, UPDATE, DELETE ON @table@ TO @relay_role@;
 GRANT SELECT, INSERT, DELETE ON @dead_letter@ TO @relay_role@;
 GRANT USAGE ON SEQUENCE @id_seq@ TO @relay_role@;
+GRANT SELECT ON @config@ TO @relay_role@;
 
 -- The application: only inserts events. The triggers run as the inserting role, so it also
--- draws ids from the sequence. No SELECT: it cannot read other services' events.
+-- draws ids from the sequence and reads the notify mode. No SELECT on the outbox: it cannot
+-- read other services' events.
 GRANT USAGE ON SCHEMA @schema@ TO @app_role@;
 GRANT INSERT ON @table@ TO @app_role@;
 GRANT USAGE ON SEQUENCE @id_seq@ TO @app_role@;
+GRANT SELECT ON @config@ TO @app_role@;

@@ -112,3 +112,30 @@ SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending,
        count(*) FILTER (WHERE published_at IS NOT NULL) AS published_kept,
        (SELECT count(*) FROM @dead_letter@) AS dead_lettered
 FROM @table@;
+
+-- name: notify_mode
+SELECT notify_mode FROM @config@;
+
+-- name: set_notify_mode
+UPDATE @config@ SET notify_mode = $1 RETURNING notify_mode;
+
+-- name: mark_awake
+-- The relay says "I am awake and draining": producers may skip their NOTIFY. Never blocks.
+SELECT pg_try_advisory_lock(@awake_key@);
+
+-- name: try_sleep
+-- Releases A only while no producer is in flight (G free), in one statement so that nothing
+-- can land between the check and the release. Never blocks: a relay waiting on G would queue
+-- every new producer behind it. False means "producers in flight: stay awake, claim again".
+SELECT CASE WHEN pg_try_advisory_xact_lock(@gate_key@) THEN pg_advisory_unlock(@awake_key@)
+            ELSE false END;
+
+-- name: listener_identity
+-- Who this listening session is: pid and start time identify it even after pid reuse.
+SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid();
+
+-- name: end_old_listener
+-- After a reconnect: make sure the previous listening session is gone, and with it the awake
+-- marker it may hold, before the catch-up claim (waits up to $3 ms for it to exit).
+SELECT pg_terminate_backend(pid, $3) FROM pg_stat_activity
+WHERE pid = $1 AND backend_start = $2;

@@ -1,0 +1,41 @@
+# notify-outbox developer commands. `make test` works on a fresh machine: it creates the
+# virtualenv, installs everything, and the tests start their own PostgreSQL and Kafka.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: install test unit lint demo stack-up stack-down clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+# The whole suite against a real PostgreSQL and a real Kafka broker (started automatically;
+# see README "Tests"). pytest's exit code 5 (no tests collected) is a failure here too.
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict notify_outbox devstack
+
+# Local services for manual work: `eval "$$(make -s stack-up)"` exports the settings.
+stack-up: $(STAMP)
+	@$(PY) -m devstack up
+
+stack-down: $(STAMP)
+	$(PY) -m devstack down
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache dist build

@@ -1,0 +1,237 @@
+"""The gated notify (migration 0002) against a real PostgreSQL: producers NOTIFY only while no
+relay is awake, and no committed event ever waits for the fallback poll because a producer
+skipped its NOTIFY."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import asyncpg
+import pytest
+
+from notify_outbox import OutboxNames, OutboxSettings, Relay
+from notify_outbox.sqlfiles import Queries
+from tests.conftest import Services
+from tests.support import RelayProcess, consume
+
+pytestmark = pytest.mark.anyio
+
+Q = Queries(OutboxNames())
+INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ('t', $1, '{}')"
+
+
+class Notifications:
+    """A LISTEN connection that tells whether a NOTIFY came before a sentinel. PostgreSQL
+    delivers notifications in commit order, so "no wake-up before the sentinel" proves the
+    producer did not notify, without waiting for an absence."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+
+    async def start(self) -> None:
+        await self.conn.add_listener("notify_outbox", lambda *a: self.queue.put_nowait(a[3]))
+
+    async def notified_before_sentinel(self, sender: asyncpg.Connection) -> bool:
+        await sender.execute("SELECT pg_notify('notify_outbox', 'sentinel')")
+        seen = False
+        with anyio.fail_after(10):
+            while (payload := await self.queue.get()) != "sentinel":
+                seen = seen or payload == ""
+        return seen
+
+
+@asynccontextmanager
+async def connections(dsn: str, n: int) -> AsyncIterator[list[asyncpg.Connection]]:
+    conns = [await asyncpg.connect(dsn) for _ in range(n)]
+    try:
+        yield conns
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_producers_skip_notify_only_while_a_relay_is_awake(db_dsn: str) -> None:
+    async with connections(db_dsn, 4) as (relay, producer, other, listen_conn):
+        heard = Notifications(listen_conn)
+        await heard.start()
+        await producer.execute(INSERT, "k")
+        assert await heard.notified_before_sentinel(other)  # asleep: producers notify
+
+        assert await relay.fetchval(Q["mark_awake"])
+        await producer.execute(INSERT, "k")
+        assert not await heard.notified_before_sentinel(other)  # awake: no NOTIFY lock
+        # Any isolation level, several statements, one transaction: still skipped.
+        async with producer.transaction(isolation="repeatable_read"):
+            await producer.execute(INSERT, "k")
+            await producer.execute(INSERT, "j")
+        assert not await heard.notified_before_sentinel(other)
+
+        # A producer in flight (it holds G) keeps the relay awake: the release must fail.
+        tx = producer.transaction(isolation="serializable")
+        await tx.start()
+        await producer.execute(INSERT, "k")
+        assert await relay.fetchval(Q["try_sleep"]) is False
+        await tx.commit()
+        assert await relay.fetchval(Q["try_sleep"]) is True
+        await producer.execute(INSERT, "k")
+        assert await heard.notified_before_sentinel(other)  # asleep again: producers notify
+
+        # 'always' ignores the marker; 'off' never notifies.
+        assert await relay.fetchval(Q["mark_awake"])
+        await other.execute(Q["set_notify_mode"], "always")
+        await producer.execute(INSERT, "k")
+        assert await heard.notified_before_sentinel(other)
+        await relay.fetchval(Q["try_sleep"])
+        await other.execute(Q["set_notify_mode"], "off")
+        await producer.execute(INSERT, "k")
+        assert not await heard.notified_before_sentinel(other)
+
+
+async def test_producers_never_queue_behind_a_relay_going_to_sleep(db_dsn: str) -> None:
+    """The relay only ever tries G: a producer holding G shared makes try_sleep answer False
+    at once, and new producers get G shared meanwhile (nothing waits)."""
+    async with connections(db_dsn, 3) as (relay, p1, p2):
+        assert await relay.fetchval(Q["mark_awake"])
+        await p1.execute("SET lock_timeout = '100ms'")
+        await p2.execute("SET lock_timeout = '100ms'")
+        tx = p1.transaction()
+        await tx.start()
+        await p1.execute(INSERT, "a")
+        with anyio.fail_after(1):
+            assert await relay.fetchval(Q["try_sleep"]) is False
+        await p2.execute(INSERT, "b")  # would hit lock_timeout if it queued behind the relay
+        await tx.commit()
+
+
+async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """2000 rounds against a gated relay whose fallback poll is effectively off. In each
+    round, writers start at random offsets (0-4 ms) so that some commit while the relay is
+    lingering or going to sleep; transactions abort after the trigger ran, hold several
+    statements, and use every isolation level. Every round must end with every committed
+    event published and one more sleep/wake cycle done; every 100th round kills the listening
+    connection while the relay is awake (its marker dies with it). A lost wake-up would stall
+    a round: nothing but a NOTIFY or the reconnect catch-up can wake this relay."""
+    settings = OutboxSettings(
+        dsn=db_dsn,
+        kafka_bootstrap_servers=services.bootstrap,
+        workers=3,
+        poll_interval=3600,
+        gate_linger=0.002,
+        gate_poll_interval=0.001,
+        gate_mark_after=1,  # every round marks the relay awake
+        reconnect_min_delay=0.01,
+    )
+    rounds, committed, aborted = 2000, 0, 0
+    rng = random.Random(20261122)
+    print(f"\ngated soak seed 20261122, {rounds} rounds")
+
+    async def write(conn: asyncpg.Connection) -> None:
+        nonlocal committed, aborted
+        await anyio.sleep(rng.uniform(0, 0.004))
+        isolation = rng.choice(["read_committed", "repeatable_read", "serializable"])
+        # Several keys in one transaction go in one global order, as the README asks.
+        keys = sorted(f"k{rng.randrange(20):02d}" for _ in range(rng.randint(1, 3)))
+        abort = rng.random() < 0.15
+        try:
+            async with conn.transaction(isolation=isolation):
+                for key in keys:
+                    await conn.execute(
+                        "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')",
+                        topic,
+                        key,
+                    )
+                if abort:
+                    raise LookupError("abort after the trigger ran")
+            committed += len(keys)
+        except LookupError:
+            aborted += 1
+
+    async with connections(db_dsn, 4) as (admin, *writers), Relay(settings) as relay:
+        assert relay.gated
+        events = relay.events
+        for n in range(rounds):
+            cycles, listens = events.counts["gate_sleep"], events.counts["listening"]
+            before = committed
+            kill = n % 100 == 99
+            async with anyio.create_task_group() as tg:
+                for conn in writers:
+                    tg.start_soon(write, conn)
+                if kill:
+                    await events.wait_for("gate_awake", events.counts["gate_awake"] + 1)
+                    await admin.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE application_name = 'notify-outbox-listener' "
+                        "AND datname = current_database()"
+                    )
+            with anyio.move_on_after(30) as scope:
+                await events.wait_for("published", committed)
+                if kill:  # the marker died with the connection: wait for the new LISTEN
+                    await events.wait_for("listening", listens + 1)
+                elif committed > before:
+                    await events.wait_for("gate_sleep", cycles + 1)
+            if scope.cancelled_caught:
+                pending = await admin.fetchval("SELECT count(*) FROM outbox")
+                raise AssertionError(
+                    f"round {n} stalled: committed {committed}, pending {pending}, "
+                    f"marked {relay.listener.marked if relay.listener else None}, "
+                    f"counts {dict(events.counts)}"
+                )
+        records, total = await consume(services.bootstrap, topic, expect=committed, within=60)
+        counts = events.counts.copy()
+    assert total == committed
+    assert len(records) == committed
+    assert counts["wake:poll"] == 0
+    assert counts["gate_sleep"] >= rounds * 0.8  # rounds where everything aborted have none
+    assert counts["listener_lost"] == rounds // 100
+    # The gate did suppress: fewer notifications than committed inserting transactions.
+    assert counts["wake:notification"] < committed
+    print(
+        f"gated soak: {committed} events committed, {aborted} transactions aborted, "
+        f"{counts['gate_sleep']} sleep/wake cycles, {counts['wake:notification']} "
+        f"notifications, {counts['listener_lost']} listener kills, "
+        f"{counts['wake:reconnect']} reconnect catch-ups, poll wake-ups {counts['wake:poll']}"
+    )
+
+
+async def test_the_awake_marker_dies_with_a_killed_relay(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    awake = OutboxNames().awake_key
+    held = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1"
+    )
+    async with connections(db_dsn, 2) as (conn, listen_conn):
+        with RelayProcess(
+            db_dsn, services.bootstrap, env={"NOTIFY_OUTBOX_GATE_LINGER": "5"}
+        ) as relay:
+            relay.wait_ready()
+            # Sustained traffic: the relay marks itself awake, then lingers for 5 s.
+            await conn.execute(
+                "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || i, '{}' "
+                "FROM generate_series(1, 2000) i",
+                topic,
+            )
+            with anyio.fail_after(30):
+                while not await conn.fetchval(held, awake):
+                    await conn.execute(INSERT.replace("'t'", "$2"), "k", topic)
+            relay.signal(signal.SIGKILL)
+            relay.wait(30)
+        # Waiting for A is an event from the server: it is granted once the dead session is
+        # gone (at once, for a killed process), never while a live relay holds it.
+        await conn.execute("SET lock_timeout = '30s'")
+        await conn.execute("SELECT pg_advisory_lock($1)", awake)
+        await conn.execute("SELECT pg_advisory_unlock($1)", awake)
+        assert await conn.fetchval(held, awake) == 0
+        heard = Notifications(listen_conn)
+        await heard.start()
+        await conn.execute(INSERT, "k")
+        assert await heard.notified_before_sentinel(conn)
