@@ -30,6 +30,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict notify_outbox devstack
 
+# End to end on this machine: local PostgreSQL + Kafka, migrate, relay, plain-SQL producer in
+# another process, consumer; prints latency and checks per-key order.
+# Options: make demo DEMO_ARGS="--events 1000 --rate 100" (or --keep to leave the stack up).
+demo: $(STAMP)
+	$(PY) scripts/demo.py $(DEMO_ARGS)
+
 # Local services for manual work: `eval "$$(make -s stack-up)"` exports the settings.
 stack-up: $(STAMP)
 	@$(PY) -m devstack up
