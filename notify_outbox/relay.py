@@ -144,8 +144,10 @@ class Relay:
             self.outcome = "stopped"
 
     async def _run(self) -> None:
+        clean = False
         try:
             if not await self._open():
+                clean = True
                 return
             async with anyio.create_task_group() as services:
                 if not self.settings.poll_only:
@@ -164,9 +166,11 @@ class Relay:
                     self._ready.set()
                 # Every worker has exited: nothing is in flight any more.
                 services.cancel_scope.cancel()
+            clean = not self._abort_scope.cancel_called
         finally:
+            # Cancelled, aborted or failed: tear down at once (rows in flight stay pending).
             with anyio.CancelScope(shield=True):
-                await self._close()
+                await self._close(graceful=clean)
 
     async def _open(self) -> bool:
         """Connect to PostgreSQL and Kafka, retrying until they answer or a stop is asked."""
@@ -193,13 +197,8 @@ class Relay:
         if self._publisher is None:
             kafka = KafkaPublisher(s)
             self._publisher = kafka
-            if not await self._until_stopped(self._start_kafka(kafka)):
-                return False
-        return True
-
-    async def _start_kafka(self, kafka: KafkaPublisher) -> bool:
-        await kafka.start()
-        return True
+            await self._until_stopped(kafka.start())
+        return not self._stopping
 
     async def _connect_pool(self) -> asyncpg.Pool:
         s = self.settings
@@ -230,12 +229,11 @@ class Relay:
                 await anyio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, s.reconnect_max_delay)
 
-    async def _close(self) -> None:
-        aborted = self._abort_scope.cancel_called or self.outcome in ("failed", "aborted")
+    async def _close(self, *, graceful: bool) -> None:
         if isinstance(self._publisher, KafkaPublisher):
-            await self._publisher.stop(1.0 if aborted else self.settings.shutdown_timeout)
+            await self._publisher.stop(self.settings.shutdown_timeout if graceful else 1.0)
         if self._pool is not None:
-            if aborted:
+            if not graceful:
                 self._pool.terminate()
             else:
                 with anyio.move_on_after(self.settings.db_command_timeout) as scope:
