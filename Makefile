@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install test unit lint demo stack-up stack-down clean
+.PHONY: install test unit lint demo bench bench-smoke stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,16 @@ unit: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict notify_outbox devstack
+	$(VENV)/bin/mypy --strict notify_outbox devstack bench
+
+# Side-by-side latency/throughput bench (bench/README.md), ~15-20 min on a quiet machine;
+# BENCH_ARGS=--quick for a short run. Results land in bench/results/.
+bench: $(STAMP)
+	$(PY) -m bench run $(BENCH_ARGS)
+
+# A few seconds of every bench phase; fails only if the bench itself breaks.
+bench-smoke: $(STAMP)
+	$(PY) -m bench smoke $(BENCH_ARGS)
 
 # End to end on this machine: local PostgreSQL + Kafka, migrate, relay, plain-SQL producer in
 # another process, consumer; prints latency and checks per-key order.

@@ -39,6 +39,14 @@ _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutErr
 FaultHook = Callable[[str], None]
 
 
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """Pool release hook that skips asyncpg's reset query (``pg_advisory_unlock_all(); CLOSE
+    ALL; UNLISTEN *; RESET ALL``): four statements and a round trip on every release, which
+    made four of an idle fallback poll's five statements. Worker connections never LISTEN,
+    SET, open cursors or take session advisory locks (the awake marker lives on the
+    listener's own connection), and asyncpg still rolls back a transaction left open."""
+
+
 class Relay:
     """Moves committed outbox rows to Kafka: at least once, per-key in commit order.
 
@@ -218,6 +226,7 @@ class Relay:
                             "application_name": "notify-outbox-worker",
                             "idle_in_transaction_session_timeout": str(idle_tx_ms),
                         },
+                        reset=_keep_session,
                     )
                 return pool
             except _DB_ERRORS as e:

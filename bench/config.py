@@ -1,0 +1,273 @@
+"""What the bench runs: the relay modes, the trigger variants of the producer-overhead cells,
+and the presets (full run, ``--quick``, smoke)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "DEFAULT_MODES",
+    "DEFAULT_VARIANTS",
+    "MODES",
+    "VARIANTS",
+    "Mode",
+    "RunConfig",
+    "TriggerVariant",
+    "add_alt_modes",
+    "full_config",
+    "quick_config",
+    "smoke_config",
+    "writers_for",
+]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of moving the outbox to Kafka.
+
+    ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
+    bench's plain polling publisher. ``notify`` says what happens to the NOTIFY trigger in this
+    mode's database: "shipped" (as migrated), "disabled" (``ALTER TABLE ... DISABLE TRIGGER``,
+    as a plain polling outbox has none), or a ``notify_mode`` value of migration 0002
+    ("always", "gated"), which needs that migration.
+    """
+
+    name: str
+    kind: Literal["relay", "poller"]
+    description: str
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    notify: str = "shipped"
+    interval: float = 0.0  # the poll interval, for the report
+    cwd: str | None = None  # run from another source tree (``--alt-relay``) instead of ours
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready description."""
+        return asdict(self)
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode(
+            "notify",
+            "relay",
+            "notify-outbox relay, default settings (LISTEN/NOTIFY, fallback poll 5 s)",
+        ),
+        Mode(
+            "notify-tuned",
+            "relay",
+            "notify-outbox relay, 8 workers, batch 500",
+            args=("--workers", "8", "--batch-size", "500"),
+        ),
+        Mode(
+            "notify-always",
+            "relay",
+            "notify-outbox relay, default settings, trigger NOTIFYs on every insert "
+            "(notify_mode 'always'; needs migration 0002)",
+            notify="always",
+        ),
+        Mode(
+            "relay-poll",
+            "relay",
+            "notify-outbox relay in poll-only mode, --poll-interval 0.1 (trigger as shipped)",
+            args=("--poll-only", "--poll-interval", "0.1"),
+            interval=0.1,
+        ),
+        Mode(
+            "poll-100ms",
+            "poller",
+            "plain polling publisher: every 100 ms, SKIP LOCKED, batch 100, delete",
+            args=("--interval", "0.1", "--batch", "100"),
+            notify="disabled",
+            interval=0.1,
+        ),
+        Mode(
+            "poll-1s",
+            "poller",
+            "plain polling publisher: every 1 s, SKIP LOCKED, batch 100, delete",
+            args=("--interval", "1.0", "--batch", "100"),
+            notify="disabled",
+            interval=1.0,
+        ),
+    )
+}
+DEFAULT_MODES = ("notify", "notify-always", "relay-poll", "poll-100ms", "poll-1s")
+
+
+def add_alt_modes(tree: str) -> list[str]:
+    """Register ``<mode>-alt`` for every relay mode, run from another checkout (``tree``, a
+    directory holding ``notify_outbox/`` and ``sql/``): A/B runs of a proposed relay change
+    in the same run as the original. Returns the new names."""
+    added = []
+    for mode in [m for m in MODES.values() if m.kind == "relay" and m.cwd is None]:
+        alt = Mode(
+            f"{mode.name}-alt",
+            "relay",
+            f"{mode.description}; relay code from {tree}",
+            args=mode.args,
+            env=mode.env,
+            notify=mode.notify,
+            interval=mode.interval,
+            cwd=tree,
+        )
+        MODES[alt.name] = alt
+        added.append(alt.name)
+    return added
+
+
+@dataclass(frozen=True)
+class TriggerVariant:
+    """A producer-overhead setting: what the NOTIFY trigger does (as ``Mode.notify``) and which
+    mode, if any, drains the outbox meanwhile. A new variant (e.g. a future trigger design) is
+    one more entry in ``VARIANTS``, selected by name with ``--variants``."""
+
+    name: str
+    description: str
+    notify: str
+    drain_mode: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready description."""
+        return asdict(self)
+
+
+VARIANTS: dict[str, TriggerVariant] = {
+    v.name: v
+    for v in (
+        TriggerVariant("no-trigger", "NOTIFY trigger disabled, nothing draining", "disabled", None),
+        TriggerVariant(
+            "no-trigger+relay",
+            "NOTIFY trigger disabled, relay in poll-only mode (0.1 s) draining",
+            "disabled",
+            "relay-poll",
+        ),
+        TriggerVariant(
+            "shipped+relay", "trigger as migrated, notify relay running", "shipped", "notify"
+        ),
+        TriggerVariant("shipped-idle", "trigger as migrated, no relay", "shipped", None),
+        TriggerVariant(
+            "always+relay",
+            "trigger NOTIFYs every insert (notify_mode 'always'), notify relay running",
+            "always",
+            "notify",
+        ),
+        TriggerVariant(
+            "gated+relay",
+            "gated NOTIFY (notify_mode 'gated'), notify relay running",
+            "gated",
+            "notify",
+        ),
+    )
+}
+DEFAULT_VARIANTS = ("no-trigger", "always+relay", "gated+relay", "no-trigger+relay", "shipped-idle")
+
+
+def writers_for(rate: float) -> int:
+    """Writer connections for an offered rate (Little's law): enough in flight for commits
+    that take up to ~8 ms on a busy 2-core machine (1 per 125 ev/s, 2 to 64)."""
+    return max(2, min(64, math.ceil(rate / 125)))
+
+
+@dataclass
+class RunConfig:
+    """Everything one run does; recorded in the result JSON."""
+
+    preset: str
+    modes: list[str]
+    loads: list[float]
+    extend_loads: bool  # after the list, keep raising the load (x1.5) until saturation
+    max_load: float
+    duration: float
+    warmup: float
+    repeat: int
+    drain_timeout: float
+    idle_seconds: float
+    producer_writers: list[int]
+    producer_seconds: float
+    producer_repeat: int
+    variants: list[str]
+    # Extra latency cells at one load: Poisson arrivals, and the Python enqueue API.
+    variant_load: float
+    variant_modes: list[str]
+    keys: int = 1000
+    partitions: int = 3
+    writers: int | None = None  # None: writers_for(rate)
+    fsync_test_seconds: int = 2  # pg_test_fsync -s N; 0: only the short fdatasync probe
+    profile: bool = False  # run the notify relay under py-spy at the variant load
+    skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+
+def full_config() -> RunConfig:
+    """The full run: fits in about 20 minutes on a 2-core machine."""
+    return RunConfig(
+        preset="full",
+        modes=list(DEFAULT_MODES),
+        loads=[100, 1000, 2000, 5000, 10000],
+        extend_loads=True,
+        max_load=40000,
+        duration=10.0,
+        warmup=2.0,
+        repeat=3,
+        drain_timeout=20.0,
+        idle_seconds=60.0,
+        producer_writers=[1, 4, 16],
+        producer_seconds=5.0,
+        producer_repeat=3,
+        variants=list(DEFAULT_VARIANTS),
+        variant_load=1000,
+        variant_modes=["notify"],
+    )
+
+
+def quick_config() -> RunConfig:
+    """``--quick``: every phase, small: a couple of minutes."""
+    return RunConfig(
+        preset="quick",
+        modes=list(DEFAULT_MODES),
+        loads=[100, 1000, 3000],
+        extend_loads=False,
+        max_load=40000,
+        duration=4.0,
+        warmup=1.0,
+        repeat=1,
+        drain_timeout=15.0,
+        idle_seconds=10.0,
+        producer_writers=[1, 16],
+        producer_seconds=2.0,
+        producer_repeat=1,
+        variants=list(DEFAULT_VARIANTS),
+        variant_load=1000,
+        variant_modes=["notify"],
+        fsync_test_seconds=0,
+    )
+
+
+def smoke_config() -> RunConfig:
+    """``smoke``: a few seconds per phase, to prove the bench works end to end."""
+    return RunConfig(
+        preset="smoke",
+        modes=list(DEFAULT_MODES),
+        loads=[200],
+        extend_loads=False,
+        max_load=200,
+        duration=1.5,
+        warmup=0.5,
+        repeat=1,
+        drain_timeout=15.0,
+        idle_seconds=3.0,
+        producer_writers=[1, 4],
+        producer_seconds=1.0,
+        producer_repeat=1,
+        variants=["no-trigger", "always+relay", "gated+relay"],
+        variant_load=200,
+        variant_modes=["notify"],
+        fsync_test_seconds=0,
+    )

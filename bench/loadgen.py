@@ -1,0 +1,225 @@
+"""The load generator, run as its own process (``python -m bench _loadgen CONFIG``).
+
+Open loop: a send schedule is fixed before the first event (constant rate, or Poisson
+arrivals), and ``writers`` connections take the events in schedule order. A writer sleeps until
+its event's scheduled time, or sends at once when it is late; it never skips an event. Each
+event is one single-row transaction, written either with plain SQL (one autocommit INSERT) or
+through the Python API (``BEGIN``; ``notify_outbox.enqueue``; ``COMMIT``). The payload carries
+the cell number, the event's index and its scheduled time (``time.monotonic_ns()``, which is one
+clock for every process of the host), so the consumer can compute latency from the schedule:
+a stalled writer cannot hide latency (no coordinated omission). For every event the generator
+also records when the send started and when the commit was acknowledged, keyed by index.
+
+Closed loop (``closed: true``): ``writers`` connections insert as fast as they can for
+``duration`` seconds; used for producer overhead when pgbench is not available.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from array import array
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench.arrays import new_array, save_arrays
+from bench.hist import Histogram
+
+__all__ = ["LoadConfig", "build_schedule", "main"]
+
+SQL_INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, $3::jsonb)"
+_CONNECT_TIMEOUT = 15.0
+_START_DELAY_NS = 300_000_000  # the schedule starts this long after every writer connected
+
+
+@dataclass
+class LoadConfig:
+    """What one generator run does (written as JSON by the orchestrator)."""
+
+    dsn: str
+    topic: str
+    cell: int
+    rate: float  # events per second (open loop)
+    warmup: float  # seconds at the offered rate before the measured window
+    duration: float  # seconds of the measured window (closed loop: of the run)
+    writers: int
+    out: str  # where the per-event arrays go
+    producer: str = "sql"  # "sql" or "enqueue"
+    arrival: str = "constant"  # "constant" or "poisson"
+    keys: int = 1000
+    seed: int = 1
+    grace: float = 5.0  # events not started this long after the schedule ends are dropped
+    closed: bool = False
+
+    @classmethod
+    def load(cls, path: Path) -> LoadConfig:
+        """Read a config written by ``save``."""
+        return cls(**json.loads(path.read_text()))
+
+    def save(self, path: Path) -> None:
+        """Write this config as JSON."""
+        path.write_text(json.dumps(asdict(self)))
+
+
+def build_schedule(rate: float, seconds: float, arrival: str, seed: int, t0: int) -> array[int]:
+    """Scheduled send times (monotonic ns) of every event in ``seconds`` from ``t0``."""
+    sched: array[int] = array("q")
+    end = t0 + int(seconds * 1e9)
+    if arrival == "constant":
+        n = round(rate * seconds)
+        step = 1e9 / rate
+        sched.extend(t0 + int(i * step) for i in range(n))
+    elif arrival == "poisson":
+        rng = random.Random(seed)
+        t = float(t0)
+        while True:
+            t += rng.expovariate(rate) * 1e9
+            if t >= end:
+                break
+            sched.append(int(t))
+    else:
+        raise ValueError(f"unknown arrival process {arrival!r}")
+    return sched
+
+
+async def _connect_all(cfg: LoadConfig) -> list[asyncpg.Connection]:
+    if cfg.producer == "enqueue":
+        import notify_outbox  # noqa: F401  (a slow first import must not stall the schedule)
+    elif cfg.producer != "sql":
+        raise ValueError(f"unknown producer {cfg.producer!r}")
+    return list(
+        await asyncio.gather(
+            *(
+                asyncpg.connect(
+                    cfg.dsn,
+                    timeout=_CONNECT_TIMEOUT,
+                    server_settings={"application_name": "bench-loadgen"},
+                )
+                for _ in range(cfg.writers)
+            )
+        )
+    )
+
+
+async def _insert(cfg: LoadConfig, conn: asyncpg.Connection, i: int, sched_ns: int) -> None:
+    key = f"k{i % cfg.keys}"
+    if cfg.producer == "sql":
+        payload = f'{{"c":{cfg.cell},"i":{i},"t":{sched_ns}}}'
+        await conn.execute(SQL_INSERT, cfg.topic, key, payload)
+    else:
+        from notify_outbox import enqueue  # imported early by _connect_all
+
+        async with conn.transaction():
+            await enqueue(
+                conn, topic=cfg.topic, key=key, payload={"c": cfg.cell, "i": i, "t": sched_ns}
+            )
+
+
+async def run_open(cfg: LoadConfig) -> dict[str, Any]:
+    """Run the open-loop schedule; write the arrays; return a summary."""
+    conns = await _connect_all(cfg)
+    t0 = time.monotonic_ns() + _START_DELAY_NS
+    sched = build_schedule(cfg.rate, cfg.warmup + cfg.duration, cfg.arrival, cfg.seed, t0)
+    n = len(sched)
+    send = new_array(n)
+    ack = new_array(n)
+    window_start = t0 + int(cfg.warmup * 1e9)
+    window_end = t0 + int((cfg.warmup + cfg.duration) * 1e9)
+    give_up = window_end + int(cfg.grace * 1e9)
+    next_i = 0
+    errors: list[str] = []
+
+    async def writer(conn: asyncpg.Connection) -> None:
+        nonlocal next_i
+        while next_i < n:
+            i = next_i
+            next_i += 1
+            due = sched[i]
+            now = time.monotonic_ns()
+            if due > now:
+                await asyncio.sleep((due - now) / 1e9)
+                now = time.monotonic_ns()
+            if now > give_up:
+                next_i = n  # far behind the schedule: stop; the rest count as unsent
+                return
+            send[i] = now
+            try:
+                await _insert(cfg, conn, i, due)
+            except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            ack[i] = time.monotonic_ns()
+
+    try:
+        await asyncio.gather(*(writer(c) for c in conns))
+    finally:
+        await asyncio.gather(*(c.close(timeout=5) for c in conns), return_exceptions=True)
+    save_arrays(Path(cfg.out), {"sched": sched, "send": send, "ack": ack})
+    return {
+        "events": n,
+        "sent": sum(1 for v in send if v),
+        "acked": sum(1 for v in ack if v),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "t0": t0,
+        "window_start": window_start,
+        "window_end": window_end,
+    }
+
+
+async def run_closed(cfg: LoadConfig) -> dict[str, Any]:
+    """Insert as fast as possible on every connection for ``duration`` seconds."""
+    conns = await _connect_all(cfg)
+    hist = Histogram()
+    errors: list[str] = []
+    counter = 0
+    start = time.monotonic_ns() + _START_DELAY_NS
+    end = start + int(cfg.duration * 1e9)
+
+    async def writer(conn: asyncpg.Connection) -> None:
+        nonlocal counter
+        delay = (start - time.monotonic_ns()) / 1e9
+        if delay > 0:
+            await asyncio.sleep(delay)
+        while True:
+            t = time.monotonic_ns()
+            if t >= end:
+                return
+            i = counter
+            counter += 1
+            try:
+                await _insert(cfg, conn, i, t)
+            except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            hist.record((time.monotonic_ns() - t) // 1000)
+
+    try:
+        await asyncio.gather(*(writer(c) for c in conns))
+        elapsed = (time.monotonic_ns() - start) / 1e9
+    finally:
+        await asyncio.gather(*(c.close(timeout=5) for c in conns), return_exceptions=True)
+    return {
+        "commits": hist.count,
+        "elapsed": elapsed,
+        "commits_per_s": hist.count / elapsed if elapsed > 0 else 0.0,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "latency": hist.to_json(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``python -m bench _loadgen CONFIG.json``: prints a JSON summary."""
+    cfg = LoadConfig.load(Path(argv[0]))
+    from bench.procs import run_async
+
+    summary = run_async(run_closed(cfg) if cfg.closed else run_open(cfg))
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0

@@ -1,0 +1,114 @@
+"""The baseline: the plain polling outbox publisher of the outbox literature, in one process
+(``python -m bench _poller --interval 0.1``).
+
+Every ``interval`` seconds it opens a transaction, claims up to ``batch`` rows with
+``SELECT ... ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED``, sends them with an idempotent
+aiokafka producer (acks=all; every ``send()`` first, then all acknowledgements together),
+deletes them and commits. While a claim comes back full it claims again at once (it drains a
+backlog); otherwise it sleeps ``interval``. No LISTEN, no trigger, no per-key ordering logic
+(the outbox's own BEFORE INSERT ordering trigger stays, as for every mode).
+
+It reads ``NOTIFY_OUTBOX_DSN`` and ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``, logs
+``poller running`` once connected, and on SIGTERM finishes its batch and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+__all__ = ["main"]
+
+log = logging.getLogger("bench.poller")
+
+CLAIM = """
+SELECT id, event_id, topic, key, payload::text AS payload
+FROM outbox
+WHERE published_at IS NULL
+ORDER BY id
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+DELETE = "DELETE FROM outbox WHERE id = ANY($1::bigint[])"
+_SEND_TIMEOUT = 15.0
+_CONNECT_TIMEOUT = 15.0
+
+
+async def _poll_once(conn: asyncpg.Connection, producer: AIOKafkaProducer, batch: int) -> int:
+    async with conn.transaction():
+        rows = await conn.fetch(CLAIM, batch)
+        if not rows:
+            return 0
+        futures = []
+        for r in rows:
+            futures.append(
+                await producer.send(
+                    r["topic"],
+                    value=r["payload"].encode() if r["payload"] is not None else None,
+                    key=r["key"].encode() if r["key"] is not None else None,
+                    headers=[("outbox-event-id", str(r["event_id"]).encode())],
+                )
+            )
+        async with asyncio.timeout(_SEND_TIMEOUT):
+            await asyncio.gather(*futures)
+        await conn.execute(DELETE, [r["id"] for r in rows])
+    return len(rows)
+
+
+async def run(interval: float, batch: int) -> None:
+    """Poll until SIGTERM/SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    conn = await asyncpg.connect(
+        os.environ["NOTIFY_OUTBOX_DSN"],
+        timeout=_CONNECT_TIMEOUT,
+        server_settings={"application_name": "bench-poller"},
+    )
+    producer = AIOKafkaProducer(
+        bootstrap_servers=os.environ["NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"].split(","),
+        acks="all",
+        enable_idempotence=True,
+        client_id="bench-poller",
+    )
+    try:
+        async with asyncio.timeout(_CONNECT_TIMEOUT):
+            await producer.start()
+        log.info("poller running: interval %.3fs, batch %d", interval, batch)
+        while not stop.is_set():
+            n = await _poll_once(conn, producer, batch)
+            if n < batch:
+                try:
+                    async with asyncio.timeout(interval):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
+    finally:
+        try:
+            async with asyncio.timeout(_SEND_TIMEOUT):
+                await producer.stop()
+        finally:
+            await conn.close(timeout=5)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``python -m bench _poller [--interval S] [--batch N]``."""
+    p = argparse.ArgumentParser(prog="python -m bench _poller")
+    p.add_argument("--interval", type=float, default=0.1)
+    p.add_argument("--batch", type=int, default=100)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    from bench.procs import run_async
+
+    run_async(run(args.interval, args.batch))
+    return 0

@@ -1,0 +1,478 @@
+"""From a result JSON to the summary, the markdown table and the plots
+(``python -m bench report FILE.json``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["summarize", "write_report"]
+
+_PCTS = ("p50", "p95", "p99", "p99.9", "max")
+
+
+def _med(values: Iterable[float | None]) -> float:
+    vs = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(vs) if vs else math.nan
+
+
+def _majority(flags: list[bool]) -> bool:
+    return sum(flags) * 2 > len(flags)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians over repetitions, maximum throughput per mode, producer ratios, targets."""
+    # A load that did not keep up is tried a second time in the first round; the second
+    # attempt stands for that round (both stay in the JSON).
+    final: dict[tuple[str, float, str, str, int], dict[str, Any]] = {}
+    for c in result["latency_cells"]:
+        key = (c["mode"], float(c["load"]), c["arrival"], c["producer"], int(c["rep"]))
+        if key not in final or c.get("attempt", 1) >= final[key].get("attempt", 1):
+            final[key] = c
+    groups: dict[tuple[str, float, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for c in final.values():
+        groups[(c["mode"], float(c["load"]), c["arrival"], c["producer"])].append(c)
+    latency = []
+    for (mode, load, arrival, producer), cells in groups.items():
+        row: dict[str, Any] = {
+            "mode": mode,
+            "load": load,
+            "arrival": arrival,
+            "producer": producer,
+            "reps": len(cells),
+            "commit_rate": _med(c["commit_rate"] for c in cells),
+            "delivered_rate": _med(c["delivered_rate"] for c in cells),
+            "sustained_reps": sum(bool(c["sustained"]) for c in cells),
+            "keeps_up_reps": sum(bool(c["keeps_up"]) for c in cells),
+            "sustained": _majority([bool(c["sustained"]) for c in cells]),
+            "keeps_up": _majority([bool(c["keeps_up"]) for c in cells]),
+            "missing": sum(int(c["missing"]) for c in cells),
+            "limits": sorted({str(c.get("limit")) for c in cells if c.get("limit")}),
+            "mode_cpu_us_per_event": _med(c.get("mode_cpu_us_per_event") for c in cells),
+            "host_cpu_busy": _med(c.get("host_cpu_busy") for c in cells),
+        }
+        for metric in ("e2e", "ack_to_recv"):
+            row[metric] = {p: _med(c["latency"][metric].get(p) for c in cells) for p in _PCTS}
+        row["stages"] = {
+            stage: {p: _med(c["stages"][stage].get(p) for c in cells) for p in ("p50", "p99")}
+            for stage in cells[0]["stages"]
+        }
+        latency.append(row)
+    mode_order = list(result["config"]["modes"])
+    latency.sort(
+        key=lambda r: (
+            mode_order.index(r["mode"]) if r["mode"] in mode_order else 99,
+            r["arrival"] != "constant" or r["producer"] != "sql",
+            r["load"],
+            r["arrival"],
+            r["producer"],
+        )
+    )
+    main = [r for r in latency if r["arrival"] == "constant" and r["producer"] == "sql"]
+    throughput = {}
+    for mode in mode_order:
+        rows = [r for r in main if r["mode"] == mode]
+        if not rows:
+            continue
+        throughput[mode] = {
+            "max_sustained": max((r["load"] for r in rows if r["sustained"]), default=None),
+            "max_keeping_up": max((r["load"] for r in rows if r["keeps_up"]), default=None),
+            "highest_tried": max(r["load"] for r in rows),
+            "first_failing": min((r["load"] for r in rows if not r["keeps_up"]), default=None),
+        }
+        failing = [r for r in rows if not r["keeps_up"]]
+        throughput[mode]["first_failing_limit"] = (
+            "/".join(min(failing, key=lambda r: r["load"])["limits"]) if failing else None
+        )
+    producer_rows = _producer_summary(result)
+    idle = {
+        i["mode"]: {k: i[k] for k in ("queries_per_s", "commits_per_s", "cpu_percent")}
+        for i in result["idle"]
+    }
+    summary: dict[str, Any] = {
+        "latency": latency,
+        "throughput": throughput,
+        "producer": producer_rows,
+        "idle": idle,
+        "final_cells": sorted(int(c["cell"]) for c in final.values()),
+    }
+    summary["targets"] = _targets(summary)
+    return summary
+
+
+def _producer_summary(result: dict[str, Any]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for c in result["producer_cells"]:
+        groups[(c["variant"], int(c["writers"]))].append(c)
+    rows: list[dict[str, Any]] = []
+    for (variant, writers), cells in groups.items():
+        rows.append(
+            {
+                "variant": variant,
+                "writers": writers,
+                "reps": len(cells),
+                "commits_per_s": _med(c["commits_per_s"] for c in cells),
+                "p50": _med(c["latency"]["p50"] for c in cells),
+                "p99": _med(c["latency"]["p99"] for c in cells),
+            }
+        )
+    base = {(r["variant"], r["writers"]): r["commits_per_s"] for r in rows}
+    for r in rows:
+        for ref in ("no-trigger", "no-trigger+relay"):
+            b = base.get((ref, r["writers"]))
+            r[f"vs_{ref}"] = r["commits_per_s"] / b if b else math.nan
+    order = list(result["config"]["variants"])
+    rows.sort(
+        key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99, r["writers"])
+    )
+    return rows
+
+
+def _find(summary: dict[str, Any], mode: str, load: float) -> dict[str, Any] | None:
+    for r in summary["latency"]:
+        if (
+            r["mode"] == mode
+            and r["load"] == load
+            and r["arrival"] == "constant"
+            and r["producer"] == "sql"
+        ):
+            found: dict[str, Any] = r
+            return found
+    return None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else "met" if ok else "MISSED"
+
+
+def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, measured: str, ok: bool | None, stretch: bool | None = None) -> None:
+        out.append(
+            {
+                "target": target,
+                "measured": measured,
+                "verdict": _verdict(ok),
+                "stretch": _verdict(stretch) if stretch is not None else "",
+            }
+        )
+
+    for load, p50_t, p99_t, st50, st99 in ((100, 5, 20, 2, 10), (1000, 10, 30, None, 15)):
+        r = _find(summary, "notify", load)
+        if r is None:
+            add(f"notify @ {load} ev/s: p50 <= {p50_t} ms, p99 <= {p99_t} ms", "not run", None)
+            continue
+        a = r["ack_to_recv"]
+        ok = a["p50"] <= p50_t and a["p99"] <= p99_t
+        stretch = (st50 is None or a["p50"] <= st50) and a["p99"] <= st99
+        add(
+            f"notify @ {load} ev/s, commit ack -> receive: p50 <= {p50_t} ms, p99 <= {p99_t} ms",
+            f"p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms "
+            f"(from schedule: p50 {r['e2e']['p50']:.2f}, p99 {r['e2e']['p99']:.2f})",
+            ok,
+            stretch,
+        )
+    for common in (100.0, 1000.0):
+        n, p = _find(summary, "notify", common), _find(summary, "poll-100ms", common)
+        if n is None or p is None:
+            continue
+        ratio = p["ack_to_recv"]["p50"] / n["ack_to_recv"]["p50"]
+        add(
+            f"notify p50 >= 10x lower than 100 ms polling, {common:g} ev/s",
+            f"{ratio:.1f}x ({n['ack_to_recv']['p50']:.2f} vs {p['ack_to_recv']['p50']:.1f} ms)",
+            ratio >= 10,
+            ratio >= 25,
+        )
+    t = summary["throughput"].get("notify")
+    if t is not None:
+        best = float(t["max_sustained"] or 0)
+        add(
+            "notify max sustained throughput >= 5k ev/s (stretch 10k)",
+            f"{best:g} ev/s (highest tried {t['highest_tried']:g}; first not keeping up: "
+            + (
+                f"{t['first_failing']:g}, limited by {t['first_failing_limit']})"
+                if t["first_failing"] is not None
+                else "none)"
+            ),
+            best >= 5000,
+            best >= 10000,
+        )
+    prod = {(r["variant"], r["writers"]): r for r in summary["producer"]}
+    for (variant, writers), r in sorted(prod.items()):
+        if variant != "shipped+relay":
+            continue
+        ratio = r["vs_no-trigger"]
+        fair = r["vs_no-trigger+relay"]
+        add(
+            f"producer commits/s, trigger + relay vs no trigger, {writers} writer(s): >= 90%",
+            f"{100 * ratio:.0f}% of no-trigger, {100 * fair:.0f}% of no-trigger+relay",
+            None if math.isnan(ratio) else ratio >= 0.9,
+            None if math.isnan(ratio) else ratio >= 0.97,
+        )
+    for mode in ("notify", "relay-poll"):
+        i = summary["idle"].get(mode)
+        if i is None or i["queries_per_s"] is None:
+            continue
+        q = i["queries_per_s"]
+        add(
+            f"idle load of {mode}: <= 1 query/s (stretch 0.2)",
+            f"{q:.2f} queries/s, {i['commits_per_s']:.2f} commits/s",
+            q <= 1.0 if mode == "notify" else None,
+            q <= 0.2 if mode == "notify" else None,
+        )
+    return out
+
+
+# --- markdown ---------------------------------------------------------------------------------
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    """The human-readable report of one run."""
+    env = result.get("environment", {})
+    host = env.get("host", {})
+    pg = env.get("postgres", {}).get("settings", {})
+    cfg = result["config"]
+    git = env.get("git", {})
+    fs = env.get("fdatasync_probe", {})
+    ptf = env.get("pg_test_fsync", {})
+    lines = [
+        f"# notify-outbox bench {result['run_id']} ({cfg['preset']})",
+        "",
+        f"- machine: {host.get('cpu_model')} x{host.get('cores')} cores, "
+        f"{host.get('memory_gib')} GiB, kernel {host.get('kernel')}, Python {host.get('python')}",
+        f"- fsync: fdatasync probe median {fs.get('median_us')} µs"
+        + (
+            f"; pg_test_fsync fdatasync {ptf.get('fdatasync_us_per_op')} µs/op"
+            if ptf.get("fdatasync_us_per_op")
+            else ""
+        ),
+        f"- PostgreSQL {pg.get('server_version')}: "
+        f"synchronous_commit={pg.get('synchronous_commit')}, fsync={pg.get('fsync')}, "
+        f"shared_buffers={pg.get('shared_buffers')}, "
+        f"wal_sync_method={pg.get('wal_sync_method')}; Kafka "
+        f"{env.get('kafka', {}).get('version')} (one broker, acks=all, idempotent producers)",
+        f"- git {str(git.get('revision'))[:12]} on {git.get('branch')}"
+        + (" (uncommitted changes)" if git.get("dirty") else ""),
+        f"- noise: load average {result.get('load_average_start')} at start, "
+        f"{result.get('load_average_end')} at end; host CPU busy "
+        f"{_f(100 * (result.get('host_cpu_busy') or math.nan), 0)}% over "
+        f"{_f(result.get('wall_seconds'), 0)} s",
+        f"- cells: {cfg['warmup']:g} s warm-up + {cfg['duration']:g} s measured, "
+        f"{cfg['repeat']} repetition(s), medians over repetitions; single-row transactions "
+        "(plain SQL autocommit INSERT unless noted), open loop, constant rate unless noted",
+        "",
+        "Latency is in milliseconds. **e2e** is from the event's *scheduled* send time to the "
+        "consumer's receipt (includes generator lag and the INSERT+COMMIT: no coordinated "
+        "omission); **ack->recv** is from the producer's commit acknowledgement to the receipt "
+        "(the targets' definition).",
+        "",
+        "## Targets",
+        "",
+    ]
+    lines += _table(
+        ["target", "measured", "verdict", "stretch"],
+        [[t["target"], t["measured"], t["verdict"], t["stretch"]] for t in summary["targets"]],
+    )
+    lines += ["", "## Latency per mode and offered load", ""]
+    rows = []
+    for r in summary["latency"]:
+        variant = (
+            ""
+            if r["arrival"] == "constant" and r["producer"] == "sql"
+            else (f" ({r['arrival']}, {r['producer']})")
+        )
+        e, a = r["e2e"], r["ack_to_recv"]
+        verdict = (
+            f"sustained {r['sustained_reps']}/{r['reps']}"
+            if r["sustained"]
+            else f"keeps up {r['keeps_up_reps']}/{r['reps']}"
+            if r["keeps_up"]
+            else f"saturated: {'/'.join(r['limits'])} ({r['keeps_up_reps']}/{r['reps']} keep up)"
+        )
+        rows.append(
+            [
+                r["mode"] + variant,
+                f"{r['load']:g}",
+                _f(r["commit_rate"]),
+                _f(r["delivered_rate"]),
+                *(_f(e[p]) for p in _PCTS),
+                _f(a["p50"]),
+                _f(a["p99"]),
+                _f(a["p99.9"]),
+                verdict,
+            ]
+        )
+    lines += _table(
+        [
+            "mode",
+            "offered ev/s",
+            "committed/s",
+            "delivered/s",
+            "e2e p50",
+            "p95",
+            "p99",
+            "p99.9",
+            "max",
+            "ack->recv p50",
+            "p99",
+            "p99.9",
+            "verdict",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        "*sustained*: committed within 1% of offered, every event delivered, latency flat across "
+        "the window (median of the last fifth <= 1.5x the first fifth + 10 ms), e2e p99 <= 100 "
+        "ms. *keeps up*: the same without the latency limit. *saturated: commit*: the "
+        "producers could not commit at the offered rate (the load generator and PostgreSQL "
+        "share the 2 cores with Kafka and the mode under test); *saturated: delivery*: the mode "
+        "fell behind (latency grew through the window, or events did not arrive).",
+        "",
+        "## Maximum throughput per mode",
+        "",
+    ]
+    lines += _table(
+        ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
+        [
+            [
+                m,
+                _f(t["max_sustained"]),
+                _f(t["max_keeping_up"]),
+                _f(t["highest_tried"]),
+                _f(t["first_failing"])
+                + (f" ({t['first_failing_limit']})" if t.get("first_failing_limit") else ""),
+            ]
+            for m, t in summary["throughput"].items()
+        ],
+    )
+    stage_load = float(cfg.get("variant_load") or 1000)
+    lines += ["", f"## Stage breakdown at {stage_load:g} ev/s (p50 / p99, ms)", ""]
+    srows = []
+    for r in summary["latency"]:
+        if r["load"] != stage_load or r["arrival"] != "constant" or r["producer"] != "sql":
+            continue
+        s = r["stages"]
+        srows.append(
+            [
+                r["mode"],
+                *(f"{_f(s[k]['p50'])} / {_f(s[k]['p99'])}" for k in s),
+                _f(r["mode_cpu_us_per_event"], 0),
+                _f(100 * r["host_cpu_busy"], 0),
+            ]
+        )
+    lines += _table(
+        [
+            "mode",
+            "schedule -> send (generator lag)",
+            "send -> commit ack",
+            "commit ack -> Kafka send (±0.5 ms)",
+            "Kafka send -> receive",
+            "relay/poller CPU µs per event",
+            "host CPU busy %",
+        ],
+        srows,
+    )
+    lines += [
+        "",
+        "The Kafka send time is the record's CreateTime, stamped by the publishing producer "
+        "at `send()` with millisecond resolution.",
+        "",
+        "## Producer overhead (single-row INSERT transactions, as fast as possible)",
+        "",
+    ]
+    lines += _table(
+        [
+            "variant",
+            "writers",
+            "commits/s",
+            "latency p50",
+            "p99",
+            "vs no-trigger",
+            "vs no-trigger+relay",
+        ],
+        [
+            [
+                r["variant"],
+                str(r["writers"]),
+                _f(r["commits_per_s"]),
+                _f(r["p50"], 3),
+                _f(r["p99"], 3),
+                _pct(r["vs_no-trigger"]),
+                _pct(r["vs_no-trigger+relay"]),
+            ]
+            for r in summary["producer"]
+        ],
+    )
+    variants = result.get("variants", {})
+    lines += [""] + [f"- `{n}`: {v['description']}" for n, v in variants.items()]
+    lines += [
+        f"- driver: {result.get('producer_driver', '-')}, "
+        f"{cfg['producer_seconds']:g} s per cell, {cfg['producer_repeat']} repetition(s)",
+        "",
+        f"## Idle load (no traffic, {cfg['idle_seconds']:g} s, all modes at once, each on its own "
+        "database)",
+        "",
+    ]
+    lines += _table(
+        ["mode", "queries/s (pg_stat_statements)", "commits/s (pg_stat_database)", "process CPU %"],
+        [
+            [m, _f(i["queries_per_s"]), _f(i["commits_per_s"]), _f(i["cpu_percent"])]
+            for m, i in summary["idle"].items()
+        ],
+    )
+    lines += ["", "## Modes", ""]
+    lines += [f"- `{n}`: {m['description']}" for n, m in result["modes"].items()]
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p}]({p})" for p in plots]
+    notes = list(result.get("notes", [])) + [f"ERROR: {e}" for e in result.get("errors", [])]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _pct(v: float) -> str:
+    return "-" if v is None or math.isnan(v) else f"{100 * v:.0f}%"
+
+
+def write_report(json_path: Path, *, plots: bool = True) -> Path:
+    """Write ``<stem>.md`` (and the PNG plots) next to ``json_path``; returns the md path."""
+    result = json.loads(json_path.read_text())
+    summary = summarize(result)
+    names: list[str] = []
+    if plots:
+        try:
+            from bench.plots import make_plots
+        except ImportError as e:  # matplotlib is optional: the tables do not need it
+            result.setdefault("notes", []).append(f"plots skipped: {e}")
+        else:
+            paths = make_plots(result, summary, json_path.parent, json_path.stem)
+            names = [p.name for p in paths]
+    md = json_path.with_suffix(".md")
+    md.write_text(render_markdown(result, summary, names))
+    return md

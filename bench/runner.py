@@ -1,0 +1,830 @@
+"""The orchestrator of one run: services, environment, idle load, latency cells, producer
+overhead; it writes the result JSON and hands it to the report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench import envinfo
+from bench.analysis import analyse_cell
+from bench.arrays import load_arrays
+from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, writers_for
+from bench.hist import Histogram
+from bench.loadgen import LoadConfig
+from bench.procs import ROOT, BenchError, Child, child_env, python_argv
+from bench.progress import Progress
+from bench.services import (
+    Services,
+    close_services,
+    make_work_dir,
+    open_services,
+    remove_work_dir,
+    set_notify,
+)
+
+__all__ = ["Runner"]
+
+_READY_TIMEOUT = 60.0
+_STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
+_QUERY_TIMEOUT = 30.0
+_EMPTY_TIMEOUT = 30.0
+
+
+def snapshot_source(work: Path) -> tuple[Path, dict[str, Any]]:
+    """Copy ``notify_outbox/`` and ``sql/`` of this checkout into ``work/src``: every process
+    of the run imports the relay from there (it is the working directory of every child, so
+    first on ``sys.path``), so edits to the checkout during a run cannot mix two versions."""
+    src = work / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "notify_outbox", src / "notify_outbox", ignore=ignore)
+    shutil.copytree(ROOT / "sql", src / "sql", ignore=ignore)
+    digest = hashlib.sha256()
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    for p in files:
+        digest.update(str(p.relative_to(src)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return src, {"sha256": digest.hexdigest(), "files": len(files)}
+
+
+def _utc() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+@dataclass
+class _ModeDb:
+    mode: Mode
+    dsn: str
+    topic: str
+    notify: dict[str, Any] = field(default_factory=dict)
+
+
+class Runner:
+    """Runs every phase of ``cfg`` and writes ``<out>/<UTC timestamp>.json``."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, *, keep_work_dir: bool = False) -> None:
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.keep = keep_work_dir
+        self.run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        self.work = make_work_dir()
+        self.src, self.src_digest = snapshot_source(self.work)
+        self.progress = Progress()
+        self.result: dict[str, Any] = {
+            "schema": 1,
+            "run_id": self.run_id,
+            "started_utc": _utc(),
+            "config": cfg.to_json(),
+            "modes": {name: MODES[name].to_json() for name in cfg.modes},
+            "variants": {name: VARIANTS[name].to_json() for name in cfg.variants},
+            "idle": [],
+            "latency_cells": [],
+            "producer_cells": [],
+            "notes": [],
+        }
+        self._cell_no = 0
+        self._log_no = 0
+        self.errors: list[str] = []
+
+    # --- the run ------------------------------------------------------------------------------
+
+    async def run(self) -> Path:
+        """Run everything; returns the path of the JSON written. BenchError if the bench broke
+        (the JSON is still written when there is something to write)."""
+        self.result["load_average_start"] = _loadavg()
+        cpu0 = envinfo.cpu_times()
+        t0 = time.monotonic()
+        services: Services | None = None
+        ok = False
+        try:
+            self.progress.line(f"bench {self.cfg.preset}: work dir {self.work}")
+            self.progress.status("starting PostgreSQL and Kafka")
+            services = await open_services(self.work)
+            services.src = self.src
+            self.progress.line(
+                f"services: {'own devstack (durable)' if services.own_stack else 'from env'} "
+                f"{services.bootstrap}"
+            )
+            await self._environment(services)
+            dbs = await self._setup_modes(services)
+            if "idle" not in self.cfg.skip:
+                await self._idle_phase(services, dbs)
+            if "latency" not in self.cfg.skip:
+                await self._latency_phase(services, dbs)
+            if "producer" not in self.cfg.skip:
+                await self._producer_phase(services)
+            ok = not self.errors
+        finally:
+            busy1, total1 = envinfo.cpu_times()
+            self.result["load_average_end"] = _loadavg()
+            self.result["host_cpu_busy"] = (
+                (busy1 - cpu0[0]) / (total1 - cpu0[1]) if total1 > cpu0[1] else None
+            )
+            self.result["wall_seconds"] = round(time.monotonic() - t0, 1)
+            self.result["finished_utc"] = _utc()
+            self.result["errors"] = self.errors
+            if services is not None:
+                try:
+                    await close_services(services)
+                except Exception as e:
+                    self.errors.append(f"stopping services: {type(e).__name__}: {e}")
+            path = self._write()
+            if ok and not self.keep:
+                remove_work_dir(self.work)
+            else:
+                self.progress.line(f"work dir kept: {self.work}")
+        if self.errors:
+            raise BenchError("; ".join(self.errors[:5]))
+        return path
+
+    def _write(self) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"{self.run_id}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(_clean(self.result), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    # --- environment --------------------------------------------------------------------------
+
+    async def _environment(self, services: Services) -> None:
+        self.progress.status("recording the environment")
+        env: dict[str, Any] = {
+            "host": envinfo.host_info(),
+            "libraries": envinfo.library_versions(),
+            "git": await asyncio.to_thread(envinfo.git_info),
+            "services": "own devstack Stack (durable=True)" if services.own_stack else "env",
+            "relay_source": {"snapshot_of": str(ROOT), **self.src_digest},
+        }
+        probe_dir = self.work / "stack" if services.own_stack else self.work
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        env["fdatasync_probe"] = await asyncio.to_thread(envinfo.fdatasync_probe, probe_dir, 1.0)
+        if self.cfg.fsync_test_seconds > 0:
+            self.progress.status(f"pg_test_fsync -s {self.cfg.fsync_test_seconds}")
+            env["pg_test_fsync"] = await asyncio.to_thread(
+                envinfo.pg_test_fsync, probe_dir, self.cfg.fsync_test_seconds
+            )
+        env["postgres"] = await envinfo.postgres_info(services.dsn)
+        env["kafka"] = {
+            "version": services.kafka_version or "unknown (external broker)",
+            "broker_configs": await services.broker_configs(),
+        }
+        try:
+            await services.admin("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            env["pg_stat_statements"] = True
+        except asyncpg.PostgresError as e:
+            env["pg_stat_statements"] = False
+            self.result["notes"].append(f"pg_stat_statements unavailable: {e}")
+        self.result["environment"] = env
+        fs = env["fdatasync_probe"]
+        pg = env["postgres"]["settings"]
+        self.progress.line(
+            f"env: {env['host']['cpu_model']} x{env['host']['cores']}, "
+            f"fdatasync median {fs['median_us']} µs, PostgreSQL {pg.get('server_version')} "
+            f"synchronous_commit={pg.get('synchronous_commit')} fsync={pg.get('fsync')}, "
+            f"load {self.result['load_average_start']}"
+        )
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    async def _setup_modes(self, services: Services) -> dict[str, _ModeDb]:
+        dbs: dict[str, _ModeDb] = {}
+        for name in self.cfg.modes:
+            mode = MODES[name]
+            self.progress.status(f"set-up: database and topic for {name}")
+            dsn = await services.create_database(f"bench_{self.run_id.lower()}_{_slug(name)}")
+            topic = f"bench-{self.run_id.lower()}-{_slug(name)}"
+            await services.create_topic(topic, self.cfg.partitions)
+            notify = await set_notify(dsn, mode.notify)
+            dbs[name] = _ModeDb(mode, dsn, topic, notify)
+            self.result["modes"][name]["database_setup"] = notify
+        return dbs
+
+    def _log_path(self, what: str) -> Path:
+        self._log_no += 1
+        return self.work / "logs" / f"{self._log_no:03d}-{_slug(what)}.log"
+
+    async def _start_mode(self, services: Services, mode: Mode, dsn: str) -> Child:
+        if mode.kind == "relay":
+            argv = python_argv("-m", "notify_outbox", "run", *mode.args)
+            ready = r"relay running"
+        else:
+            argv = python_argv("-m", "bench", "_poller", *mode.args)
+            ready = r"poller running"
+        env = child_env(
+            {
+                "NOTIFY_OUTBOX_DSN": dsn,
+                "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
+                **dict(mode.env),
+            }
+        )
+        cwd = Path(mode.cwd) if mode.cwd else self.src
+        if mode.cwd:
+            # `python -m` puts the working directory first on sys.path: that tree's relay wins.
+            env["PYTHONPATH"] = f"{cwd}{os.pathsep}{env['PYTHONPATH']}"
+        child = await Child.start(
+            mode.name, argv, env=env, log_path=self._log_path(mode.name), cwd=cwd
+        )
+        try:
+            await child.wait_for_log(ready, _READY_TIMEOUT)
+        except BaseException:
+            await child.stop(5)
+            raise
+        return child
+
+    async def _stop(self, child: Child) -> None:
+        code = await child.stop(_STOP_TIMEOUT)
+        if code not in (0, -15):
+            self.result["notes"].append(f"{child.name} exited with {code} (log {child.log_path})")
+
+    # --- idle ---------------------------------------------------------------------------------
+
+    async def _db_counters(self, services: Services, names: list[str]) -> dict[str, Any]:
+        conn = await asyncpg.connect(services.dsn, timeout=_QUERY_TIMEOUT)
+        try:
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
+            rows = await conn.fetch(
+                "SELECT datname, oid, xact_commit, xact_rollback FROM pg_stat_database "
+                "JOIN pg_database USING (datname) WHERE datname = ANY($1::text[])",
+                names,
+            )
+            out: dict[str, Any] = {
+                r["datname"]: {"xacts": r["xact_commit"] + r["xact_rollback"], "calls": None}
+                for r in rows
+            }
+            if self.result["environment"].get("pg_stat_statements"):
+                calls = await conn.fetch(
+                    "SELECT d.datname, sum(s.calls)::bigint AS calls FROM pg_stat_statements s "
+                    "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = ANY($1::text[]) "
+                    "GROUP BY d.datname",
+                    names,
+                )
+                for r in calls:
+                    out[r["datname"]]["calls"] = r["calls"]
+                for name in out:
+                    if out[name]["calls"] is None:
+                        out[name]["calls"] = 0
+            return out
+        finally:
+            await conn.close(timeout=5)
+
+    async def _idle_phase(self, services: Services, dbs: dict[str, _ModeDb]) -> None:
+        """Every mode's process at once, no traffic: queries/s and commits/s of its own
+        database (pg_stat_statements, pg_stat_database) and the process's CPU."""
+        seconds = self.cfg.idle_seconds
+        self.progress.status(f"idle: starting {len(dbs)} processes")
+        children: dict[str, Child] = {}
+        try:
+            started = await asyncio.gather(
+                *(self._start_mode(services, db.mode, db.dsn) for db in dbs.values()),
+                return_exceptions=True,
+            )
+            for name, child in zip(dbs, started, strict=True):
+                if isinstance(child, Child):
+                    children[name] = child
+            for child in started:
+                if isinstance(child, BaseException):
+                    raise child
+            await asyncio.sleep(min(5.0, max(1.0, seconds / 10)))  # let start-up work finish
+            names = {name: _db_name(db.dsn) for name, db in dbs.items()}
+            before = await self._db_counters(services, list(names.values()))
+            cpu0 = {name: c.cpu() for name, c in children.items()}
+            t0 = time.monotonic()
+            while (left := seconds - (time.monotonic() - t0)) > 0:
+                self.progress.status(f"idle: measuring, {left:.0f}s left")
+                await asyncio.sleep(min(1.0, left))
+            elapsed = time.monotonic() - t0
+            after = await self._db_counters(services, list(names.values()))
+            for name, child in children.items():
+                db_name = names[name]
+                b, a = before.get(db_name, {}), after.get(db_name, {})
+                calls = (
+                    (a["calls"] - b["calls"]) / elapsed
+                    if a.get("calls") is not None and b.get("calls") is not None
+                    else None
+                )
+                xacts = (a["xacts"] - b["xacts"]) / elapsed if a and b else None
+                record = {
+                    "mode": name,
+                    "seconds": round(elapsed, 2),
+                    "queries_per_s": calls,
+                    "commits_per_s": xacts,
+                    "cpu_percent": 100.0 * (child.cpu() - cpu0[name]) / elapsed,
+                }
+                self.result["idle"].append(record)
+                self.progress.line(
+                    f"idle {name:<12} {_fmt(calls)} queries/s, {_fmt(xacts)} commits/s, "
+                    f"CPU {record['cpu_percent']:.2f}%"
+                )
+        finally:
+            for child in children.values():
+                await self._stop(child)
+
+    # --- latency ------------------------------------------------------------------------------
+
+    async def _latency_phase(self, services: Services, dbs: dict[str, _ModeDb]) -> None:
+        loads_of: dict[str, list[float]] = {}
+        cfg = self.cfg
+        for rep in range(cfg.repeat):
+            for db in dbs.values():
+                await self._mode_block(services, db, rep, loads_of)
+
+    async def _mode_block(
+        self, services: Services, db: _ModeDb, rep: int, loads_of: dict[str, list[float]]
+    ) -> None:
+        cfg = self.cfg
+        name = db.mode.name
+        self.progress.status(f"{name} rep {rep + 1}: starting consumer and {db.mode.kind}")
+        consumer = await Child.start(
+            f"consumer {name}",
+            python_argv("-m", "bench", "_consumer", services.bootstrap, db.topic),
+            env=child_env({}),
+            log_path=self._log_path(f"consumer-{name}"),
+            pipes=True,
+            cwd=self.src,
+        )
+        process: Child | None = None
+        conn: asyncpg.Connection | None = None
+        try:
+            starting = asyncio.ensure_future(self._start_mode(services, db.mode, db.dsn))
+            try:
+                ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
+            finally:
+                process = await starting
+            if not ready.get("ready"):
+                raise BenchError(f"consumer for {name} did not get ready: {ready}")
+            conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
+            planned = loads_of.get(name)
+            if planned is None:
+                done: list[float] = []
+                queue = list(cfg.loads)
+                while queue:
+                    load = queue.pop(0)
+                    cell = await self._cell(services, db, consumer, process, conn, rep, load)
+                    if not cell["keeps_up"]:
+                        # One noisy minute must not end the climb: a load counts as saturated
+                        # only when a second attempt fails too (both are kept and reported).
+                        self.progress.line(f"{name} {load:g} ev/s: not keeping up; once more")
+                        cell = await self._cell(
+                            services, db, consumer, process, conn, rep, load, attempt=2
+                        )
+                    done.append(load)
+                    if not cell["keeps_up"]:
+                        break
+                    if not queue and cfg.extend_loads and load * 1.5 <= cfg.max_load:
+                        queue.append(float(math.ceil(load * 1.5 / 500.0) * 500))
+                loads_of[name] = done
+            else:
+                for load in planned:
+                    await self._cell(services, db, consumer, process, conn, rep, load)
+            if name in cfg.variant_modes:
+                for arrival, producer in (("poisson", "sql"), ("constant", "enqueue")):
+                    await self._cell(
+                        services,
+                        db,
+                        consumer,
+                        process,
+                        conn,
+                        rep,
+                        cfg.variant_load,
+                        arrival=arrival,
+                        producer=producer,
+                        profile=cfg.profile and rep == 0 and producer == "sql",
+                    )
+        finally:
+            if conn is not None:
+                await conn.close(timeout=5)
+            with contextlib.suppress(Exception):
+                await consumer.send_line(json.dumps({"cmd": "quit"}))
+            await consumer.stop(15)
+            if process is not None:
+                await self._stop(process)
+
+    async def _cell(
+        self,
+        services: Services,
+        db: _ModeDb,
+        consumer: Child,
+        process: Child,
+        conn: asyncpg.Connection,
+        rep: int,
+        load: float,
+        *,
+        arrival: str = "constant",
+        producer: str = "sql",
+        profile: bool = False,
+        attempt: int = 1,
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        self._cell_no += 1
+        n = self._cell_no
+        writers = cfg.writers or writers_for(load)
+        label = f"{db.mode.name} {load:g} ev/s {arrival}/{producer} rep {rep + 1}"
+        self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
+        cells_dir = self.work / "cells"
+        cells_dir.mkdir(parents=True, exist_ok=True)
+        gen_path = cells_dir / f"c{n}-gen.bin"
+        got_path = cells_dir / f"c{n}-got.bin"
+        lc = LoadConfig(
+            dsn=db.dsn,
+            topic=db.topic,
+            cell=n,
+            rate=load,
+            warmup=cfg.warmup,
+            duration=cfg.duration,
+            writers=writers,
+            out=str(gen_path),
+            producer=producer,
+            arrival=arrival,
+            keys=cfg.keys,
+            seed=n,
+            grace=max(2.0, cfg.duration / 2),
+        )
+        config_path = cells_dir / f"c{n}-config.json"
+        lc.save(config_path)
+        cpu0 = process.cpu()
+        host0 = envinfo.cpu_times()
+        started = _utc()
+        gen = await Child.start(
+            f"loadgen cell {n}",
+            python_argv("-m", "bench", "_loadgen", str(config_path)),
+            env=child_env({}),
+            log_path=self._log_path(f"loadgen-{n}"),
+            pipes=True,
+            cwd=self.src,
+        )
+        profiler: asyncio.subprocess.Process | None = None
+        if profile:
+            profiler = await self._start_profiler(process, n)
+        try:
+            limit = cfg.warmup + cfg.duration + lc.grace + 60.0
+            summary = json.loads(await gen.read_line(limit))
+            code = await gen.wait(10)
+            if code != 0:
+                raise BenchError(f"load generator of cell {n} exited {code}:\n{gen.tail()}")
+        finally:
+            await gen.stop(5)
+        self.progress.status(f"{label}: waiting for {summary['acked']} events at the consumer")
+        await consumer.send_line(
+            json.dumps(
+                {
+                    "cmd": "collect",
+                    "cell": n,
+                    "expect": summary["acked"],
+                    "timeout": cfg.drain_timeout,
+                    "out": str(got_path),
+                }
+            )
+        )
+        reply = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
+        cpu_used = process.cpu() - cpu0
+        host1 = envinfo.cpu_times()
+        if profiler is not None:
+            await self._stop_profiler(profiler)
+        analysis = analyse_cell(
+            load_arrays(gen_path),
+            load_arrays(got_path),
+            summary["window_start"],
+            summary["window_end"],
+        )
+        drained, residual = await self._wait_empty(conn)
+        for p in (gen_path, got_path, config_path):
+            p.unlink(missing_ok=True)
+        total_events = summary["acked"]
+        cell: dict[str, Any] = {
+            "cell": n,
+            "mode": db.mode.name,
+            "rep": rep,
+            "attempt": attempt,
+            "load": load,
+            "arrival": arrival,
+            "producer": producer,
+            "writers": writers,
+            "warmup": cfg.warmup,
+            "duration": cfg.duration,
+            "started_utc": started,
+            "generator": {k: summary[k] for k in ("events", "sent", "acked", "errors")},
+            "generator_error": summary.get("first_error"),
+            "consumer": reply,
+            "mode_cpu_s": round(cpu_used, 3),
+            "mode_cpu_us_per_event": (
+                round(1e6 * cpu_used / total_events, 1) if total_events else None
+            ),
+            "host_cpu_busy": (
+                (host1[0] - host0[0]) / (host1[1] - host0[1]) if host1[1] > host0[1] else None
+            ),
+            "load_average": _loadavg(),
+            "drained": drained,
+            "residual_rows": residual,
+            **analysis,
+        }
+        self.result["latency_cells"].append(cell)
+        lat = cell["latency"]["e2e"]
+        ack = cell["latency"]["ack_to_recv"]
+        verdict = "sustained" if cell["sustained"] else "keeps up" if cell["keeps_up"] else "NO"
+        self.progress.line(
+            f"{label:<42} commit {cell['commit_rate']:8.0f}/s  e2e p50 {_ms(lat['p50'])} "
+            f"p99 {_ms(lat['p99'])} max {_ms(lat['max'])} | ack->recv p50 {_ms(ack['p50'])} "
+            f"p99 {_ms(ack['p99'])} | {verdict}"
+            + (f" missing {cell['missing']}" if cell["missing"] else ""),
+            cell=True,
+        )
+        if cell["missing"] and cell["keeps_up"] is False and load <= 1000:
+            # At a light load every event must arrive: a loss there is a broken bench (or
+            # relay), not saturation.
+            self.errors.append(
+                f"cell {n} ({label}): {cell['missing']} of {cell['events']} events never arrived"
+            )
+        return cell
+
+    async def _wait_empty(self, conn: asyncpg.Connection) -> tuple[bool, int]:
+        """Wait until the outbox is empty; after the deadline, delete what is left."""
+        deadline = time.monotonic() + _EMPTY_TIMEOUT
+        while True:
+            left = int(await conn.fetchval("SELECT count(*) FROM outbox", timeout=_QUERY_TIMEOUT))
+            if left == 0:
+                return True, 0
+            if time.monotonic() > deadline:
+                await conn.execute("DELETE FROM outbox", timeout=_QUERY_TIMEOUT)
+                return False, left
+            await asyncio.sleep(0.1)
+
+    async def _start_profiler(self, process: Child, n: int) -> asyncio.subprocess.Process | None:
+        spy = shutil.which("py-spy") or shutil.which(
+            "py-spy", path=str(Path(sys.executable).parent)
+        )
+        if spy is None:
+            self.result["notes"].append("profile asked, but py-spy is not installed")
+            return None
+        out = self.out_dir / f"{self.run_id}-profile-{process.name}-cell{n}"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.result.setdefault("profiles", []).append(str(out) + ".txt")
+        return await asyncio.create_subprocess_exec(
+            spy,
+            "record",
+            "--pid",
+            str(process.pid),
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--output",
+            str(out) + ".txt",
+            "--duration",
+            str(int(self.cfg.warmup + self.cfg.duration + 5)),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+
+    async def _stop_profiler(self, proc: asyncio.subprocess.Process) -> None:
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+    # --- producer overhead --------------------------------------------------------------------
+
+    async def _producer_phase(self, services: Services) -> None:
+        cfg = self.cfg
+        if not cfg.variants or not cfg.producer_writers:
+            return
+        self.progress.status("producer overhead: set-up")
+        dsn = await services.create_database(f"bench_{self.run_id.lower()}_producer")
+        topic = f"bench-{self.run_id.lower()}-producer"
+        await services.create_topic(topic, cfg.partitions)
+        pgbench = _find_pgbench()
+        self.result["producer_driver"] = "pgbench" if pgbench else "python"
+        conn = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
+        try:
+            original = await conn.fetchval(
+                "SELECT CASE WHEN to_regclass('public.outbox_config') IS NULL THEN NULL "
+                "ELSE (SELECT notify_mode FROM outbox_config) END"
+            )
+            for rep in range(cfg.producer_repeat):
+                for vname in cfg.variants:
+                    variant = VARIANTS[vname]
+                    await self._variant_block(
+                        services, conn, dsn, topic, variant, rep, pgbench, original
+                    )
+        finally:
+            await conn.close(timeout=5)
+
+    async def _variant_block(
+        self,
+        services: Services,
+        conn: asyncpg.Connection,
+        dsn: str,
+        topic: str,
+        variant: TriggerVariant,
+        rep: int,
+        pgbench: Path | None,
+        original_mode: str | None,
+    ) -> None:
+        await conn.execute("ALTER TABLE outbox ENABLE TRIGGER USER")
+        if original_mode is not None:
+            await conn.execute("UPDATE outbox_config SET notify_mode = $1", original_mode)
+        try:
+            setup = await set_notify(dsn, variant.notify)
+        except BenchError as e:
+            if rep == 0:
+                self.result["notes"].append(f"variant {variant.name} skipped: {e}")
+                self.progress.line(f"producer {variant.name}: skipped ({e})")
+            return
+        drain: Child | None = None
+        try:
+            if variant.drain_mode is not None:
+                drain = await self._start_mode(services, MODES[variant.drain_mode], dsn)
+            for writers in self.cfg.producer_writers:
+                await conn.execute("SET lock_timeout = '10s'")
+                await conn.execute("TRUNCATE outbox")
+                label = f"producer {variant.name} {writers} writer(s) rep {rep + 1}"
+                self.progress.status(f"{label}: running {self.cfg.producer_seconds:g}s")
+                cpu0 = drain.cpu() if drain else 0.0
+                if pgbench is not None:
+                    res = await self._pgbench(pgbench, dsn, topic, writers)
+                else:
+                    res = await self._python_writers(dsn, topic, writers)
+                cell = {
+                    "variant": variant.name,
+                    "rep": rep,
+                    "writers": writers,
+                    "setup": setup,
+                    "drain_cpu_s": round(drain.cpu() - cpu0, 3) if drain else None,
+                    "load_average": _loadavg(),
+                    **res,
+                }
+                self.result["producer_cells"].append(cell)
+                lat = cell["latency"]
+                self.progress.line(
+                    f"{label:<46} {cell['commits_per_s']:8.0f} commits/s  "
+                    f"latency p50 {_ms(lat['p50'])} p99 {_ms(lat['p99'])}",
+                    cell=True,
+                )
+        finally:
+            if drain is not None:
+                await self._stop(drain)
+            await conn.execute("TRUNCATE outbox")
+
+    async def _pgbench(self, pgbench: Path, dsn: str, topic: str, writers: int) -> dict[str, Any]:
+        run_dir = self.work / "pgbench" / f"{self._log_no}-{writers}"
+        self._log_no += 1
+        run_dir.mkdir(parents=True, exist_ok=True)
+        script = run_dir / "insert.sql"
+        script.write_text(
+            "\\set k random(1, 1000)\n"
+            f"INSERT INTO outbox (topic, key, payload) VALUES ('{topic}', 'k' || :k, "
+            "'{\"p\": 1}');\n"
+        )
+        seconds = max(1, round(self.cfg.producer_seconds))
+        argv = [
+            str(pgbench),
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            str(writers),
+            "-j",
+            str(min(writers, 2)),
+            "-T",
+            str(seconds),
+            "-f",
+            str(script),
+            "-l",
+            f"--log-prefix={run_dir / 'log'}",
+            dsn,
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=str(run_dir),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), seconds + 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise BenchError("pgbench did not finish in time") from None
+        text = out.decode(errors="replace")
+        if proc.returncode != 0:
+            raise BenchError(f"pgbench failed ({proc.returncode}):\n{text[-2000:]}")
+        hist = Histogram()
+        for log in run_dir.glob("log.*"):
+            with log.open() as fh:
+                for line in fh:
+                    parts = line.split()
+                    if len(parts) >= 3:
+                        hist.record(int(parts[2]))
+        m = re.search(r"tps = ([\d.]+) \(without initial connection time\)", text)
+        tps = float(m.group(1)) if m else hist.count / seconds
+        failed = re.search(r"number of failed transactions: (\d+)", text)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return {
+            "driver": "pgbench",
+            "seconds": seconds,
+            "commits": hist.count,
+            "commits_per_s": tps,
+            "failed": int(failed.group(1)) if failed else 0,
+            "latency": hist.summary_ms(),
+            "hist": hist.to_json(),
+        }
+
+    async def _python_writers(self, dsn: str, topic: str, writers: int) -> dict[str, Any]:
+        cells_dir = self.work / "cells"
+        cells_dir.mkdir(parents=True, exist_ok=True)
+        self._log_no += 1
+        config_path = cells_dir / f"closed-{self._log_no}.json"
+        LoadConfig(
+            dsn=dsn,
+            topic=topic,
+            cell=0,
+            rate=0,
+            warmup=0,
+            duration=self.cfg.producer_seconds,
+            writers=writers,
+            out="",
+            keys=self.cfg.keys,
+            closed=True,
+        ).save(config_path)
+        gen = await Child.start(
+            "closed-loop writers",
+            python_argv("-m", "bench", "_loadgen", str(config_path)),
+            env=child_env({}),
+            log_path=self._log_path("closed-loop"),
+            pipes=True,
+            cwd=self.src,
+        )
+        try:
+            summary = json.loads(await gen.read_line(self.cfg.producer_seconds + 60))
+        finally:
+            await gen.stop(5)
+        hist = Histogram.from_json(summary["latency"])
+        return {
+            "driver": "python",
+            "seconds": summary["elapsed"],
+            "commits": summary["commits"],
+            "commits_per_s": summary["commits_per_s"],
+            "failed": summary["errors"],
+            "latency": hist.summary_ms(),
+            "hist": hist.to_json(),
+        }
+
+
+def _find_pgbench() -> Path | None:
+    try:
+        from devstack.postgres import find_pg_bindir
+
+        path = find_pg_bindir() / "pgbench"
+    except Exception:
+        found = shutil.which("pgbench")
+        return Path(found) if found else None
+    return path if path.is_file() else None
+
+
+def _db_name(dsn: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(dsn).path.lstrip("/")
+
+
+def _ms(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "   -   "
+    return f"{v:7.1f}" if v >= 10 else f"{v:7.2f}"
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def _clean(o: Any) -> Any:
+    """``o`` with every NaN replaced by None (JSON has no NaN)."""
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_clean(v) for v in o]
+    return o

@@ -1,0 +1,249 @@
+"""PostgreSQL and Kafka for a run: the bench's own devstack ``Stack`` (durable commits), or
+the services named by ``NOTIFY_OUTBOX_DSN`` / ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS`` (a
+superuser DSN: the bench creates its own databases). Only loopback addresses are accepted.
+
+Also the per-mode set-up: a fresh database migrated with ``python -m notify_outbox migrate``, a
+fresh topic, and the NOTIFY trigger switched as a mode or variant asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from bench.procs import BenchError, Child, child_env, python_argv
+
+__all__ = [
+    "Services",
+    "check_loopback",
+    "dsn_for",
+    "open_services",
+]
+
+_ADMIN_TIMEOUT = 30.0
+_MIGRATE_TIMEOUT = 120.0
+
+
+def dsn_for(dsn: str, database: str) -> str:
+    """``dsn`` pointing at another database."""
+    return urlunsplit(urlsplit(dsn)._replace(path=f"/{database}"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_loopback(dsn: str, bootstrap: str) -> None:
+    """Refuse any PostgreSQL or Kafka address that is not on this host's loopback."""
+    host = urlsplit(dsn).hostname or ""
+    if not _is_loopback(host):
+        raise BenchError(f"the bench only talks to loopback addresses; the DSN host is {host!r}")
+    for server in bootstrap.split(","):
+        h = server.strip().rsplit(":", 1)[0].strip("[]")
+        if not _is_loopback(h):
+            raise BenchError(
+                f"the bench only talks to loopback addresses; a bootstrap server is {h!r}"
+            )
+
+
+@dataclass
+class Services:
+    """Where PostgreSQL and Kafka are, and what the bench created there."""
+
+    dsn: str  # superuser, maintenance database
+    bootstrap: str
+    work_dir: Path
+    own_stack: Any = None  # devstack.Stack when the bench started it
+    kafka_version: str | None = None
+    databases: list[str] = field(default_factory=list)
+    src: Path | None = None  # the relay source snapshot: working directory of `migrate`
+
+    async def admin(self, *statements: str, database: str | None = None) -> None:
+        """Run statements on a fresh superuser connection."""
+        conn = await asyncpg.connect(
+            dsn_for(self.dsn, database) if database else self.dsn, timeout=_ADMIN_TIMEOUT
+        )
+        try:
+            for sql in statements:
+                await conn.execute(sql, timeout=_ADMIN_TIMEOUT)
+        finally:
+            await conn.close(timeout=5)
+
+    async def create_database(self, name: str) -> str:
+        """Create an empty database, migrate it with the CLI; return its DSN."""
+        await self.admin(
+            f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'
+        )
+        self.databases.append(name)
+        dsn = dsn_for(self.dsn, name)
+        child = await Child.start(
+            f"migrate {name}",
+            python_argv("-m", "notify_outbox", "migrate"),
+            env=child_env({"NOTIFY_OUTBOX_DSN": dsn}),
+            log_path=self.work_dir / "logs" / f"migrate-{name}.log",
+            cwd=self.src,
+        )
+        code = await child.wait(_MIGRATE_TIMEOUT)
+        if code != 0:
+            await child.stop(5)
+            raise BenchError(f"migrate of {name} failed ({code}):\n{child.tail()}")
+        return dsn
+
+    async def drop_databases(self) -> None:
+        """Drop every database this run created (used with external services)."""
+        for name in self.databases:
+            with contextlib.suppress(OSError, asyncpg.PostgresError, TimeoutError):
+                await self.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        self.databases.clear()
+
+    async def create_topic(self, name: str, partitions: int) -> None:
+        """Create a topic (replication 1) and wait until its metadata is there."""
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=20000)
+        async with asyncio.timeout(_ADMIN_TIMEOUT):
+            await admin.start()
+        try:
+            async with asyncio.timeout(_ADMIN_TIMEOUT):
+                await admin.create_topics(
+                    [NewTopic(name, num_partitions=partitions, replication_factor=1)]
+                )
+                while True:
+                    meta = await admin.describe_topics([name])
+                    if meta and not meta[0].get("error_code") and meta[0].get("partitions"):
+                        break
+                    await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+
+    async def broker_configs(self) -> dict[str, str]:
+        """A few broker settings worth recording (empty if Kafka will not say)."""
+        from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+        wanted = {
+            "log.flush.interval.messages",
+            "log.flush.interval.ms",
+            "min.insync.replicas",
+            "num.network.threads",
+            "num.io.threads",
+            "message.timestamp.type",
+        }
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000)
+        out: dict[str, str] = {}
+        try:
+            async with asyncio.timeout(_ADMIN_TIMEOUT):
+                await admin.start()
+                node = admin._client.cluster.brokers()
+                broker_id = str(next(iter(node)).nodeId) if node else "1"
+                res = await admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.BROKER, broker_id)]
+                )
+            for response in res:
+                for resource in response.resources:
+                    for entry in resource[4]:
+                        if entry[0] in wanted:
+                            out[entry[0]] = str(entry[1])
+        except Exception as e:  # the record is optional; never fail a run for it
+            out["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.close()
+        return out
+
+
+async def set_notify(dsn: str, notify: str) -> dict[str, Any]:
+    """Switch the NOTIFY trigger of the outbox in ``dsn``: "shipped" leaves it, "disabled"
+    disables every trigger on the table whose function calls ``pg_notify``, and any other value
+    is written as migration 0002's ``notify_mode``. Returns what was done."""
+    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
+    try:
+        has_config = bool(
+            await conn.fetchval("SELECT to_regclass('public.outbox_config') IS NOT NULL")
+        )
+        mode = await conn.fetchval("SELECT notify_mode FROM outbox_config") if has_config else None
+        done: dict[str, Any] = {"notify": notify, "notify_mode_before": mode}
+        if notify == "shipped":
+            return done
+        if notify == "disabled":
+            names = await conn.fetch(
+                """
+                SELECT t.tgname FROM pg_trigger AS t JOIN pg_proc AS p ON p.oid = t.tgfoid
+                WHERE t.tgrelid = 'public.outbox'::regclass AND NOT t.tgisinternal
+                  AND p.prosrc LIKE '%pg_notify%'
+                """
+            )
+            if not names:
+                raise BenchError("no NOTIFY trigger found on the outbox table")
+            for r in names:
+                await conn.execute(f'ALTER TABLE outbox DISABLE TRIGGER "{r["tgname"]}"')
+            done["disabled_triggers"] = [r["tgname"] for r in names]
+            return done
+        if not has_config:
+            raise BenchError(
+                f"notify mode {notify!r} needs migration 0002 (outbox_config), which this "
+                "checkout does not have"
+            )
+        await conn.execute("UPDATE outbox_config SET notify_mode = $1", notify)
+        done["notify_mode"] = notify
+        return done
+    finally:
+        await conn.close(timeout=5)
+
+
+def _start_stack(base: Path) -> tuple[Any, str]:
+    from devstack import KAFKA_VERSION, Stack
+
+    stack = Stack(base, durable=True)
+    stack.start()
+    return stack, KAFKA_VERSION
+
+
+async def open_services(work_dir: Path) -> Services:
+    """The services of a run: from the environment when both variables are set, else a new
+    devstack Stack (durable=True) under ``work_dir``."""
+    dsn = os.environ.get("NOTIFY_OUTBOX_DSN")
+    bootstrap = os.environ.get("NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS")
+    if dsn and bootstrap:
+        check_loopback(dsn, bootstrap)
+        return Services(dsn, bootstrap, work_dir)
+    stack, kafka_version = await asyncio.to_thread(_start_stack, work_dir / "stack")
+    return Services(
+        stack.postgres.dsn,
+        stack.kafka.bootstrap_servers,
+        work_dir,
+        own_stack=stack,
+        kafka_version=kafka_version,
+    )
+
+
+async def close_services(services: Services) -> None:
+    """Stop the own stack, or drop the databases created on external services."""
+    if services.own_stack is not None:
+        await asyncio.to_thread(services.own_stack.stop)
+    else:
+        await services.drop_databases()
+
+
+def make_work_dir() -> Path:
+    """A new temporary directory for the run (stack, logs, per-event arrays)."""
+    return Path(tempfile.mkdtemp(prefix="notify-outbox-bench-"))
+
+
+def remove_work_dir(path: Path) -> None:
+    """Remove a directory made by ``make_work_dir``."""
+    if path.name.startswith("notify-outbox-bench-"):
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""The bench's smoke mode end to end against the test services: it must run every mode and
+write a result, and says nothing about speed (the machines are shared and noisy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.config import DEFAULT_MODES
+from tests.conftest import Services
+from tests.support import ROOT
+
+SMOKE_TIMEOUT = 170
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT + 30)
+def test_smoke_run_writes_a_result_with_every_mode(services: Services, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
+    env.update(
+        NOTIFY_OUTBOX_DSN=services.dsn,
+        NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS=services.bootstrap,
+        PYTHONPATH=str(ROOT),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = list(tmp_path.glob("*.json"))
+    assert len(results) == 1, sorted(p.name for p in tmp_path.iterdir())
+    result = json.loads(results[0].read_text())
+    modes = set(result["config"]["modes"])
+    assert modes == set(DEFAULT_MODES)
+    assert {c["mode"] for c in result["latency_cells"]} == modes
+    assert all(c["missing"] == 0 and c["events"] > 0 for c in result["latency_cells"])
+    assert {i["mode"] for i in result["idle"]} == modes
+    assert {p["variant"] for p in result["producer_cells"]} == set(result["config"]["variants"])
+    assert results[0].with_suffix(".md").is_file()
+    # matplotlib is a dev dependency: the plots must be there.
+    assert list(tmp_path.glob("*-latency-vs-load.png"))
