@@ -124,10 +124,17 @@ class PgOutboxStore:
 
     @asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
-        async with self._pool.acquire() as conn, conn.transaction():
-            records = await conn.fetch(self._q["claim"], limit, timeout=self._timeout)
-            rows = [OutboxRow(**dict(r)) for r in records]
-            yield _PgBatch(conn, self._q, rows, self._delete)
+        async with self._pool.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    records = await conn.fetch(self._q["claim"], limit, timeout=self._timeout)
+                    rows = [OutboxRow(**dict(r)) for r in records]
+                    yield _PgBatch(conn, self._q, rows, self._delete)
+            except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
+                # The connection may be left mid-protocol (the pool's release no longer runs a
+                # reset query that would have caught it): never hand it out again.
+                conn.terminate()
+                raise
 
     async def has_due(self) -> bool:
         return bool(await self._pool.fetchval(self._q["has_due"], timeout=self._timeout))

@@ -210,15 +210,20 @@ async def _run_relay(settings: OutboxSettings) -> int:
         installed.append(sig)
     try:
         ready = asyncio.ensure_future(relay.wait_ready())
-        ready.add_done_callback(
-            lambda _f: log.info(
-                "relay running: %d workers, %s, table %s, Kafka %s",
-                settings.workers,
-                "poll-only" if settings.poll_only else f"listening on {settings.channel!r}",
-                settings.names.qualified_table,
-                settings.kafka_bootstrap_servers,
-            )
-        )
+
+        def announce(f: asyncio.Future[None]) -> None:
+            # Also called when the relay ended before it was ready (the future is then
+            # cancelled): say "running" only if it ran.
+            if not f.cancelled():
+                log.info(
+                    "relay running: %d workers, %s, table %s, Kafka %s",
+                    settings.workers,
+                    "poll-only" if settings.poll_only else f"listening on {settings.channel!r}",
+                    settings.names.qualified_table,
+                    settings.kafka_bootstrap_servers,
+                )
+
+        ready.add_done_callback(announce)
         try:
             await relay.run()
         finally:
@@ -233,10 +238,15 @@ async def _run_relay(settings: OutboxSettings) -> int:
 
 def _names_from(args: argparse.Namespace) -> OutboxNames:
     env = os.environ
+
+    def pick(flag: str | None, variable: str, default: str) -> str:
+        # An empty flag is a bad name like any other, not "use the default".
+        return flag if flag is not None else env.get(variable, default)
+
     return OutboxNames(
-        schema=args.db_schema or env.get("NOTIFY_OUTBOX_DB_SCHEMA", "public"),
-        table=args.table or env.get("NOTIFY_OUTBOX_TABLE", "outbox"),
-        channel=args.channel or env.get("NOTIFY_OUTBOX_CHANNEL", "notify_outbox"),
+        schema=pick(args.db_schema, "NOTIFY_OUTBOX_DB_SCHEMA", "public"),
+        table=pick(args.table, "NOTIFY_OUTBOX_TABLE", "outbox"),
+        channel=pick(args.channel, "NOTIFY_OUTBOX_CHANNEL", "notify_outbox"),
     )
 
 

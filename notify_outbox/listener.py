@@ -88,18 +88,22 @@ class Listener:
     async def _serve(self, conn: asyncpg.Connection, first: bool) -> None:
         lost = anyio.Event()
         conn.add_termination_listener(lambda _c: lost.set())
-        if self._identity is not None:
-            # A dropped client socket does not end the server session at once; until it
-            # ends, it may still hold the awake marker and producers may skip their NOTIFY.
-            # End it (only that exact session) before the catch-up claim below.
-            pid, started = self._identity
-            await conn.execute(self._queries["end_old_listener"], pid, started, 5000)
-        identity = await conn.fetchrow(self._queries["listener_identity"])
-        self._identity = (identity["pid"], identity["backend_start"]) if identity else None
-        # asyncpg runs LISTEN outside any transaction, so it is committed before the catch-up
-        # claim that the wake below starts: nothing committed after this point is missed.
-        async with self._lock:
-            await conn.add_listener(self._settings.channel, self._on_notification)
+        # The connection may die silently during its set-up too, before the health probe
+        # runs: every statement here needs a deadline (TimeoutError means reconnect).
+        with anyio.fail_after(self._settings.db_command_timeout):
+            if self._identity is not None:
+                # A dropped client socket does not end the server session at once; until it
+                # ends, it may still hold the awake marker and producers may skip their
+                # NOTIFY. End it (only that exact session) before the catch-up claim below.
+                pid, started = self._identity
+                await conn.execute(self._queries["end_old_listener"], pid, started, 5000)
+            identity = await conn.fetchrow(self._queries["listener_identity"])
+            self._identity = (identity["pid"], identity["backend_start"]) if identity else None
+            # asyncpg runs LISTEN outside any transaction, so it is committed before the
+            # catch-up claim that the wake below starts: nothing committed after this point
+            # is missed.
+            async with self._lock:
+                await conn.add_listener(self._settings.channel, self._on_notification)
         # Only now may workers run gate statements on this connection.
         self.connection = conn
         self._events.emit("listening")

@@ -48,6 +48,18 @@ _ROW_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# The idempotent producer's session is broken, not a row: after a batch expired while its
+# partition had no leader (a broker restart), aiokafka has used up sequence numbers it never
+# sent, and the broker refuses every later batch of that partition. Only a new producer
+# (a new producer id) recovers; the rows stay pending and are sent again by it.
+_SESSION_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.OutOfOrderSequenceNumber,
+    kafka_errors.UnknownProducerId,
+    kafka_errors.InvalidProducerEpoch,
+    kafka_errors.ProducerFenced,
+)
+
+
 class RowRejected(Exception):
     """The row can never become a Kafka message as stored (e.g. malformed headers)."""
 
@@ -135,6 +147,8 @@ class KafkaPublisher:
         self._producer: AIOKafkaProducer | None = None
         # Acks of batches whose deadline passed: they may still complete when Kafka returns.
         self._outstanding: set[asyncio.Future[Any]] = set()
+        self._broken = False  # the producer's idempotent session is unusable: replace it
+        self._restart_lock = asyncio.Lock()
 
     def _make_producer(self) -> AIOKafkaProducer:
         s = self._settings
@@ -268,6 +282,10 @@ class KafkaPublisher:
             error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
             if error is None:
                 result.delivered.append(row.id)
+            elif isinstance(error, _SESSION_ERRORS):
+                self._broken = True
+                if result.unavailable is None:
+                    result.unavailable = f"Kafka producer session broken: {_describe(error)}"
             elif _is_row_error(error) or (
                 isinstance(error, kafka_errors.KafkaError) and not error.retriable
             ):
@@ -276,7 +294,23 @@ class KafkaPublisher:
                 result.unavailable = _describe(error)
         return result
 
+    async def _restart(self) -> None:
+        """Replace a producer whose session is broken (see ``_SESSION_ERRORS``)."""
+        async with self._restart_lock:
+            if not self._broken:
+                return
+            log.warning("restarting the Kafka producer: its idempotent session is broken")
+            old = self._producer
+            await self.start()  # the old producer serves other workers until this returns
+            self._broken = False
+            self._outstanding.clear()
+            if old is not None:
+                with anyio.move_on_after(self._settings.kafka_send_timeout, shield=True):
+                    await old.stop()
+
     async def wait_available(self) -> None:
+        if self._broken:
+            await self._restart()
         delay = self._settings.reconnect_min_delay
         while True:
             pending = [f for f in self._outstanding if not f.done()]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -34,7 +35,16 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("notify_outbox.relay")
 
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# InternalClientError: asyncpg's protocol state after the server vanished mid-operation
+# ("cannot switch to state ...; another operation is in progress"); a database error like the
+# others, not a reason to bring the whole relay down.
+_DB_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
 # Points where a test can stop the process dead (see NOTIFY_OUTBOX_TEST_CRASH_AT in the CLI).
 FaultHook = Callable[[str], None]
 
@@ -80,6 +90,7 @@ class Relay:
         self.gated = False
         self._busy_workers = 0
         self._db_delay = settings.reconnect_min_delay
+        self._stop_deadline: float | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -112,6 +123,9 @@ class Relay:
         log.info(
             "stopping: finishing in-flight batches (up to %ss)", self.settings.shutdown_timeout
         )
+        # One deadline for the whole graceful stop: batches in flight, then the producer's
+        # flush and the pool's close share it (each used to get a full shutdown_timeout).
+        self._stop_deadline = time.monotonic() + self.settings.shutdown_timeout
         self._stopping = True
         self._doorbell.close()
         self._stop_requested.set()
@@ -238,14 +252,21 @@ class Relay:
                 await anyio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, s.reconnect_max_delay)
 
+    def _shutdown_left(self) -> float:
+        """Seconds left of the graceful stop's deadline (all of it if no stop was asked)."""
+        if self._stop_deadline is None:
+            return self.settings.shutdown_timeout
+        return max(0.0, self._stop_deadline - time.monotonic())
+
     async def _close(self, *, graceful: bool) -> None:
         if isinstance(self._publisher, KafkaPublisher):
-            await self._publisher.stop(self.settings.shutdown_timeout if graceful else 1.0)
+            await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
         if self._pool is not None:
             if not graceful:
                 self._pool.terminate()
             else:
-                with anyio.move_on_after(self.settings.db_command_timeout) as scope:
+                left = min(self.settings.db_command_timeout, max(self._shutdown_left(), 1.0))
+                with anyio.move_on_after(left) as scope:
                     await self._pool.close()
                 if scope.cancelled_caught:
                     self._pool.terminate()

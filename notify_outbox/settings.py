@@ -44,8 +44,17 @@ class DatabaseSettings(BaseSettings):
     @field_validator("dsn")
     @classmethod
     def _dsn_scheme(cls, v: SecretStr) -> SecretStr:
-        if not v.get_secret_value().startswith(("postgresql://", "postgres://")):
+        value = v.get_secret_value()
+        if not value.startswith(("postgresql://", "postgres://")):
             raise ValueError("must be a URL starting with postgresql:// (value not shown)")
+        # An unencoded / ? or # in the password ends the URL's authority part early: the
+        # rest of the password would then be parsed as the port, and echoed by the error.
+        userinfo = value.split("://", 1)[1].rpartition("@")[0]
+        if any(c in userinfo for c in "/?#"):
+            raise ValueError(
+                "has an unencoded /, ? or # before its @ (value not shown): percent-encode "
+                "the user name and password"
+            )
         return v
 
     @field_validator("db_schema", "table", "channel")
