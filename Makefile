@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install test unit lint demo bench bench-smoke stack-up stack-down clean
+.PHONY: install test test-faults unit lint demo bench bench-smoke stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+# The fault-injection suite against real services (~7 min): crashes, restarts, outages.
+test-faults: $(STAMP)
+	$(PY) -m pytest tests/faults -p no:cacheprovider --basetemp=/tmp/notify-outbox-faults-$$$$ -o addopts="-ra"
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

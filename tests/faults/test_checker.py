@@ -1,0 +1,74 @@
+"""The checker itself: it must see each kind of violation when one is staged on purpose.
+
+A checker that always says OK would make the whole suite worthless, so this stages one lost
+event, one phantom, one duplicate and one same-key pair committed out of id order, and
+requires the report to count exactly those.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from tests.conftest import Services
+from tests.faults.checker import INSERT_RETURNING, RECORD_AND_STAMP, Attempt, OutboxChecker
+from tests.faults.harness import FaultRelay, connect, relays
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_checker_counts_staged_violations(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "checker control").setup()
+    async with connect(db_dsn) as admin:
+        # Without the per-key ordering trigger, ids no longer follow commit order per key.
+        await admin.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_order_key")
+    async with checker.producer() as first, checker.producer() as second:
+        for i in range(20):
+            await first.produce(f"key-{i % 4}")
+        # Out of order: the lower id commits second (its counter bump, the commit order as
+        # the checker sees it, comes after the other transaction's).
+        assert first.conn is not None
+        early = str(uuid.uuid4())
+        checker.ledger.attempts[early] = Attempt(topic, "key-x", "committed")
+        async with first.conn.transaction():
+            row_id = await first.conn.fetchval(INSERT_RETURNING, early, topic, "key-x")
+            await second.produce("key-x")
+            await first.conn.fetchval(RECORD_AND_STAMP, early, topic, "key-x", row_id)
+        # Lost: committed, then removed behind the relay's back.
+        lost = await first.produce("key-lost")
+        async with connect(db_dsn) as admin:
+            await admin.execute("DELETE FROM outbox WHERE event_id = $1", uuid.UUID(lost))
+            # Phantom: a row that no producer recorded as committed.
+            await admin.execute(
+                "INSERT INTO outbox (topic, key, payload) VALUES ($1, 'key-phantom', '{}')", topic
+            )
+    async with relays(FaultRelay(db_dsn, services.bootstrap)) as (relay,):
+        await relay.ready()
+        report = await checker.drain_and_check(within=60, record=False)
+        await relay.stop_ok()
+    # Duplicate: the same event id once more.
+    copy = next(r for r in report.records if r.key == "key-0")
+    producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(
+            topic,
+            b"{}",
+            key=b"key-0",
+            headers=[("outbox-event-id", (copy.event_id or "").encode())],
+        )
+    finally:
+        await producer.stop()
+    report = await checker.drain_and_check(within=60, record=False)
+    print(report.text())
+    assert report.lost == [lost]
+    assert len(report.phantom) == 1
+    assert report.duplicates == 1
+    assert list(report.out_of_order) == [f"{topic}/key-x"]
+    assert report.inversions == 1
+    assert not report.ok
+    assert "FAILED" in report.text()

@@ -1,0 +1,250 @@
+"""PostgreSQL and Kafka go away and come back while the application keeps writing.
+
+Scenarios (reliability.md): 7 PostgreSQL restart mid-stream, 12 Kafka down while the app
+inserts, 13 SIGTERM while Kafka is down (and 10's second signal: abort at once).
+
+These restart the session's shared services; the suite's autouse fixture brings them back
+if a test fails half-way.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+
+import anyio
+import pytest
+
+from tests.conftest import Services
+from tests.faults.checker import FIGURES, OutboxChecker, Producer
+from tests.faults.harness import (
+    LISTENER_APP,
+    FaultRelay,
+    KafkaTail,
+    connect,
+    durable_commits,
+    eventually,
+    fetchval,
+    idle_latency,
+    pending_rows,
+    relays,
+    restartable,
+    run_blocking,
+    task_group,
+)
+
+pytestmark = pytest.mark.anyio
+
+KEEP = {"NOTIFY_OUTBOX_KEEP_PUBLISHED": "3600"}  # keep marked rows: marks stay visible
+
+
+async def _db_now(dsn: str) -> datetime:
+    value = await fetchval(dsn, "SELECT clock_timestamp()")
+    assert isinstance(value, datetime)
+    return value
+
+
+async def _grows(get: object, target: int) -> bool:
+    return bool(get() >= target)  # type: ignore[operator]
+
+
+async def _drained(dsn: str) -> bool:
+    return await pending_rows(dsn) == 0
+
+
+async def _produce_until(p: Producer, done: Callable[[], bool]) -> None:
+    with anyio.fail_after(60):
+        while not done():
+            await p.produce(f"key-{uuid.uuid4().int % 10}")
+            await anyio.sleep(0.02)  # pacing the producer, not synchronisation
+
+
+async def test_07_postgres_restart_mid_stream(db_dsn: str, services: Services, topic: str) -> None:
+    """PostgreSQL stops (immediate: like a crash, then fast) and starts again under a relay and
+    writers. The relay recovers by itself: no event lost, none rolled back published, order
+    kept; only rows in flight at the restart may repeat; wake-ups work again after."""
+    postgres, _ = restartable(services)
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "7 PG restart").setup()
+    await durable_commits(db_dsn)
+    checker.expect_writer_errors()
+    load = checker.writers(writers=3, keys=20, pause=0.01)
+    async with (
+        relays(FaultRelay(db_dsn, services.bootstrap)) as (relay,),
+        KafkaTail(services.bootstrap, [topic]) as tail,
+        task_group() as tg,
+    ):
+        await relay.ready()
+        tg.start_soon(load.run)
+        for n, mode in enumerate(("immediate", "fast"), start=1):
+            await eventually(
+                lambda: _grows(lambda: load.produced, 150 * n),  # noqa: B023
+                within=60,
+                what="writers produced before the restart",
+            )
+            await run_blocking(lambda: postgres.stop(mode=mode))  # noqa: B023
+            await run_blocking(postgres.start)
+            healed = time.monotonic()
+            checker.allow_duplicates(relay.in_flight_bound, f"PG restart ({mode})")
+            async with checker.producer() as p:
+                marker = await p.produce("marker")
+            arrived = await tail.wait_for([marker], within=60, what=f"after PG stop {mode}")
+            FIGURES.recovery("PG restart", arrived - healed)
+        await load.halt()
+        async with checker.producer() as p:
+            await idle_latency(db_dsn, lambda: p.produce("idle"), tail, what="after PG restarts")
+        report = await checker.drain_and_check(within=60)
+        await relay.stop_ok()
+    print(report.text())
+    assert sum(load.ledger.errors.values()) > 0, "the writers never noticed the restarts"
+    report.assert_ok()
+
+
+async def test_12_kafka_down_while_the_app_keeps_inserting(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Kafka stops while writers go on. Inserts keep working (I6); nothing is marked during
+    the outage that Kafka had not acknowledged before it; when Kafka is back everything drains
+    in order, by itself."""
+    _, kafka = restartable(services)
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "12 Kafka down").setup()
+    load = checker.writers(writers=3, keys=20, pause=0.01)
+    # Batches queued during the outage outlive the producer's request timeout (as they do
+    # with the default 10 s in any outage longer than that); 1.5 s makes it certain here.
+    env = {**KEEP, "NOTIFY_OUTBOX_KAFKA_REQUEST_TIMEOUT_MS": "1500"}
+    async with (
+        relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,),
+        task_group() as tg,
+        connect(db_dsn) as watch,
+    ):
+        await relay.ready()
+        tg.start_soon(load.run)
+        await eventually(
+            lambda: _grows(lambda: load.produced, 200), within=60, what="writers are going"
+        )
+        await run_blocking(kafka.stop)
+        down_at = await _db_now(db_dsn)
+        checker.allow_duplicates(relay.in_flight_bound, "Kafka stop: acks lost in flight")
+        during = checker.ledger.count("committed")
+        await relay.line("Kafka unavailable", within=60)
+        await eventually(
+            lambda: _grows(lambda: checker.ledger.count("committed"), during + 200),
+            within=60,
+            what="the application keeps committing while Kafka is down",
+        )
+        state = await watch.fetchval(
+            "SELECT state FROM pg_stat_activity WHERE application_name = $1 "
+            "AND datname = current_database()",
+            LISTENER_APP,
+        )
+        assert state in ("idle", "active"), f"listener is {state!r} during the outage"
+        up_at = await _db_now(db_dsn)
+        await run_blocking(kafka.start)
+        healed = time.monotonic()
+        async with KafkaTail(services.bootstrap, [topic]) as tail, checker.producer() as p:
+            marker = await p.produce("marker")
+            arrived = await tail.wait_for([marker], within=45, what="an event after Kafka is back")
+            FIGURES.recovery("Kafka restart", arrived - healed)
+            await load.halt()
+            await idle_latency(db_dsn, lambda: p.produce("idle"), tail, what="after Kafka is back")
+        report = await checker.drain_and_check(within=90)
+        marked_in_outage = await watch.fetch(
+            "SELECT event_id::text, published_at FROM outbox "
+            "WHERE published_at > $1 AND published_at < $2",
+            down_at,
+            up_at,
+        )
+        committed_in_outage = await watch.fetchval(
+            "SELECT count(*) FROM fault_commits WHERE committed_at > $1 AND committed_at < $2",
+            down_at,
+            up_at,
+        )
+        await relay.stop_ok()
+    print(report.text())
+    # A mark during the outage is only legitimate for a message Kafka took before it went.
+    sent_at = {r.event_id: r.timestamp_ms / 1000 for r in reversed(report.records) if r.event_id}
+    late = [
+        e for e, marked in marked_in_outage if e not in sent_at or sent_at[e] >= down_at.timestamp()
+    ]
+    assert not late, f"{len(late)} rows marked during the outage without an earlier ack"
+    max_commit = max(load.ledger.commit_latencies)
+    FIGURES.notes["12: commits during the Kafka outage"] = committed_in_outage
+    FIGURES.notes["12: slowest app commit (s)"] = round(max_commit, 3)
+    # About 200 (a few in flight at either end of the window may fall outside it).
+    assert committed_in_outage >= 150
+    assert max_commit < 2.0, f"an application commit took {max_commit:.2f}s"
+    report.assert_ok()
+
+
+async def test_13_sigterm_while_kafka_is_down_and_a_second_signal_aborts(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """With Kafka down and batches in flight:
+    relay A gets one SIGTERM while its batch waits for acks and must exit within its
+    shutdown timeout (5 s; Kafka send deadline 3 s), leaving its unsent rows pending;
+    relay B (send deadline 30 s, so its batch stays in flight) gets SIGTERM, starts its
+    graceful stop, then a second signal, and must abort at once with exit code 130.
+    Afterwards a new relay delivers everything."""
+    _, kafka = restartable(services)
+    checker = OutboxChecker(db_dsn, services.bootstrap, [topic], "13 SIGTERM, Kafka down")
+    await checker.setup()
+    shutdown = 5.0
+    env_a = {
+        **KEEP,
+        "NOTIFY_OUTBOX_SHUTDOWN_TIMEOUT": str(shutdown),
+        "NOTIFY_OUTBOX_KAFKA_SEND_TIMEOUT": "3",
+    }
+    env_b = {
+        **KEEP,
+        "NOTIFY_OUTBOX_SHUTDOWN_TIMEOUT": "30",
+        "NOTIFY_OUTBOX_KAFKA_SEND_TIMEOUT": "30",
+    }
+    debug = ("--log-level", "DEBUG")
+    a = FaultRelay(db_dsn, services.bootstrap, *debug, env=env_a, name="A")
+    b = FaultRelay(db_dsn, services.bootstrap, *debug, env=env_b, name="B")
+    async with relays(a, b), checker.producer() as p:
+        await a.ready()
+        await b.ready()
+        claimed = r"claimed \d+ rows"
+        # Both publish once first, so both producers know the topic: a relay that must still
+        # ask Kafka for a topic's metadata gives up at once when Kafka is down, with nothing
+        # in flight, and the stop would test nothing.
+        await _produce_until(p, lambda: all(r.matching(claimed) for r in (a, b)))
+        await eventually(lambda: _drained(db_dsn), within=30, what="nothing left pending")
+        await run_blocking(kafka.stop)
+        down_at = await _db_now(db_dsn)
+        for relay in (a, b):
+            checker.allow_duplicates(relay.in_flight_bound, f"Kafka stop under relay {relay.name}")
+        # New events after the outage began, until A claims a batch: SIGTERM it right then,
+        # while that batch waits for acks that cannot come (up to its 3 s send deadline).
+        before = len(a.matching(claimed))
+        await _produce_until(p, lambda: len(a.matching(claimed)) > before)
+        code_a, took_a = await a.terminate(within=60)
+        # B's send deadline is 30 s: once it claimed, its batch stays in flight, so its
+        # graceful stop is still waiting when the second signal comes.
+        before = len(b.matching(claimed))
+        await _produce_until(p, lambda: len(b.matching(claimed)) > before)
+        b.signal()
+        await b.line("stopping: finishing in-flight batches", within=10)
+        code_b, took_b = await b.terminate(within=30)
+    FIGURES.notes["13: exit code on SIGTERM with Kafka down"] = code_a
+    FIGURES.notes["13: seconds to exit (shutdown_timeout 5)"] = round(took_a, 2)
+    FIGURES.notes["10: seconds to abort on a second signal"] = round(took_b, 2)
+    assert code_a in (0, 3), a.output()
+    assert took_a <= shutdown + 1.0, (
+        f"relay A took {took_a:.1f}s to exit on SIGTERM with Kafka down "
+        f"(shutdown_timeout {shutdown}s):\n{a.output()}"
+    )
+    assert code_b == 130, b.output()
+    assert took_b <= 3.0, f"the second signal took {took_b:.1f}s to abort:\n{b.output()}"
+    marked_in_outage = await fetchval(
+        db_dsn, "SELECT count(*) FROM outbox WHERE published_at > $1", down_at
+    )
+    assert marked_in_outage == 0, "rows were marked published while Kafka was down"
+    await run_blocking(kafka.start)
+    async with relays(FaultRelay(db_dsn, services.bootstrap, env=KEEP)) as (relay,):
+        report = await checker.drain_and_check(within=90)
+        await relay.stop_ok()
+    print(report.text())
+    report.assert_ok()
