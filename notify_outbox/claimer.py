@@ -60,6 +60,12 @@ class ClaimedBatch(Protocol):
     @property
     def rows(self) -> Sequence[OutboxRow]: ...
 
+    @property
+    def more_due(self) -> bool | None:
+        """After ``complete``: whether rows were due right after the commit (None: unknown,
+        claim again to find out)."""
+        ...
+
     async def complete(self, outcome: BatchOutcome) -> None: ...
 
 
@@ -87,15 +93,18 @@ class _PgBatch:
         self._q = queries
         self._rows = rows
         self._delete = delete
+        self.committed = False
+        self._more_due: bool | None = None
 
     @property
     def rows(self) -> Sequence[OutboxRow]:
         return self._rows
 
+    @property
+    def more_due(self) -> bool | None:
+        return self._more_due
+
     async def complete(self, outcome: BatchOutcome) -> None:
-        if outcome.published:
-            query = "delete_published" if self._delete else "mark_published"
-            await self._conn.execute(self._q[query], outcome.published)
         if outcome.retry:
             ids, errors, delays = zip(*outcome.retry, strict=True)
             await self._conn.execute(
@@ -104,6 +113,28 @@ class _PgBatch:
         if outcome.dead:
             ids, errors = zip(*outcome.dead, strict=True)
             await self._conn.execute(self._q["dead_letter"], list(ids), list(errors))
+        # The common path is one round trip: mark, COMMIT and a look for more, sent together
+        # in the simple protocol (which takes no parameters: the ids are rendered as an
+        # integer literal; int() guards that they are nothing else).
+        if outcome.published:
+            query = "delete_published" if self._delete else "mark_published"
+            literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
+            sql = self._q[query].replace("<ids>", literal)
+        else:
+            sql = self._q["commit_and_look"]
+        status = await self._conn.execute(sql)
+        self.committed = True
+        self._more_due = status != "SELECT 0"
+
+
+async def _rollback(conn: asyncpg.Connection) -> None:
+    """Roll a failed claim back; if even that fails, end the session (which rolls back)."""
+    if conn.is_closed() or not conn.is_in_transaction():
+        return
+    try:
+        await conn.execute("ROLLBACK")
+    except Exception:
+        conn.terminate()
 
 
 class PgOutboxStore:
@@ -124,16 +155,31 @@ class PgOutboxStore:
 
     @asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
+        # The transaction is driven by hand rather than by asyncpg's transaction(), so that
+        # the outcome, the COMMIT and the look for more share one round trip (complete()).
         async with self._pool.acquire() as conn:
             try:
-                async with conn.transaction():
-                    records = await conn.fetch(self._q["claim"], limit, timeout=self._timeout)
-                    rows = [OutboxRow(**dict(r)) for r in records]
-                    yield _PgBatch(conn, self._q, rows, self._delete)
+                await conn.execute("BEGIN")
+                records = await conn.fetch(self._q["claim"], limit, timeout=self._timeout)
+                # Positional: the claim's columns are in OutboxRow's field order.
+                batch = _PgBatch(conn, self._q, [OutboxRow(*r) for r in records], self._delete)
+                try:
+                    yield batch
+                except Exception:
+                    await _rollback(conn)
+                    raise
+                if not batch.committed:  # the caller did not complete it: nothing changes
+                    await conn.execute("ROLLBACK")
             except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
                 # The connection may be left mid-protocol (the pool's release no longer runs a
                 # reset query that would have caught it): never hand it out again.
                 conn.terminate()
+                raise
+            except BaseException:
+                # Cancelled (possibly mid-statement): ending the session is the one sure and
+                # immediate way to release the claim's locks; the pool opens a new one.
+                if not conn.is_closed() and conn.is_in_transaction():
+                    conn.terminate()
                 raise
 
     async def has_due(self) -> bool:

@@ -348,41 +348,46 @@ class Relay:
                 self._busy_workers -= 1
 
     async def _drain(self) -> None:
-        """Claim batches until the table is empty (a wake-up drains the table).
+        """Claim batches until nothing is due (a wake-up drains the table).
 
-        With the gated notify, a relay that sees sustained traffic marks itself awake, so
-        producers stop notifying; the last busy worker then lingers (claiming every
-        ``gate_poll_interval``) and only lets producers notify again through the sleep
-        protocol of migration 0002, followed by one more claim.
+        With the gated notify, a relay that has been draining without a break for
+        ``gate_awake_after`` marks itself awake, so producers stop notifying; the last busy
+        worker then lingers (looking every ``gate_poll_interval``) and only lets producers
+        notify again through the sleep protocol of migration 0002, followed by one more look.
+        At low load the relay never marks itself awake and producers simply notify.
         """
         s = self.settings
-        productive = 0
+        busy_since: float | None = None  # start of the current unbroken run of claims
         while not self._stopping:
-            claimed = await self._claim_once()
-            if claimed is None:
+            done = await self._claim_once()
+            if done is None:
                 continue  # an error was handled (and waited out): claim again
-            if claimed > 0:
-                productive += 1
-                if self.gated and productive >= s.gate_mark_after and self.listener is not None:
+            claimed, more = done
+            if claimed:
+                now = anyio.current_time()
+                busy_since = now if busy_since is None else busy_since
+                if self.gated and now - busy_since >= s.gate_awake_after and self.listener:
                     await self.listener.mark_awake()
                 if claimed >= s.batch_size:
                     # More is probably waiting: bring an idle sibling in to help.
                     self._wake("backlog")
-                continue
+                    continue
+                if more is not False:
+                    continue
+            busy_since = None
             if not self._may_sleep():
                 return
             if await self._linger():
-                productive = 1
                 continue
             assert self.listener is not None
             if not await self.listener.try_sleep():
                 # Producers in flight may have skipped their NOTIFY: stay awake.
                 await anyio.sleep(s.gate_poll_interval)
                 continue
-            # A is released: from now on producers notify. The loop's next claim, a new
-            # statement, sees every row whose producer skipped its NOTIFY; with A released,
-            # its empty result ends the drain.
-            productive = 0
+            # A is released: from now on producers notify. One more look, as a new statement,
+            # sees every row whose producer skipped its NOTIFY (they have all committed).
+            if not await self._due():
+                return
 
     def _may_sleep(self) -> bool:
         """Whether this worker must run the sleep protocol before it idles: only the last
@@ -395,21 +400,28 @@ class Relay:
         )
 
     async def _linger(self) -> bool:
-        """Keep claiming for ``gate_linger`` seconds; True as soon as a claim finds rows.
-
-        The deadline bounds the waits between claims, never a claim: cancelling a claim
-        halfway would abandon a batch between its send and its mark.
-        """
+        """Look for due rows every ``gate_poll_interval`` for ``gate_linger`` seconds; True as
+        soon as some are due. A look is one cheap statement, not a claim transaction."""
         s = self.settings
         deadline = anyio.current_time() + s.gate_linger
         while anyio.current_time() < deadline and not self._stopping:
             await anyio.sleep(s.gate_poll_interval)
-            if await self._claim_once():
+            if await self._due():
                 return True
         return False
 
-    async def _claim_once(self) -> int | None:
-        """One claim-publish-mark round; None after an error that was logged and waited out."""
+    async def _due(self) -> bool:
+        """Whether rows are due; True after an error, so that the caller claims (and the
+        claim handles the error)."""
+        assert self._store is not None
+        try:
+            return await self._store.has_due()
+        except _DB_ERRORS:
+            return True
+
+    async def _claim_once(self) -> tuple[int, bool | None] | None:
+        """One claim-publish-mark round: rows claimed, and whether more rows were due after
+        it committed (None: unknown). None after an error that was logged and waited out."""
         s = self.settings
         try:
             claimed = await self._process_batch()
@@ -432,13 +444,13 @@ class Relay:
         self._db_delay = s.reconnect_min_delay
         return claimed
 
-    async def _process_batch(self) -> int:
+    async def _process_batch(self) -> tuple[int, bool | None]:
         assert self._store is not None
         assert self._publisher is not None
         async with self._store.claim(self.settings.batch_size) as batch:
             rows = batch.rows
             if not rows:
-                return 0
+                return 0, False
             self.events.emit("claimed", len(rows))
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
@@ -455,7 +467,7 @@ class Relay:
         self.events.emit("batch_done")
         if result.unavailable is not None:
             raise PublisherUnavailable(result.unavailable)
-        return len(rows)
+        return len(rows), batch.more_due
 
     def _fault(self, point: str) -> None:
         if self._fault_hook is not None:

@@ -112,15 +112,18 @@ class OutboxSettings(DatabaseSettings):
     gate_linger: float = Field(
         0.01,
         ge=0,
-        description="Gated notify: how long an idle relay keeps claiming before it "
-        "lets producers NOTIFY again (seconds)",
+        description="Gated notify: how long an idle, awake relay keeps looking for rows before "
+        "it lets producers NOTIFY again (seconds)",
     )
-    gate_poll_interval: float = Field(0.002, gt=0, description="Claim interval while lingering")
-    gate_mark_after: int = Field(
-        2,
-        ge=1,
-        description="Gated notify: productive claims in a row before the relay marks "
-        "itself awake (at low load it stays asleep and producers simply notify)",
+    gate_poll_interval: float = Field(
+        0.002, gt=0, description="Gated notify: seconds between looks while lingering"
+    )
+    gate_awake_after: float = Field(
+        0.02,
+        ge=0,
+        description="Gated notify: seconds of unbroken draining before the relay marks itself "
+        "awake and producers stop notifying (at low load it never does, and producers simply "
+        "notify); 0 marks it at the first claim",
     )
 
     # --- failures -----------------------------------------------------------------------------

@@ -32,6 +32,10 @@ class FakeBatch:
     def rows(self) -> Sequence[OutboxRow]:
         return self._rows
 
+    @property
+    def more_due(self) -> bool | None:
+        return None  # unknown: the relay claims again to find out
+
     async def complete(self, outcome: BatchOutcome) -> None:
         self.outcome = outcome
 

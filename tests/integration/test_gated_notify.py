@@ -126,7 +126,7 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
         poll_interval=3600,
         gate_linger=0.002,
         gate_poll_interval=0.001,
-        gate_mark_after=1,  # every round marks the relay awake
+        gate_awake_after=0,  # every round marks the relay awake
         reconnect_min_delay=0.01,
     )
     rounds, committed, aborted = 2000, 0, 0
@@ -235,3 +235,33 @@ async def test_the_awake_marker_dies_with_a_killed_relay(
         await heard.start()
         await conn.execute(INSERT, "k")
         assert await heard.notified_before_sentinel(conn)
+
+
+async def test_a_trickle_never_marks_the_relay_awake_but_a_backlog_does(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """At low load producers keep notifying (the latency of an always-notify trigger): one
+    event at a time, each published before the next, never makes an unbroken run of claims,
+    so the relay never marks itself awake. A backlog keeps it claiming without a break for
+    longer than ``gate_awake_after``: it marks itself awake and producers stop notifying."""
+    settings = OutboxSettings(
+        dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=2, batch_size=50
+    )
+    insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
+    async with connections(db_dsn, 1) as (conn,), Relay(settings) as relay:
+        events = relay.events
+        for n in range(50):
+            await conn.execute(insert, topic, f"k{n % 7}")
+            with anyio.fail_after(10):
+                await events.wait_for("published", n + 1)
+        assert events.counts["gate_awake"] == 0
+        assert events.counts["wake:notification"] >= 50  # every event woke the relay
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'k' || (i % 97), '{}' FROM generate_series(1, 5000) i",
+            topic,
+        )
+        with anyio.fail_after(60):
+            await events.wait_for("published", 5050)
+        assert events.counts["gate_awake"] >= 1
+        assert events.counts["wake:poll"] == 0
