@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up seconds per cell")
     p.add_argument("--repeat", type=int, help="repetitions of every cell (medians reported)")
     p.add_argument("--writers", type=int, help="writer connections (default: by load)")
+    p.add_argument(
+        "--tx-events",
+        type=int,
+        help="latency cells: up to N already-due events per producing transaction "
+        "(default 1: single-row transactions; more measures relay throughput past the "
+        "machine's commit rate)",
+    )
     p.add_argument("--idle-seconds", type=float, help="length of the idle measurement")
     p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="trigger variants")
     p.add_argument("--producer-writers", nargs="+", type=int, help="e.g. 1 4 16")
@@ -105,6 +112,7 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
         ("warmup", "warmup"),
         ("repeat", "repeat"),
         ("writers", "writers"),
+        ("tx_events", "tx_events"),
         ("idle_seconds", "idle_seconds"),
         ("producer_seconds", "producer_seconds"),
         ("variant_load", "variant_load"),

@@ -77,6 +77,14 @@ MODES: dict[str, Mode] = {
             interval=0.1,
         ),
         Mode(
+            "relay-poll-fast",
+            "relay",
+            "notify-outbox relay in poll-only mode, --poll-interval 0.002 (claims as often as "
+            "an awake gated relay lingering)",
+            args=("--poll-only", "--poll-interval", "0.002"),
+            interval=0.002,
+        ),
+        Mode(
             "poll-100ms",
             "poller",
             "plain polling publisher: every 100 ms, SKIP LOCKED, batch 100, delete",
@@ -145,6 +153,12 @@ VARIANTS: dict[str, TriggerVariant] = {
             "relay-poll",
         ),
         TriggerVariant(
+            "no-trigger+fast-relay",
+            "NOTIFY trigger disabled, relay in poll-only mode (2 ms) draining",
+            "disabled",
+            "relay-poll-fast",
+        ),
+        TriggerVariant(
             "shipped+relay", "trigger as migrated, notify relay running", "shipped", "notify"
         ),
         TriggerVariant("shipped-idle", "trigger as migrated, no relay", "shipped", None),
@@ -162,7 +176,14 @@ VARIANTS: dict[str, TriggerVariant] = {
         ),
     )
 }
-DEFAULT_VARIANTS = ("no-trigger", "always+relay", "gated+relay", "no-trigger+relay", "shipped-idle")
+DEFAULT_VARIANTS = (
+    "no-trigger",
+    "always+relay",
+    "gated+relay",
+    "no-trigger+relay",
+    "no-trigger+fast-relay",
+    "shipped-idle",
+)
 
 
 def writers_for(rate: float) -> int:
@@ -195,6 +216,7 @@ class RunConfig:
     keys: int = 1000
     partitions: int = 3
     writers: int | None = None  # None: writers_for(rate)
+    tx_events: int = 1  # latency cells: up to this many already-due events per transaction
     fsync_test_seconds: int = 2  # pg_test_fsync -s N; 0: only the short fdatasync probe
     profile: bool = False  # run the notify relay under py-spy at the variant load
     skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer

@@ -4,7 +4,11 @@ Open loop: a send schedule is fixed before the first event (constant rate, or Po
 arrivals), and ``writers`` connections take the events in schedule order. A writer sleeps until
 its event's scheduled time, or sends at once when it is late; it never skips an event. Each
 event is one single-row transaction, written either with plain SQL (one autocommit INSERT) or
-through the Python API (``BEGIN``; ``notify_outbox.enqueue``; ``COMMIT``). The payload carries
+through the Python API (``BEGIN``; ``notify_outbox.enqueue``; ``COMMIT``). With ``tx_events`` N > 1
+a writer puts up to N events that are already due into one transaction (one multi-row INSERT,
+or ``enqueue_many``), as a batching service would: this measures a relay's throughput past
+the single-row commit rate of the machine; latency is still taken from each event's own
+scheduled time, so the wait for a transaction's other events is counted. The payload carries
 the cell number, the event's index and its scheduled time (``time.monotonic_ns()``, which is one
 clock for every process of the host), so the consumer can compute latency from the schedule:
 a stalled writer cannot hide latency (no coordinated omission). For every event the generator
@@ -34,6 +38,10 @@ from bench.hist import Histogram
 __all__ = ["LoadConfig", "build_schedule", "main"]
 
 SQL_INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, $3::jsonb)"
+SQL_INSERT_MANY = (
+    "INSERT INTO outbox (topic, key, payload) "
+    "SELECT $1, k, p::jsonb FROM unnest($2::text[], $3::text[]) AS e(k, p)"
+)
 _CONNECT_TIMEOUT = 15.0
 _START_DELAY_NS = 300_000_000  # the schedule starts this long after every writer connected
 
@@ -56,6 +64,7 @@ class LoadConfig:
     seed: int = 1
     grace: float = 5.0  # events not started this long after the schedule ends are dropped
     closed: bool = False
+    tx_events: int = 1  # up to this many already-due events per transaction
 
     @classmethod
     def load(cls, path: Path) -> LoadConfig:
@@ -108,17 +117,32 @@ async def _connect_all(cfg: LoadConfig) -> list[asyncpg.Connection]:
 
 
 async def _insert(cfg: LoadConfig, conn: asyncpg.Connection, i: int, sched_ns: int) -> None:
-    key = f"k{i % cfg.keys}"
-    if cfg.producer == "sql":
-        payload = f'{{"c":{cfg.cell},"i":{i},"t":{sched_ns}}}'
-        await conn.execute(SQL_INSERT, cfg.topic, key, payload)
-    else:
-        from notify_outbox import enqueue  # imported early by _connect_all
+    await _insert_many(cfg, conn, [i], [sched_ns])
 
-        async with conn.transaction():
-            await enqueue(
-                conn, topic=cfg.topic, key=key, payload={"c": cfg.cell, "i": i, "t": sched_ns}
-            )
+
+async def _insert_many(
+    cfg: LoadConfig, conn: asyncpg.Connection, idx: list[int], sched_ns: list[int]
+) -> None:
+    """Events ``idx`` in one transaction (one autocommit statement for plain SQL)."""
+    keys = [f"k{i % cfg.keys}" for i in idx]
+    if cfg.producer == "sql":
+        pairs = zip(idx, sched_ns, strict=True)
+        payloads = [f'{{"c":{cfg.cell},"i":{i},"t":{t}}}' for i, t in pairs]
+        if len(idx) == 1:
+            await conn.execute(SQL_INSERT, cfg.topic, keys[0], payloads[0])
+        else:
+            await conn.execute(SQL_INSERT_MANY, cfg.topic, keys, payloads)
+        return
+    from notify_outbox import OutboxEvent, enqueue_many  # imported early by _connect_all
+
+    async with conn.transaction():
+        await enqueue_many(
+            conn,
+            [
+                OutboxEvent(topic=cfg.topic, key=k, payload={"c": cfg.cell, "i": i, "t": t})
+                for k, i, t in zip(keys, idx, sched_ns, strict=True)
+            ],
+        )
 
 
 async def run_open(cfg: LoadConfig) -> dict[str, Any]:
@@ -148,13 +172,20 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
             if now > give_up:
                 next_i = n  # far behind the schedule: stop; the rest count as unsent
                 return
-            send[i] = now
+            group = [i]
+            while len(group) < cfg.tx_events and next_i < n and sched[next_i] <= now:
+                group.append(next_i)
+                next_i += 1
+            for j in group:
+                send[j] = now
             try:
-                await _insert(cfg, conn, i, due)
+                await _insert_many(cfg, conn, group, [sched[j] for j in group])
             except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 continue
-            ack[i] = time.monotonic_ns()
+            acked = time.monotonic_ns()
+            for j in group:
+                ack[j] = acked
 
     try:
         await asyncio.gather(*(writer(c) for c in conns))

@@ -460,6 +460,7 @@ class Runner:
             keys=cfg.keys,
             seed=n,
             grace=max(2.0, cfg.duration / 2),
+            tx_events=cfg.tx_events,
         )
         config_path = cells_dir / f"c{n}-config.json"
         lc.save(config_path)

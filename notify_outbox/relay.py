@@ -91,6 +91,7 @@ class Relay:
         self._busy_workers = 0
         self._db_delay = settings.reconnect_min_delay
         self._stop_deadline: float | None = None
+        self._close_forced = False  # a graceful close had to abandon the producer or pool
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class Relay:
                 self.outcome = "failed"
             raise
         if self.outcome == "running":
-            self.outcome = "stopped"
+            self.outcome = "forced" if self._close_forced else "stopped"
 
     async def _run(self) -> None:
         clean = False
@@ -260,7 +261,10 @@ class Relay:
 
     async def _close(self, *, graceful: bool) -> None:
         if isinstance(self._publisher, KafkaPublisher):
-            await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
+            stopped = await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
+            # Every batch was marked only after its acks, so nothing is lost; still, the stop
+            # did not finish within shutdown_timeout, and the exit status says so.
+            self._close_forced = self._close_forced or (graceful and not stopped)
         if self._pool is not None:
             if not graceful:
                 self._pool.terminate()
@@ -270,6 +274,7 @@ class Relay:
                     await self._pool.close()
                 if scope.cancelled_caught:
                     self._pool.terminate()
+                    self._close_forced = True
             self._pool = None
 
     async def _until_stopped(self, coro: Any) -> Any:

@@ -149,19 +149,25 @@ class OutboxSettings(DatabaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        # Errors about several fields name each one with its variable (the model-level
+        # error has no single field that format_validation_error could name).
         if self.kafka_security_protocol.startswith("SASL_"):
             if self.kafka_sasl_mechanism is None:
                 raise ValueError(
-                    "kafka_sasl_mechanism is required with a SASL_* kafka_security_protocol"
+                    f"{_var('kafka_sasl_mechanism')} is required with a SASL_* "
+                    f"{_var('kafka_security_protocol')}"
                 )
             if not self.kafka_sasl_username or self.kafka_sasl_password is None:
                 raise ValueError(
-                    "kafka_sasl_username and kafka_sasl_password are required for SASL"
+                    f"{_var('kafka_sasl_username')} and {_var('kafka_sasl_password')} are "
+                    "required for SASL"
                 )
-        if self.retry_max_delay < self.retry_base_delay:
-            raise ValueError("retry_max_delay must be >= retry_base_delay")
-        if self.reconnect_max_delay < self.reconnect_min_delay:
-            raise ValueError("reconnect_max_delay must be >= reconnect_min_delay")
+        for low, high in (
+            ("retry_base_delay", "retry_max_delay"),
+            ("reconnect_min_delay", "reconnect_max_delay"),
+        ):
+            if getattr(self, high) < getattr(self, low):
+                raise ValueError(f"{_var(high)} must be >= {_var(low)}")
         return self
 
     @property
@@ -184,6 +190,10 @@ def load_settings(cls: type[_S], /, **overrides: Any) -> _S:
         return cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:
         raise ConfigurationError(format_validation_error(e)) from None
+
+
+def _var(field: str) -> str:
+    return f"{field} (NOTIFY_OUTBOX_{field.upper()})"
 
 
 def format_validation_error(error: ValidationError) -> str:

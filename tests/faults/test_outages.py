@@ -218,20 +218,24 @@ async def test_13_sigterm_while_kafka_is_down_and_a_second_signal_aborts(
             checker.allow_duplicates(relay.in_flight_bound, f"Kafka stop under relay {relay.name}")
         # New events after the outage began, until A claims a batch: SIGTERM it right then,
         # while that batch waits for acks that cannot come (up to its 3 s send deadline).
-        before = len(a.matching(claimed))
-        await _produce_until(p, lambda: len(a.matching(claimed)) > before)
+        before_a, before_b = len(a.matching(claimed)), len(b.matching(claimed))
+        await _produce_until(p, lambda: len(a.matching(claimed)) > before_a)
         code_a, took_a = await a.terminate(within=60)
-        # B's send deadline is 30 s: once it claimed, its batch stays in flight, so its
-        # graceful stop is still waiting when the second signal comes.
-        before = len(b.matching(claimed))
-        await _produce_until(p, lambda: len(b.matching(claimed)) > before)
+        # B's send deadline is 30 s: once it claimed during the outage (perhaps already, with
+        # every worker now busy), its batch stays in flight, so its graceful stop is still
+        # waiting when the second signal comes.
+        await _produce_until(p, lambda: len(b.matching(claimed)) > before_b)
         b.signal()
         await b.line("stopping: finishing in-flight batches", within=10)
         code_b, took_b = await b.terminate(within=30)
     FIGURES.notes["13: exit code on SIGTERM with Kafka down"] = code_a
     FIGURES.notes["13: seconds to exit (shutdown_timeout 5)"] = round(took_a, 2)
     FIGURES.notes["10: seconds to abort on a second signal"] = round(took_b, 2)
-    assert code_a in (0, 3), a.output()
+    # Exit 3 exactly when the graceful stop ran out of time: batches still in flight, or a
+    # Kafka producer that could not be closed (its broker is down); 0 otherwise.
+    out_a = a.output()
+    ran_out = "did not finish within shutdown_timeout" in out_a or "abandoning it" in out_a
+    assert code_a == (3 if ran_out else 0), out_a
     assert took_a <= shutdown + 1.0, (
         f"relay A took {took_a:.1f}s to exit on SIGTERM with Kafka down "
         f"(shutdown_timeout {shutdown}s):\n{a.output()}"
