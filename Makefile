@@ -22,9 +22,10 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# The fault-injection suite against real services (~7 min): crashes, restarts, outages.
+# Only the fault-injection suite (part of `make test` too; ~5 min): crashes, restarts, outages.
+# Its own --basetemp, so it can run beside another pytest session of the same user.
 test-faults: $(STAMP)
-	$(PY) -m pytest tests/faults -p no:cacheprovider --basetemp=/tmp/notify-outbox-faults-$$$$ -o addopts="-ra"
+	$(PY) -m pytest tests/faults -p no:cacheprovider --basetemp=/tmp/notify-outbox-faults-$$$$
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -72,16 +72,19 @@ MODES: dict[str, Mode] = {
         Mode(
             "relay-poll",
             "relay",
-            "notify-outbox relay in poll-only mode, --poll-interval 0.1 (trigger as shipped)",
+            "notify-outbox relay in poll-only mode, --poll-interval 0.1 (notify_mode 'off', as "
+            "the README advises for poll-only deployments)",
             args=("--poll-only", "--poll-interval", "0.1"),
+            notify="off",
             interval=0.1,
         ),
         Mode(
             "relay-poll-fast",
             "relay",
-            "notify-outbox relay in poll-only mode, --poll-interval 0.002 (claims as often as "
-            "an awake gated relay lingering)",
+            "notify-outbox relay in poll-only mode, --poll-interval 0.002 (looks as often as "
+            "an awake gated relay lingering; notify_mode 'off')",
             args=("--poll-only", "--poll-interval", "0.002"),
+            notify="off",
             interval=0.002,
         ),
         Mode(
@@ -136,6 +139,9 @@ class TriggerVariant:
     description: str
     notify: str
     drain_mode: str | None
+    # Hold the gated notify's awake marker on a side connection (no relay): the trigger's
+    # own cost when producers skip their NOTIFY, without any draining competing for the CPU.
+    hold_awake: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description."""
@@ -169,6 +175,14 @@ VARIANTS: dict[str, TriggerVariant] = {
             "notify",
         ),
         TriggerVariant(
+            "gated-awake",
+            "gated NOTIFY with the awake marker held and nothing draining: the trigger's own "
+            "cost while a relay is awake",
+            "gated",
+            None,
+            hold_awake=True,
+        ),
+        TriggerVariant(
             "gated+relay",
             "gated NOTIFY (notify_mode 'gated'), notify relay running",
             "gated",
@@ -180,6 +194,7 @@ DEFAULT_VARIANTS = (
     "no-trigger",
     "always+relay",
     "gated+relay",
+    "gated-awake",
     "no-trigger+relay",
     "no-trigger+fast-relay",
     "shipped-idle",

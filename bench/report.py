@@ -210,7 +210,7 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         )
     prod = {(r["variant"], r["writers"]): r for r in summary["producer"]}
     for (variant, writers), r in sorted(prod.items()):
-        if variant not in ("gated+relay", "shipped+relay"):
+        if variant not in ("gated+relay", "gated-awake", "shipped+relay"):
             continue
         ratio = r["vs_no-trigger"]
         others = ", ".join(

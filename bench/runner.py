@@ -36,6 +36,7 @@ from bench.services import (
     remove_work_dir,
     set_notify,
 )
+from notify_outbox.names import OutboxNames
 
 __all__ = ["Runner"]
 
@@ -654,9 +655,16 @@ class Runner:
                 self.progress.line(f"producer {variant.name}: skipped ({e})")
             return
         drain: Child | None = None
+        awake: asyncpg.Connection | None = None
         try:
             if variant.drain_mode is not None:
                 drain = await self._start_mode(services, MODES[variant.drain_mode], dsn)
+            if variant.hold_awake:
+                awake = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
+                if not await awake.fetchval(
+                    "SELECT pg_try_advisory_lock($1)", OutboxNames().awake_key
+                ):
+                    raise BenchError("could not take the awake marker: is a relay running?")
             for writers in self.cfg.producer_writers:
                 await conn.execute("SET lock_timeout = '10s'")
                 await conn.execute("TRUNCATE outbox")
@@ -684,6 +692,8 @@ class Runner:
                     cell=True,
                 )
         finally:
+            if awake is not None:
+                await awake.close(timeout=5)
             if drain is not None:
                 await self._stop(drain)
             await conn.execute("TRUNCATE outbox")
