@@ -303,7 +303,7 @@ def smoke_config() -> RunConfig:
         producer_writers=[1, 4],
         producer_seconds=1.0,
         producer_repeat=1,
-        variants=["no-trigger", "always+relay", "gated+relay"],
+        variants=["no-trigger", "always+relay", "gated+relay", "gated-awake"],
         variant_load=200,
         variant_modes=["notify"],
         fsync_test_seconds=0,
