@@ -269,7 +269,9 @@ class Relay:
             if not graceful:
                 self._pool.terminate()
             else:
-                left = min(self.settings.db_command_timeout, max(self._shutdown_left(), 1.0))
+                # Every worker has finished: the pool's connections are idle. Close them
+                # politely within what is left of shutdown_timeout, else at once.
+                left = min(self.settings.db_command_timeout, self._shutdown_left())
                 with anyio.move_on_after(left) as scope:
                     await self._pool.close()
                 if scope.cancelled_caught:
@@ -391,7 +393,12 @@ class Relay:
                 continue
             # A is released: from now on producers notify. One more look, as a new statement,
             # sees every row whose producer skipped its NOTIFY (they have all committed).
-            if not await self._due():
+            if await self._due():
+                continue
+            # A sibling woken meanwhile may have marked the relay awake again and gone idle
+            # while this worker was still busy: then this worker, the last one busy, must put
+            # it to sleep, or producers would skip their NOTIFY with nobody claiming.
+            if not self._may_sleep():
                 return
 
     def _may_sleep(self) -> bool:

@@ -412,10 +412,15 @@ async def partitions(consumer: AIOKafkaConsumer, topics: Iterable[str]) -> list[
     tps: list[TopicPartition] = []
     for topic in topics:
         found = consumer.partitions_for_topic(topic)
-        if not found:
+        # Right after a broker restart (an earlier test's), metadata can lag: ask again,
+        # within a bound.
+        deadline = anyio.current_time() + 30
+        while not found and anyio.current_time() < deadline:
             await consumer._client.force_metadata_update()
             found = consumer.partitions_for_topic(topic) or set()
-        assert found, f"topic {topic} has no partitions (does it exist?)"
+            if not found:
+                await anyio.sleep(0.2)
+        assert found, f"topic {topic} has no partitions within 30 s (does it exist?)"
         tps.extend(TopicPartition(topic, p) for p in sorted(found))
     return tps
 
