@@ -116,10 +116,6 @@ async def _connect_all(cfg: LoadConfig) -> list[asyncpg.Connection]:
     )
 
 
-async def _insert(cfg: LoadConfig, conn: asyncpg.Connection, i: int, sched_ns: int) -> None:
-    await _insert_many(cfg, conn, [i], [sched_ns])
-
-
 async def _insert_many(
     cfg: LoadConfig, conn: asyncpg.Connection, idx: list[int], sched_ns: list[int]
 ) -> None:
@@ -225,7 +221,7 @@ async def run_closed(cfg: LoadConfig) -> dict[str, Any]:
             i = counter
             counter += 1
             try:
-                await _insert(cfg, conn, i, t)
+                await _insert_many(cfg, conn, [i], [t])
             except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 continue

@@ -116,12 +116,11 @@ class _PgBatch:
         # The common path is one round trip: mark, COMMIT and a look for more, sent together
         # in the simple protocol (which takes no parameters: the ids are rendered as an
         # integer literal; int() guards that they are nothing else).
+        sql = self._q["commit_and_look"]
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
             literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
-            sql = self._q[query].replace("<ids>", literal)
-        else:
-            sql = self._q["commit_and_look"]
+            sql = self._q[query].replace("<ids>", literal) + "\n" + sql
         status = await self._conn.execute(sql)
         self.committed = True
         self._more_due = status != "SELECT 0"

@@ -43,25 +43,17 @@ SELECT EXISTS (
 );
 
 -- name: mark_published
--- The end of a claim in one round trip (simple protocol, no parameters): mark, commit, then
--- look, as a new statement after the commit, whether more is due (the command tag "SELECT 1"
--- or "SELECT 0" says it). <ids> is an integer array literal built by the relay from the
--- claimed ids, never from user data.
+-- <ids> is an integer array literal built by the relay from the claimed ids, never from user
+-- data: this statement is sent in the simple protocol (no parameters), followed by
+-- commit_and_look, so that mark, commit and look share one round trip.
 UPDATE @table@ SET published_at = now() WHERE id = ANY('<ids>'::bigint[]);
-COMMIT;
-SELECT 1 FROM @table@
-WHERE published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-LIMIT 1;
 
 -- name: delete_published
 DELETE FROM @table@ WHERE id = ANY('<ids>'::bigint[]);
-COMMIT;
-SELECT 1 FROM @table@
-WHERE published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-LIMIT 1;
 
 -- name: commit_and_look
--- As above, for a batch that published nothing.
+-- The end of a claim: commit, then look, as a new statement after the commit, whether more
+-- is due (the command tag "SELECT 1" or "SELECT 0" says it).
 COMMIT;
 SELECT 1 FROM @table@
 WHERE published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())

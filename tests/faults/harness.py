@@ -411,17 +411,15 @@ async def _no_pending(dsn: str) -> bool:
 async def partitions(consumer: AIOKafkaConsumer, topics: Iterable[str]) -> list[TopicPartition]:
     tps: list[TopicPartition] = []
     for topic in topics:
-        found = consumer.partitions_for_topic(topic)
-        # Right after a broker restart (an earlier test's), metadata can lag: ask again,
-        # within a bound.
-        deadline = anyio.current_time() + 30
-        while not found and anyio.current_time() < deadline:
-            await consumer._client.force_metadata_update()
-            found = consumer.partitions_for_topic(topic) or set()
-            if not found:
-                await anyio.sleep(0.2)
-        assert found, f"topic {topic} has no partitions within 30 s (does it exist?)"
-        tps.extend(TopicPartition(topic, p) for p in sorted(found))
+
+        async def known(topic: str = topic) -> bool:
+            # Right after a broker restart (an earlier test's), metadata can lag: ask again.
+            if not consumer.partitions_for_topic(topic):
+                await consumer._client.force_metadata_update()
+            return bool(consumer.partitions_for_topic(topic))
+
+        await eventually(known, within=30, what=f"topic {topic} has partitions", interval=0.2)
+        tps.extend(TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)))
     return tps
 
 

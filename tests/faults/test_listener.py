@@ -164,7 +164,10 @@ async def _live_listener_port(
     silenced ones linger server-side, as they would behind a dead network path).
     ``established``: only once it has LISTENed (its last statement is the LISTEN, a health
     probe or a gate statement, which all come after the LISTEN)."""
-    while True:
+    port = 0
+
+    async def found() -> bool:
+        nonlocal port
         rows = await watch.fetch(
             "SELECT client_port, query FROM pg_stat_activity WHERE application_name = $1 "
             "AND datname = current_database() AND NOT client_port = ANY($2::int[])",
@@ -175,8 +178,12 @@ async def _live_listener_port(
         if rows and (
             not established or re.match(r"(?is)\s*LISTEN|.*(pg_notify|advisory)", rows[0]["query"])
         ):
-            return int(rows[0]["client_port"])
-        await anyio.sleep(0.05)
+            port = int(rows[0]["client_port"])
+            return True
+        return False
+
+    await eventually(found, within=30, what="a live listening connection")
+    return port
 
 
 async def _at_least(value: int, target: int) -> bool:
