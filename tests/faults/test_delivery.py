@@ -94,6 +94,13 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
                 within=60,
                 what="200 more events were written after the relay started",
             )
+            # Rolled-back attempts count in ``produced``: go on until the run holds more
+            # than 2300 commits, as asserted below (a fast start-up leaves fewer).
+            await eventually(
+                lambda: _at_least(checker.ledger.count("committed"), 2301),
+                within=60,
+                what="more than 2300 events committed",
+            )
             await load.halt()
             report = await checker.drain_and_check(within=60)
             await relay.stop_ok()
