@@ -1,4 +1,4 @@
-"""The command line: ``python -m bench run | smoke | report``.
+"""The command line: ``python -m bench run | smoke | drain | recovery | report``.
 
 Exit codes: 0 done; 1 the bench itself broke (a process failed, events went missing at a light
 load, a smoke check failed); 2 bad usage.
@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -86,10 +87,154 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="default: a new temporary directory")
     p.add_argument("--keep-work-dir", action="store_true")
 
+    p = sub.add_parser("drain", help="backlog drain: events/s emptying a pre-filled outbox")
+    p.add_argument("--rows", type=int, default=100_000, help="rows per cell (default 100000)")
+    p.add_argument("--mixes", nargs="+", help="key mixes (default: keys-1000 keys-100000 hot null)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        help="relay-N (N relay processes), relay-N-alt (with --alt-relay), poller "
+        "(default: relay-1 relay-2 relay-4 poller)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
+    _phase_options(p)
+    p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
+
+    p = sub.add_parser("recovery", help="outage recovery: Kafka and PostgreSQL restarts")
+    p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
+    p.add_argument(
+        "--services",
+        nargs="+",
+        choices=["kafka", "postgres"],
+        default=["kafka", "postgres"],
+        help="what to restart, in this order",
+    )
+    p.add_argument("--pause", type=float, default=2.0, help="seconds between stop and start")
+    p.add_argument("--rate", type=float, default=200.0, help="writers' events/s (keyed)")
+    p.add_argument("--settle", type=float, default=5.0, help="steady seconds between restarts")
+    p.add_argument(
+        "--recover-timeout", type=float, default=90.0, help="per restart, seconds to catch up"
+    )
+    p.add_argument(
+        "--stack-dir",
+        type=Path,
+        help="restart this running devstack stack (DIR/postgres, DIR/kafka) instead of "
+        "starting one",
+    )
+    _phase_options(p)
+
     p = sub.add_parser("report", help="regenerate the markdown (and plots) of a result JSON")
     p.add_argument("json", type=Path)
     p.add_argument("--no-plots", action="store_true")
     return parser
+
+
+def _phase_options(p: argparse.ArgumentParser) -> None:
+    """The options the drain and recovery phases share."""
+    p.add_argument(
+        "--relay-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the relay processes, e.g. workers=8 or NOTIFY_OUTBOX_BATCH_SIZE=500 "
+        "(repeatable)",
+    )
+    p.add_argument(
+        "--alt-relay",
+        type=Path,
+        help="a copy of the source tree with a proposed relay change (drain: modes "
+        "relay-N-alt; recovery: runs that relay instead)",
+    )
+    p.add_argument("--fsync-seconds", type=int, default=0, help="pg_test_fsync -s N (0: skip)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
+    p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def _alt_tree(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    tree = path.resolve()
+    if not (tree / "notify_outbox" / "__main__.py").is_file():
+        raise BenchError(f"--alt-relay {tree}: no notify_outbox/ package there")
+    return str(tree)
+
+
+def _run_phase(args: argparse.Namespace) -> int:
+    """``drain`` or ``recovery``: run, write the report; exit 1 when a check failed (lost
+    events, order violations, a timed-out cell), not when the relay was merely slow."""
+    from bench.drain import (
+        DEFAULT_MIXES,
+        DEFAULT_MODES,
+        MIXES,
+        DrainConfig,
+        drain_problems,
+        parse_mode,
+        parse_relay_env,
+        run_drain,
+    )
+    from bench.procs import run_async
+    from bench.recovery import RecoveryConfig, recovery_problems, run_recovery
+    from bench.report import write_report
+
+    relay_env = parse_relay_env(args.relay_env)
+    alt = _alt_tree(args.alt_relay)
+    out: Path = args.out
+    if args.command == "drain":
+        mixes = list(dict.fromkeys(args.mixes or DEFAULT_MIXES))
+        unknown = [m for m in mixes if m not in MIXES]
+        if unknown:
+            raise BenchError(f"unknown key mix(es) {unknown}; known: {sorted(MIXES)}")
+        modes = list(dict.fromkeys(args.modes or DEFAULT_MODES))
+        for m in modes:
+            parse_mode(m, alt)  # fails early on a bad name
+        if args.rows < 1 or args.repeat < 1:
+            raise BenchError("--rows and --repeat must be at least 1")
+        dcfg = DrainConfig(
+            rows=args.rows,
+            mixes=mixes,
+            modes=modes,
+            repeat=args.repeat,
+            relay_env=relay_env,
+            alt_relay=alt,
+            cell_timeout=args.cell_timeout or 0.0,
+            fsync_test_seconds=args.fsync_seconds,
+        )
+        coro = run_drain(dcfg, out, keep=args.keep_work_dir)
+        check = drain_problems
+        stem = "drain"
+    else:
+        rcfg = RecoveryConfig(
+            services=list(dict.fromkeys(args.services)),
+            repeat=args.repeat,
+            pause=args.pause,
+            rate=args.rate,
+            settle=args.settle,
+            recover_timeout=args.recover_timeout,
+            relay_env=relay_env,
+            alt_relay=alt,
+            stack_dir=str(args.stack_dir.resolve()) if args.stack_dir else None,
+            fsync_test_seconds=args.fsync_seconds,
+        )
+        coro = run_recovery(rcfg, out, keep=args.keep_work_dir)
+        check = recovery_problems
+        stem = "recovery"
+    started = time.time()
+    try:
+        run_async(coro)
+    finally:
+        # The run writes its JSON even when it fails half-way; only this run's counts.
+        written = sorted(
+            (p for p in out.glob(f"{stem}-*.json") if p.stat().st_mtime >= started - 1),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if written:
+            md = write_report(written[-1], plots=not args.no_plots)
+            print(f"result: {written[-1]}\nreport: {md}", file=sys.stderr)
+    problems = check(json.loads(written[-1].read_text())) if written else ["no result"]
+    for p in problems:
+        print(f"bench {stem}: {p}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
@@ -188,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import poller
 
         return poller.main(argv[1:])
+    if argv and argv[0] == "_tally":
+        from bench import tally
+
+        return tally.main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "report":
@@ -195,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(write_report(args.json, plots=not args.no_plots))
             return 0
+        if args.command in ("drain", "recovery"):
+            return _run_phase(args)
         if args.command == "smoke":
             cfg = smoke_config()
             out = args.out or Path(tempfile.mkdtemp(prefix="notify-outbox-bench-smoke-"))

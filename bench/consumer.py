@@ -31,7 +31,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.arrays import save_arrays
 
-__all__ = ["main", "wall_offset_ns"]
+__all__ = ["assign_all", "main", "wall_offset_ns"]
 
 _START_TIMEOUT = 30.0
 
@@ -45,6 +45,29 @@ def wall_offset_ns() -> int:
         b = time.monotonic_ns()
         samples.append(w - (a + b) // 2)
     return int(statistics.median(samples))
+
+
+async def assign_all(
+    consumer: AIOKafkaConsumer, topic: str, *, from_end: bool
+) -> list[TopicPartition]:
+    """Assign every partition of ``topic`` (waiting, bounded, for its metadata) and position
+    the consumer at the end (or the beginning) of each, resolved before this returns."""
+    async with asyncio.timeout(_START_TIMEOUT):
+        partitions = consumer.partitions_for_topic(topic)
+        while not partitions:
+            await consumer._client.force_metadata_update()
+            partitions = consumer.partitions_for_topic(topic)
+            if not partitions:
+                await asyncio.sleep(0.1)
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        if from_end:
+            await consumer.seek_to_end(*tps)
+        else:
+            await consumer.seek_to_beginning(*tps)
+        for tp in tps:  # resolve the positions now, before any event is written
+            await consumer.position(tp)
+    return tps
 
 
 @dataclass
@@ -138,18 +161,7 @@ async def run(bootstrap: str, topic: str) -> None:
     async with asyncio.timeout(_START_TIMEOUT):
         await consumer.start()
     try:
-        async with asyncio.timeout(_START_TIMEOUT):
-            partitions = consumer.partitions_for_topic(topic)
-            while not partitions:
-                await consumer._client.force_metadata_update()
-                partitions = consumer.partitions_for_topic(topic)
-                if not partitions:
-                    await asyncio.sleep(0.1)
-            tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-            consumer.assign(tps)
-            await consumer.seek_to_end(*tps)
-            for tp in tps:  # resolve the positions now, before any event is written
-                await consumer.position(tp)
+        await assign_all(consumer, topic, from_end=True)
         state = _State(wall_offset_ns())
         fetch = asyncio.create_task(_fetch(consumer, state))
         print(json.dumps({"ready": True, "wall_offset_ns": state.offset}), flush=True)

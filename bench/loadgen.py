@@ -14,6 +14,11 @@ clock for every process of the host), so the consumer can compute latency from t
 a stalled writer cannot hide latency (no coordinated omission). For every event the generator
 also records when the send started and when the commit was acknowledged, keyed by index.
 
+With ``reconnect`` a writer whose connection broke (a PostgreSQL restart) connects again before
+its next event; the events that failed meanwhile count as errors and are not retried. With
+``stop_on_input`` a line (or the end of input) on stdin ends the schedule early: the outage
+bench runs a schedule as long as its deadline and stops it when its restarts are done.
+
 Closed loop (``closed: true``): ``writers`` connections insert as fast as they can for
 ``duration`` seconds; used for producer overhead when pgbench is not available.
 """
@@ -65,6 +70,8 @@ class LoadConfig:
     grace: float = 5.0  # events not started this long after the schedule ends are dropped
     closed: bool = False
     tx_events: int = 1  # up to this many already-due events per transaction
+    reconnect: bool = False  # open loop: reconnect a writer whose connection broke
+    stop_on_input: bool = False  # open loop: a line (or EOF) on stdin ends the schedule
 
     @classmethod
     def load(cls, path: Path) -> LoadConfig:
@@ -154,10 +161,26 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     give_up = window_end + int(cfg.grace * 1e9)
     next_i = 0
     errors: list[str] = []
+    reconnects = 0
+    stopped_at: int | None = None
+    opened = list(conns)  # every connection, reconnects included, is closed at the end
 
     async def writer(conn: asyncpg.Connection) -> None:
-        nonlocal next_i
+        nonlocal next_i, reconnects
         while next_i < n:
+            if cfg.reconnect and conn.is_closed():
+                try:
+                    conn = await asyncpg.connect(
+                        cfg.dsn,
+                        timeout=_CONNECT_TIMEOUT,
+                        server_settings={"application_name": "bench-loadgen"},
+                    )
+                    opened.append(conn)
+                    reconnects += 1
+                except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError, TimeoutError):
+                    # The server is still down: this writer's next due event fails below (and
+                    # counts as an error) instead of the writer falling behind the schedule.
+                    pass
             i = next_i
             next_i += 1
             due = sched[i]
@@ -176,17 +199,38 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
                 send[j] = now
             try:
                 await _insert_many(cfg, conn, group, [sched[j] for j in group])
-            except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as e:
+            except (
+                asyncpg.PostgresError,
+                OSError,
+                asyncpg.InterfaceError,
+                asyncpg.InternalClientError,
+            ) as e:
                 errors.append(f"{type(e).__name__}: {e}")
+                if cfg.reconnect and isinstance(e, asyncpg.InternalClientError):
+                    # asyncpg's protocol state is broken after the server went away mid-query:
+                    # drop the connection so that the next event reconnects.
+                    conn.terminate()
                 continue
             acked = time.monotonic_ns()
             for j in group:
                 ack[j] = acked
 
+    async def stop_on_input() -> None:
+        nonlocal next_i, stopped_at
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        await reader.readline()
+        stopped_at = min(next_i, n)
+        next_i = n
+
+    stopper = asyncio.create_task(stop_on_input()) if cfg.stop_on_input else None
     try:
         await asyncio.gather(*(writer(c) for c in conns))
     finally:
-        await asyncio.gather(*(c.close(timeout=5) for c in conns), return_exceptions=True)
+        if stopper is not None:
+            stopper.cancel()
+        await asyncio.gather(*(c.close(timeout=5) for c in opened), return_exceptions=True)
     save_arrays(Path(cfg.out), {"sched": sched, "send": send, "ack": ack})
     return {
         "events": n,
@@ -194,6 +238,8 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
         "acked": sum(1 for v in ack if v),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
+        "reconnects": reconnects,
+        "stopped_at": stopped_at,
         "t0": t0,
         "window_start": window_start,
         "window_end": window_end,

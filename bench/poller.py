@@ -4,8 +4,10 @@
 Every ``interval`` seconds it opens a transaction, claims up to ``batch`` rows with
 ``SELECT ... ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED``, sends them with an idempotent
 aiokafka producer (acks=all; every ``send()`` first, then all acknowledgements together),
-deletes them and commits. While a claim comes back full it claims again at once (it drains a
-backlog); otherwise it sleeps ``interval``. No LISTEN, no trigger, no per-key ordering logic
+deletes them (``--mark delete``, the default) or sets ``published_at = now()`` on them
+(``--mark update``, as the outbox literature's publisher keeps its rows), and commits. While a
+claim comes back full it claims again at once (it drains a backlog); otherwise it sleeps
+``interval``. No LISTEN, no trigger, no per-key ordering logic
 (the outbox's own BEFORE INSERT ordering trigger stays, as for every mode).
 
 It reads ``NOTIFY_OUTBOX_DSN`` and ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``, logs
@@ -37,11 +39,15 @@ LIMIT $1
 FOR UPDATE SKIP LOCKED
 """
 DELETE = "DELETE FROM outbox WHERE id = ANY($1::bigint[])"
+UPDATE = "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])"
+MARKS = {"delete": DELETE, "update": UPDATE}
 _SEND_TIMEOUT = 15.0
 _CONNECT_TIMEOUT = 15.0
 
 
-async def _poll_once(conn: asyncpg.Connection, producer: AIOKafkaProducer, batch: int) -> int:
+async def _poll_once(
+    conn: asyncpg.Connection, producer: AIOKafkaProducer, batch: int, mark: str
+) -> int:
     async with conn.transaction():
         rows = await conn.fetch(CLAIM, batch)
         if not rows:
@@ -58,11 +64,11 @@ async def _poll_once(conn: asyncpg.Connection, producer: AIOKafkaProducer, batch
             )
         async with asyncio.timeout(_SEND_TIMEOUT):
             await asyncio.gather(*futures)
-        await conn.execute(DELETE, [r["id"] for r in rows])
+        await conn.execute(MARKS[mark], [r["id"] for r in rows])
     return len(rows)
 
 
-async def run(interval: float, batch: int) -> None:
+async def run(interval: float, batch: int, mark: str = "delete") -> None:
     """Poll until SIGTERM/SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -82,9 +88,9 @@ async def run(interval: float, batch: int) -> None:
     try:
         async with asyncio.timeout(_CONNECT_TIMEOUT):
             await producer.start()
-        log.info("poller running: interval %.3fs, batch %d", interval, batch)
+        log.info("poller running: interval %.3fs, batch %d, mark %s", interval, batch, mark)
         while not stop.is_set():
-            n = await _poll_once(conn, producer, batch)
+            n = await _poll_once(conn, producer, batch, mark)
             if n < batch:
                 try:
                     async with asyncio.timeout(interval):
@@ -100,15 +106,16 @@ async def run(interval: float, batch: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``python -m bench _poller [--interval S] [--batch N]``."""
+    """Entry point of ``python -m bench _poller [--interval S] [--batch N] [--mark M]``."""
     p = argparse.ArgumentParser(prog="python -m bench _poller")
     p.add_argument("--interval", type=float, default=0.1)
     p.add_argument("--batch", type=int, default=100)
+    p.add_argument("--mark", choices=sorted(MARKS), default="delete")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
     )
     from bench.procs import run_async
 
-    run_async(run(args.interval, args.batch))
+    run_async(run(args.interval, args.batch, args.mark))
     return 0

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summarize", "write_report"]
+__all__ = ["environment_lines", "summarize", "write_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -269,18 +269,15 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
-    """The human-readable report of one run."""
+def environment_lines(result: dict[str, Any]) -> list[str]:
+    """The markdown bullets describing the machine, services, revision and noise of a run."""
     env = result.get("environment", {})
     host = env.get("host", {})
     pg = env.get("postgres", {}).get("settings", {})
-    cfg = result["config"]
     git = env.get("git", {})
     fs = env.get("fdatasync_probe", {})
     ptf = env.get("pg_test_fsync", {})
-    lines = [
-        f"# notify-outbox bench {result['run_id']} ({cfg['preset']})",
-        "",
+    return [
         f"- machine: {host.get('cpu_model')} x{host.get('cores')} cores, "
         f"{host.get('memory_gib')} GiB, kernel {host.get('kernel')}, Python {host.get('python')}",
         f"- fsync: fdatasync probe median {fs.get('median_us')} µs"
@@ -300,6 +297,16 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         f"{result.get('load_average_end')} at end; host CPU busy "
         f"{_f(100 * (result.get('host_cpu_busy') or math.nan), 0)}% over "
         f"{_f(result.get('wall_seconds'), 0)} s",
+    ]
+
+
+def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    """The human-readable report of one run."""
+    cfg = result["config"]
+    lines = [
+        f"# notify-outbox bench {result['run_id']} ({cfg['preset']})",
+        "",
+        *environment_lines(result),
         f"- cells: {cfg['warmup']:g} s warm-up + {cfg['duration']:g} s measured, "
         f"{cfg['repeat']} repetition(s), medians over repetitions; "
         + (
@@ -490,6 +497,10 @@ def _pct(v: float) -> str:
 def write_report(json_path: Path, *, plots: bool = True) -> Path:
     """Write ``<stem>.md`` (and the PNG plots) next to ``json_path``; returns the md path."""
     result = json.loads(json_path.read_text())
+    if result.get("phase") in ("drain", "recovery"):
+        from bench.phase_report import write_phase_report
+
+        return write_phase_report(json_path, plots=plots)
     summary = summarize(result)
     names: list[str] = []
     if plots:

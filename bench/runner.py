@@ -38,7 +38,7 @@ from bench.services import (
 )
 from notify_outbox.names import OutboxNames
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "record_environment", "snapshot_source", "start_mode", "wait_mode_ready"]
 
 _READY_TIMEOUT = 60.0
 _STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
@@ -170,41 +170,14 @@ class Runner:
     # --- environment --------------------------------------------------------------------------
 
     async def _environment(self, services: Services) -> None:
-        self.progress.status("recording the environment")
-        env: dict[str, Any] = {
-            "host": envinfo.host_info(),
-            "libraries": envinfo.library_versions(),
-            "git": await asyncio.to_thread(envinfo.git_info),
-            "services": "own devstack Stack (durable=True)" if services.own_stack else "env",
-            "relay_source": {"snapshot_of": str(ROOT), **self.src_digest},
-        }
-        probe_dir = self.work / "stack" if services.own_stack else self.work
-        probe_dir.mkdir(parents=True, exist_ok=True)
-        env["fdatasync_probe"] = await asyncio.to_thread(envinfo.fdatasync_probe, probe_dir, 1.0)
-        if self.cfg.fsync_test_seconds > 0:
-            self.progress.status(f"pg_test_fsync -s {self.cfg.fsync_test_seconds}")
-            env["pg_test_fsync"] = await asyncio.to_thread(
-                envinfo.pg_test_fsync, probe_dir, self.cfg.fsync_test_seconds
-            )
-        env["postgres"] = await envinfo.postgres_info(services.dsn)
-        env["kafka"] = {
-            "version": services.kafka_version or "unknown (external broker)",
-            "broker_configs": await services.broker_configs(),
-        }
-        try:
-            await services.admin("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            env["pg_stat_statements"] = True
-        except asyncpg.PostgresError as e:
-            env["pg_stat_statements"] = False
-            self.result["notes"].append(f"pg_stat_statements unavailable: {e}")
-        self.result["environment"] = env
-        fs = env["fdatasync_probe"]
-        pg = env["postgres"]["settings"]
-        self.progress.line(
-            f"env: {env['host']['cpu_model']} x{env['host']['cores']}, "
-            f"fdatasync median {fs['median_us']} µs, PostgreSQL {pg.get('server_version')} "
-            f"synchronous_commit={pg.get('synchronous_commit')} fsync={pg.get('fsync')}, "
-            f"load {self.result['load_average_start']}"
+        self.result["environment"] = await record_environment(
+            services,
+            self.work,
+            self.src_digest,
+            fsync_seconds=self.cfg.fsync_test_seconds,
+            progress=self.progress,
+            notes=self.result["notes"],
+            load_average=self.result["load_average_start"],
         )
 
     # --- set-up -------------------------------------------------------------------------------
@@ -227,32 +200,9 @@ class Runner:
         return self.work / "logs" / f"{self._log_no:03d}-{_slug(what)}.log"
 
     async def _start_mode(self, services: Services, mode: Mode, dsn: str) -> Child:
-        if mode.kind == "relay":
-            argv = python_argv("-m", "notify_outbox", "run", *mode.args)
-            ready = r"relay running"
-        else:
-            argv = python_argv("-m", "bench", "_poller", *mode.args)
-            ready = r"poller running"
-        env = child_env(
-            {
-                "NOTIFY_OUTBOX_DSN": dsn,
-                "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
-                **dict(mode.env),
-            }
+        return await start_mode(
+            services, mode, dsn, src=self.src, log_path=self._log_path(mode.name)
         )
-        cwd = Path(mode.cwd) if mode.cwd else self.src
-        if mode.cwd:
-            # `python -m` puts the working directory first on sys.path: that tree's relay wins.
-            env["PYTHONPATH"] = f"{cwd}{os.pathsep}{env['PYTHONPATH']}"
-        child = await Child.start(
-            mode.name, argv, env=env, log_path=self._log_path(mode.name), cwd=cwd
-        )
-        try:
-            await child.wait_for_log(ready, _READY_TIMEOUT)
-        except BaseException:
-            await child.stop(5)
-            raise
-        return child
 
     async def _stop(self, child: Child) -> None:
         code = await child.stop(_STOP_TIMEOUT)
@@ -801,6 +751,101 @@ class Runner:
             "latency": hist.summary_ms(),
             "hist": hist.to_json(),
         }
+
+
+async def record_environment(
+    services: Services,
+    work: Path,
+    src_digest: dict[str, Any],
+    *,
+    fsync_seconds: int,
+    progress: Progress,
+    notes: list[str],
+    load_average: list[float],
+) -> dict[str, Any]:
+    """The environment record of a result (machine, fsync, PostgreSQL, Kafka, libraries, git);
+    also creates ``pg_stat_statements`` where it can (a note says when it cannot)."""
+    progress.status("recording the environment")
+    env: dict[str, Any] = {
+        "host": envinfo.host_info(),
+        "libraries": envinfo.library_versions(),
+        "git": await asyncio.to_thread(envinfo.git_info),
+        "services": "own devstack Stack (durable=True)" if services.own_stack else "env",
+        "relay_source": {"snapshot_of": str(ROOT), **src_digest},
+    }
+    probe_dir = work / "stack" if services.own_stack else work
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    env["fdatasync_probe"] = await asyncio.to_thread(envinfo.fdatasync_probe, probe_dir, 1.0)
+    if fsync_seconds > 0:
+        progress.status(f"pg_test_fsync -s {fsync_seconds}")
+        env["pg_test_fsync"] = await asyncio.to_thread(
+            envinfo.pg_test_fsync, probe_dir, fsync_seconds
+        )
+    env["postgres"] = await envinfo.postgres_info(services.dsn)
+    env["kafka"] = {
+        "version": services.kafka_version or "unknown (external broker)",
+        "broker_configs": await services.broker_configs(),
+    }
+    try:
+        await services.admin("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        env["pg_stat_statements"] = True
+    except asyncpg.PostgresError as e:
+        env["pg_stat_statements"] = False
+        notes.append(f"pg_stat_statements unavailable: {e}")
+    fs = env["fdatasync_probe"]
+    pg = env["postgres"]["settings"]
+    progress.line(
+        f"env: {env['host']['cpu_model']} x{env['host']['cores']}, "
+        f"fdatasync median {fs['median_us']} µs, PostgreSQL {pg.get('server_version')} "
+        f"synchronous_commit={pg.get('synchronous_commit')} fsync={pg.get('fsync')}, "
+        f"load {load_average}"
+    )
+    return env
+
+
+async def start_mode(
+    services: Services,
+    mode: Mode,
+    dsn: str,
+    *,
+    src: Path,
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+) -> Child:
+    """Start a mode's process (the relay CLI or the bench's poller) on ``dsn``, from the
+    source snapshot ``src`` (or the mode's own tree), and wait until it logs that it runs
+    (unless ``wait_ready`` is false: then the caller waits, e.g. for several at once)."""
+    if mode.kind == "relay":
+        argv = python_argv("-m", "notify_outbox", "run", *mode.args)
+    else:
+        argv = python_argv("-m", "bench", "_poller", *mode.args)
+    env = child_env(
+        {
+            "NOTIFY_OUTBOX_DSN": dsn,
+            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
+            **dict(mode.env),
+            **(extra_env or {}),
+        }
+    )
+    cwd = Path(mode.cwd) if mode.cwd else src
+    if mode.cwd:
+        # `python -m` puts the working directory first on sys.path: that tree's relay wins.
+        env["PYTHONPATH"] = f"{cwd}{os.pathsep}{env['PYTHONPATH']}"
+    child = await Child.start(mode.name, argv, env=env, log_path=log_path, cwd=cwd)
+    if wait_ready:
+        await wait_mode_ready(child, mode)
+    return child
+
+
+async def wait_mode_ready(child: Child, mode: Mode) -> None:
+    """Wait (bounded) until a process of ``mode`` logs that it runs; stop it on failure."""
+    ready = r"relay running" if mode.kind == "relay" else r"poller running"
+    try:
+        await child.wait_for_log(ready, _READY_TIMEOUT)
+    except BaseException:
+        await child.stop(5)
+        raise
 
 
 def _find_pgbench() -> Path | None:

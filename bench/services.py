@@ -85,8 +85,10 @@ class Services:
         finally:
             await conn.close(timeout=5)
 
-    async def create_database(self, name: str) -> str:
-        """Create an empty database, migrate it with the CLI; return its DSN."""
+    async def create_database(self, name: str, *, src: Path | None = None) -> str:
+        """Create an empty database, migrate it with the CLI (from the source tree ``src``,
+        by default the run's snapshot: a relay from another tree may bring its own
+        migrations); return its DSN."""
         await self.admin(
             f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'
         )
@@ -97,7 +99,7 @@ class Services:
             python_argv("-m", "notify_outbox", "migrate"),
             env=child_env({"NOTIFY_OUTBOX_DSN": dsn}),
             log_path=self.work_dir / "logs" / f"migrate-{name}.log",
-            cwd=self.src,
+            cwd=src or self.src,
         )
         code = await child.wait(_MIGRATE_TIMEOUT)
         if code != 0:

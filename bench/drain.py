@@ -1,0 +1,486 @@
+"""The backlog-drain phase (``python -m bench drain``): how fast does a mode empty an outbox
+that filled up while nothing was relaying?
+
+Per cell (one key mix x one mode x one round): a fresh database migrated with the CLI and a
+fresh topic (3 partitions); ``rows`` committed rows inserted with the mode stopped, then
+``VACUUM ANALYZE``; then the tally consumer (``bench/tally.py``) reads the topic from the
+beginning while the mode's processes start, all at once. See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench import envinfo
+from bench.config import Mode
+from bench.phase import PhaseRun, loadavg, slug, utc
+from bench.procs import BenchError, Child, child_env, python_argv
+from bench.runner import wait_mode_ready
+from bench.services import Services, open_services, set_notify
+
+__all__ = [
+    "DEFAULT_MIXES",
+    "DEFAULT_MODES",
+    "MIXES",
+    "DrainConfig",
+    "DrainMode",
+    "parse_mode",
+    "parse_relay_env",
+    "run_drain",
+]
+
+# The SQL expression of each mix's key for row ``g`` (1-based). ``hot`` draws from random()
+# after a fixed setseed(), so every cell of a run gets the same interleaving.
+MIXES: dict[str, tuple[str, str]] = {
+    "keys-1000": ("1,000 distinct keys, round robin", "'k' || (g % 1000)"),
+    "keys-100000": ("100,000 distinct keys, round robin", "'k' || (g % 100000)"),
+    "hot": (
+        "half the rows on 10 hot keys, half over 100,000 keys, randomly interleaved",
+        "CASE WHEN random() < 0.5 THEN 'h' || floor(random() * 10)::int "
+        "ELSE 'k' || floor(random() * 100000)::int END",
+    ),
+    "null": ("NULL keys", "NULL::text"),
+}
+DEFAULT_MIXES = ("keys-1000", "keys-100000", "hot", "null")
+DEFAULT_MODES = ("relay-1", "relay-2", "relay-4", "poller")
+POLLER_ARGS = ("--interval", "0.1", "--batch", "200", "--mark", "update")
+
+# The ordering trigger takes one advisory lock per distinct key and transaction: 100,000 keys
+# in one transaction would overflow the shared lock table (max_locks_per_transaction x
+# max_connections), so the backlog goes in as chunks, each its own committed transaction.
+_CHUNK = 5000
+_PAYLOAD_BYTES = 200
+# The JSON text of a payload without its digits and padding: {"g": , "p": "", "s": }
+_PAYLOAD_OVERHEAD = 23
+_QUERY_TIMEOUT = 300.0  # a 100,000-row chunked insert or VACUUM on a busy 2-core machine
+_READY_TIMEOUT = 60.0
+_EMPTY_TIMEOUT = 30.0
+_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?$")
+
+
+@dataclass(frozen=True)
+class DrainMode:
+    """A mode of the drain phase: ``processes`` processes of ``mode``, started at once."""
+
+    name: str
+    mode: Mode
+    processes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready description."""
+        return {"name": self.name, "processes": self.processes, **self.mode.to_json()}
+
+
+def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
+    """``relay-N`` (N relay processes, default settings), ``relay-N-alt`` (the same from the
+    ``--alt-relay`` tree) or ``poller`` (the outbox literature's plain poller)."""
+    if name == "poller":
+        mode = Mode(
+            name,
+            "poller",
+            "plain poller of the outbox literature: one connection, SELECT ... WHERE "
+            "published_at IS NULL ORDER BY id LIMIT 200 FOR UPDATE SKIP LOCKED, pipelined "
+            "idempotent acks=all sends, UPDATE ... SET published_at = now(), commit; claims "
+            "again at once while batches come back full (NOTIFY trigger disabled)",
+            args=POLLER_ARGS,
+            notify="disabled",
+        )
+        return DrainMode(name, mode, 1)
+    m = _MODE_RE.match(name)
+    if m is None or int(m.group(1)) < 1:
+        raise BenchError(f"unknown drain mode {name!r}: relay-N, relay-N-alt or poller")
+    n, alt = int(m.group(1)), bool(m.group(2))
+    if alt and alt_tree is None:
+        raise BenchError(f"mode {name} needs --alt-relay DIR")
+    where = f"; relay code from {alt_tree}" if alt else ""
+    mode = Mode(
+        name,
+        "relay",
+        f"{n} notify-outbox relay process(es), default settings, NOTIFY trigger as migrated{where}",
+        cwd=alt_tree if alt else None,
+    )
+    return DrainMode(name, mode, n)
+
+
+def parse_relay_env(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` settings for relay processes; ``workers=8`` means
+    ``NOTIFY_OUTBOX_WORKERS=8``. The DSN and bootstrap servers are the bench's own."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"--relay-env {item!r}: expected KEY=VALUE")
+        key = key.strip().upper().replace("-", "_")
+        if not key.startswith("NOTIFY_OUTBOX_"):
+            key = f"NOTIFY_OUTBOX_{key}"
+        if key in ("NOTIFY_OUTBOX_DSN", "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"):
+            raise BenchError(f"--relay-env cannot set {key}: the bench sets it")
+        out[key] = value
+    return out
+
+
+@dataclass
+class DrainConfig:
+    """Everything one drain run does; recorded in the result JSON."""
+
+    rows: int = 100_000
+    mixes: list[str] = field(default_factory=lambda: list(DEFAULT_MIXES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    repeat: int = 1
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    partitions: int = 3
+    cell_timeout: float = 0.0  # 0: 60 s + 1 s per 500 rows
+    fsync_test_seconds: int = 0
+
+    def timeout(self) -> float:
+        """Seconds a cell may take from the mode's start to the last arrival."""
+        return self.cell_timeout or 60.0 + self.rows / 500.0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+
+async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, float]:
+    """Insert ``rows`` committed rows of key mix ``mix`` (payloads of ~200 bytes carrying
+    ``s``, the row's sequence number within its key), then ``VACUUM ANALYZE`` the outbox."""
+    key_sql = MIXES[mix][1]
+    conn = await asyncpg.connect(dsn, timeout=30)
+    try:
+        t0 = time.monotonic()
+        await conn.execute("SELECT setseed(0.42)")
+        # A staging table first: the per-key sequence numbers need a window over all rows,
+        # while the insert itself goes in chunks (see _CHUNK).
+        await conn.execute(
+            "CREATE UNLOGGED TABLE bench_backlog AS "
+            "SELECT g, key, (row_number() OVER (PARTITION BY key ORDER BY g))::int AS s "
+            f"FROM (SELECT g, {key_sql} AS key FROM generate_series(1, $1::int) AS g) AS t",
+            rows,
+            timeout=_QUERY_TIMEOUT,
+        )
+        for lo in range(0, rows, _CHUNK):
+            # ORDER BY g: the ordering trigger draws ids in this order, so within a key ids
+            # (claim order) and "s" (the consumer's order check) agree.
+            await conn.execute(
+                "INSERT INTO outbox (topic, key, payload) "
+                "SELECT $1, key, jsonb_build_object('g', g, 's', s, 'p', repeat('x', "
+                f"greatest(0, {_PAYLOAD_BYTES - _PAYLOAD_OVERHEAD} - length(g::text) "
+                "- length(s::text)))) "
+                "FROM bench_backlog WHERE g > $2 AND g <= $3 ORDER BY g",
+                topic,
+                lo,
+                lo + _CHUNK,
+                timeout=_QUERY_TIMEOUT,
+            )
+        await conn.execute("DROP TABLE bench_backlog")
+        inserted = time.monotonic() - t0
+        await conn.execute("VACUUM ANALYZE outbox", timeout=_QUERY_TIMEOUT)
+        vacuumed = time.monotonic() - t0 - inserted
+        count = int(await conn.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL"))
+        if count != rows:
+            raise BenchError(f"backlog of {mix}: {count} pending rows instead of {rows}")
+        size = await conn.fetchval("SELECT avg(length(payload::text))::float FROM outbox")
+    finally:
+        await conn.close(timeout=5)
+    return {"insert_s": inserted, "vacuum_s": vacuumed, "payload_bytes": float(size or 0)}
+
+
+async def _pending(conn: asyncpg.Connection) -> int:
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL", timeout=_QUERY_TIMEOUT
+        )
+    )
+
+
+async def _wait_empty(dsn: str) -> int:
+    """Wait (bounded) until no row is pending: a mode marks or deletes a batch only after
+    Kafka acknowledged it, so the consumer can see the last event a moment earlier."""
+    conn = await asyncpg.connect(dsn, timeout=30)
+    try:
+        deadline = time.monotonic() + _EMPTY_TIMEOUT
+        left = await _pending(conn)
+        while left and time.monotonic() < deadline:
+            # Nothing signals "marked": polling the count is the only way to see it.
+            await asyncio.sleep(0.1)
+            left = await _pending(conn)
+        return left
+    finally:
+        await conn.close(timeout=5)
+
+
+class _Drain:
+    def __init__(self, cfg: DrainConfig, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.modes = [parse_mode(m, cfg.alt_relay) for m in cfg.modes]
+        self.cells: list[dict[str, Any]] = []
+        self.total = cfg.repeat * len(cfg.mixes) * len(self.modes)
+        run.progress.total = self.total
+        run.result["mixes"] = {m: MIXES[m][0] for m in cfg.mixes}
+        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
+        run.result["cells"] = self.cells
+
+    async def body(self, services: Services) -> None:
+        for rnd in range(self.cfg.repeat):
+            for mix in self.cfg.mixes:
+                for mode in self.modes:
+                    try:
+                        cell = await self._cell(services, rnd, mix, mode)
+                    except BenchError as e:
+                        # One broken cell (a mode that would not start, a consumer that died)
+                        # is reported as such; the other cells still run.
+                        cell = {
+                            "cell": len(self.cells) + 1,
+                            "round": rnd,
+                            "mix": mix,
+                            "mode": mode.name,
+                            "processes": mode.processes,
+                            "rows": self.cfg.rows,
+                            "timed_out": True,
+                            "unique": 0,
+                            "error": str(e),
+                        }
+                        self.run.errors.append(f"{mix} {mode.name} round {rnd + 1}: {e}")
+                        self.run.progress.line(f"{mix} {mode.name}: FAILED: {e}", cell=True)
+                    self.cells.append(cell)
+                    self.run.write()  # a long run keeps what it has if it is stopped
+
+    async def _cell(self, services: Services, rnd: int, mix: str, dm: DrainMode) -> dict[str, Any]:
+        run, cfg = self.run, self.cfg
+        n = len(self.cells) + 1
+        label = f"{mix} {dm.name} round {rnd + 1}"
+        name = f"bench_drain_{run.run_id.lower()}_{n}"
+        topic = f"bench-drain-{run.run_id.lower()}-{n}"
+        run.progress.status(f"{label}: database, topic, {cfg.rows} rows")
+        tree = Path(dm.mode.cwd) if dm.mode.cwd else None
+        dsn = await services.create_database(name, src=tree)
+        cell: dict[str, Any] = {
+            "cell": n,
+            "round": rnd,
+            "mix": mix,
+            "mode": dm.name,
+            "processes": dm.processes,
+            "rows": cfg.rows,
+            "started_utc": utc(),
+        }
+        try:
+            await services.create_topic(topic, cfg.partitions)
+            cell["database_setup"] = await set_notify(dsn, dm.mode.notify)
+            cell.update(await fill_backlog(dsn, topic, mix, cfg.rows))
+            await self._measure(services, dsn, topic, dm, cell, label)
+        finally:
+            try:
+                await services.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                services.databases.remove(name)
+            except (OSError, asyncpg.PostgresError, TimeoutError, ValueError) as e:
+                run.notes.append(f"dropping {name}: {type(e).__name__}: {e}")
+        rate = cell.get("rate_first_last")
+        run.progress.line(
+            f"{label:<34} "
+            + (
+                f"{rate:8.0f} ev/s first->last, {cell['rate_from_start']:8.0f} from start, "
+                f"first after {cell['first_after_start_s']:.2f}s"
+                if rate is not None
+                else "no rate"
+            )
+            + f" | {cell['unique']}/{cfg.rows} arrived, {cell['order_violations']} order "
+            f"violations, {cell['pending_after']} pending"
+            + (" TIMED OUT" if cell["timed_out"] else ""),
+            cell=True,
+        )
+        return cell
+
+    async def _measure(
+        self,
+        services: Services,
+        dsn: str,
+        topic: str,
+        dm: DrainMode,
+        cell: dict[str, Any],
+        label: str,
+    ) -> None:
+        run, cfg = self.run, self.cfg
+        tally = await Child.start(
+            f"tally {label}",
+            python_argv("-m", "bench", "_tally", services.bootstrap, topic),
+            env=child_env({}),
+            log_path=run.log_path(f"tally-{slug(label)}"),
+            pipes=True,
+            cwd=run.src,
+        )
+        procs: list[Child] = []
+        try:
+            ready = json.loads(await tally.read_line(_READY_TIMEOUT))
+            if not ready.get("ready"):
+                raise BenchError(f"tally consumer of {label} did not get ready: {ready}")
+            extra = cfg.relay_env if dm.mode.kind == "relay" else {}
+            host0 = envinfo.cpu_times()
+            run.progress.status(f"{label}: draining")
+            t_start = time.monotonic_ns()
+            for i in range(dm.processes):
+                procs.append(
+                    await run.start(
+                        services,
+                        dm.mode,
+                        dsn,
+                        name=f"{dm.name}-{i + 1}-{slug(label)}",
+                        extra_env=extra,
+                        wait_ready=False,
+                    )
+                )
+            await asyncio.gather(*(wait_mode_ready(p, dm.mode) for p in procs))
+            t_ready = time.monotonic_ns()
+            timeout = max(1.0, cfg.timeout() - (t_ready - t_start) / 1e9)
+            await tally.send_line(
+                json.dumps({"cmd": "wait", "expect": cfg.rows, "timeout": timeout})
+            )
+            got = json.loads(await tally.read_line(timeout + 30))
+            cpu = sum(p.cpu() for p in procs)
+            host1 = envinfo.cpu_times()
+            pending = await _wait_empty(dsn)
+        finally:
+            codes = [await run.stop(p) for p in procs]
+            with contextlib.suppress(Exception):
+                await tally.send_line(json.dumps({"cmd": "quit"}))
+            await tally.stop(15)
+        first, last = got.get("first_ns"), got.get("last_ns")
+        unique = int(got["unique"])
+        cell.update(
+            {
+                "timed_out": not got["complete"],
+                "unique": unique,
+                "records": got["records"],
+                "duplicates": got["duplicates"],
+                "no_event_id": got["no_event_id"],
+                "order_violations": got["order_violations"],
+                "keyed": got["keyed"],
+                "keys": got["keys"],
+                "keyed_without_seq": got["keyed_without_seq"],
+                "ready_after_start_s": (t_ready - t_start) / 1e9,
+                "first_after_start_s": (first - t_start) / 1e9 if first else None,
+                "drain_s": (last - first) / 1e9 if first and last else None,
+                "total_s": (last - t_start) / 1e9 if last else None,
+                "rate_first_last": (
+                    (unique - 1) / ((last - first) / 1e9)
+                    if first and last and last > first and got["complete"]
+                    else None
+                ),
+                "rate_from_start": (
+                    unique / ((last - t_start) / 1e9) if last and got["complete"] else None
+                ),
+                "pending_after": pending,
+                "mode_cpu_s": round(cpu, 3),
+                "mode_cpu_us_per_event": round(1e6 * cpu / unique, 1) if unique else None,
+                "host_cpu_busy": (
+                    (host1[0] - host0[0]) / (host1[1] - host0[1]) if host1[1] > host0[1] else None
+                ),
+                "load_average": loadavg(),
+                "exit_codes": codes,
+                "relay_env": extra,
+            }
+        )
+
+
+def drain_problems(result: dict[str, Any]) -> list[str]:
+    """What makes a drain result wrong (not slow): a cell that timed out, lost events, broke
+    per-key order or left rows pending."""
+    problems = []
+    for c in result.get("cells", []):
+        where = f"cell {c['cell']} ({c['mix']}, {c['mode']}, round {c['round'] + 1})"
+        if c.get("timed_out", True):
+            problems.append(f"{where}: timed out, {c.get('unique')} of {c['rows']} arrived")
+        elif c["unique"] != c["rows"]:
+            problems.append(f"{where}: {c['unique']} of {c['rows']} arrived")
+        if c.get("order_violations"):
+            problems.append(f"{where}: {c['order_violations']} per-key order violations")
+        if c.get("keyed_without_seq"):
+            problems.append(f"{where}: {c['keyed_without_seq']} keyed events without a sequence")
+        if c.get("pending_after"):
+            problems.append(f"{where}: {c['pending_after']} rows still pending")
+    return problems
+
+
+def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians over rounds per (mix, mode), and the targets of issue 10 where they apply."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in result.get("cells", []):
+        groups.setdefault((c["mix"], c["mode"]), []).append(c)
+
+    def med(cells: list[dict[str, Any]], k: str) -> float | None:
+        vs = [float(c[k]) for c in cells if c.get(k) is not None]
+        return statistics.median(vs) if vs else None
+
+    rows: list[dict[str, Any]] = []
+    for (mix, mode), cells in groups.items():
+        rows.append(
+            {
+                "mix": mix,
+                "mode": mode,
+                "rounds": len(cells),
+                "complete": sum(not c.get("timed_out", True) for c in cells),
+                "rate_first_last": med(cells, "rate_first_last"),
+                "rate_from_start": med(cells, "rate_from_start"),
+                "first_after_start_s": med(cells, "first_after_start_s"),
+                "rates": [c.get("rate_first_last") for c in cells],
+                "order_violations": sum(int(c.get("order_violations") or 0) for c in cells),
+                "lost": sum(int(c["rows"]) - int(c.get("unique") or 0) for c in cells),
+                "duplicates": sum(int(c.get("duplicates") or 0) for c in cells),
+                "pending_after": sum(int(c.get("pending_after") or 0) for c in cells),
+                "mode_cpu_us_per_event": med(cells, "mode_cpu_us_per_event"),
+            }
+        )
+    by: dict[tuple[str, str], float | None] = {
+        (r["mix"], r["mode"]): r["rate_first_last"] for r in rows
+    }
+    targets: list[dict[str, Any]] = []
+    modes = list(result["config"]["modes"])
+    relays = [m for m in modes if m.startswith("relay-")]
+    for relay in relays:
+        for mix in result["config"]["mixes"]:
+            if mix == "null":
+                continue
+            r, p, own = by.get((mix, relay)), by.get((mix, "poller")), by.get(("null", relay))
+            if r is not None and p is not None:
+                targets.append(_target(f"{relay}, {mix}: >= 2x the poller", r / p, 2.0))
+            if r is not None and own is not None:
+                targets.append(
+                    _target(f"{relay}, {mix}: >= 0.8x its own NULL-key drain", r / own, 0.8)
+                )
+    for relay in relays:
+        m = _MODE_RE.match(relay)
+        if m is None or m.group(1) == "1":
+            continue
+        one = f"relay-1{m.group(2) or ''}"
+        for mix in result["config"]["mixes"]:
+            r, base = by.get((mix, relay)), by.get((mix, one))
+            if r is not None and base is not None:
+                targets.append(_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0))
+    return {"rows": rows, "targets": targets}
+
+
+def _target(what: str, ratio: float, need: float) -> dict[str, Any]:
+    """One target row: ``ratio`` must be at least ``need``."""
+    return {"target": what, "ratio": ratio, "verdict": "met" if ratio >= need else "MISSED"}
+
+
+async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
+    """Run the drain phase; returns the result JSON's path (written even on failure)."""
+    run = PhaseRun("drain", cfg.to_json(), out_dir, keep=keep)
+    drain = _Drain(cfg, run)
+    run.progress.line(
+        f"drain: {cfg.rows} rows x {len(cfg.mixes)} mix(es) x {len(drain.modes)} mode(s) x "
+        f"{cfg.repeat} round(s), cell timeout {cfg.timeout():.0f}s"
+    )
+    return await run.run(open_services, drain.body, fsync_seconds=cfg.fsync_test_seconds)

@@ -1,0 +1,510 @@
+"""The outage-recovery phase (``python -m bench recovery``): how soon after Kafka (or
+PostgreSQL) comes back does the relay deliver again, and how loud is its log meanwhile?
+
+One relay process (default settings) on a fresh database and topic, writers inserting keyed
+events at a steady rate the whole time (``bench/loadgen.py``, reconnecting after a PostgreSQL
+restart), and the latency consumer (``bench/consumer.py``). Then, ``repeat`` times per service:
+stop it (Kafka: SIGTERM to the broker; PostgreSQL: ``pg_ctl stop -m fast``), pause, start it
+again, and note when it accepted connections again. Afterwards the per-event arrays of writers
+and consumer give, per restart, the first delivered event committed after the stop and the
+worst commit-to-consumer latency. It needs services it may restart: its own devstack stack, or
+an existing devstack stack directory (``--stack-dir``). See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench.arrays import load_arrays
+from bench.config import Mode, writers_for
+from bench.loadgen import LoadConfig
+from bench.phase import PhaseRun
+from bench.procs import BenchError, Child, child_env, python_argv
+from bench.services import Services, check_loopback, open_services, set_notify
+
+__all__ = ["RecoveryConfig", "recovery_problems", "run_recovery", "summarize_recovery"]
+
+_READY_TIMEOUT = 60.0
+_SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
+_SAMPLE_S = 0.1
+_POLL_S = 0.02
+_TS = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclass
+class RecoveryConfig:
+    """Everything one recovery run does; recorded in the result JSON."""
+
+    services: list[str] = field(default_factory=lambda: ["kafka", "postgres"])
+    repeat: int = 5  # restarts per service
+    pause: float = 2.0  # seconds between the stop and the start
+    rate: float = 200.0  # events per second, the whole run
+    keys: int = 1000
+    settle: float = 5.0  # steady seconds before every stop and after the last restart
+    recover_timeout: float = 90.0  # per restart: from "accepting connections" to caught up
+    drain_timeout: float = 60.0  # at the end: until every committed event arrived
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    stack_dir: str | None = None
+    partitions: int = 3
+    fsync_test_seconds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+
+@dataclass
+class _Handles:
+    postgres: Any = None  # devstack.PostgresServer
+    kafka: Any = None  # devstack.KafkaBroker
+
+
+def _opener(cfg: RecoveryConfig, handles: _Handles) -> Any:
+    """The services of a recovery run: the bench's own stack, or an existing devstack stack
+    directory; never services it cannot restart."""
+
+    async def open_restartable(work: Path) -> Services:
+        if cfg.stack_dir is None:
+            services = await open_services(work)
+            if services.own_stack is None:
+                raise BenchError(
+                    "recovery restarts PostgreSQL and Kafka, so it needs the bench's own stack "
+                    "(unset NOTIFY_OUTBOX_DSN / NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS) or "
+                    "--stack-dir of a devstack stack"
+                )
+            handles.postgres = services.own_stack.postgres
+            handles.kafka = services.own_stack.kafka
+            return services
+        from devstack import KAFKA_VERSION, KafkaBroker, PostgresServer
+
+        base = Path(cfg.stack_dir)  # made absolute by the command line
+        probe = PostgresServer(base / "postgres")
+        if not probe.is_running():
+            raise BenchError(f"--stack-dir {base}: no running PostgreSQL in {base / 'postgres'}")
+        kafka = KafkaBroker(base / "kafka")
+        if not kafka.is_running():
+            raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
+        check_loopback(probe.dsn, kafka.bootstrap_servers)
+        conn = await asyncpg.connect(probe.dsn, timeout=30)
+        try:
+            fsync = await conn.fetchval("SHOW fsync")
+        finally:
+            await conn.close(timeout=5)
+        # devstack rewrites its settings file on every start: restart it as it was.
+        handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
+        handles.kafka = kafka
+        return Services(probe.dsn, kafka.bootstrap_servers, work, kafka_version=KAFKA_VERSION)
+
+    return open_restartable
+
+
+class _LogCounter:
+    """Samples the relay's log every 0.1 s: (monotonic ns, lines so far, bytes so far)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.samples: list[tuple[int, int, int]] = []
+        self._lines = 0
+        self._offset = 0
+
+    def sample(self) -> None:
+        """Count the lines written since the last sample."""
+        with contextlib.suppress(OSError), self.path.open("rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read()
+            # Only whole lines: a half-written one is counted next time.
+            end = data.rfind(b"\n") + 1
+            self._lines += data.count(b"\n", 0, end)
+            self._offset += end
+        self.samples.append((time.monotonic_ns(), self._lines, self._offset))
+
+    async def run(self) -> None:
+        """Sample until cancelled."""
+        while True:
+            self.sample()
+            await asyncio.sleep(_SAMPLE_S)
+
+    def at(self, t_ns: int) -> tuple[int, int]:
+        """(lines, bytes) of the last sample at or before ``t_ns``."""
+        best = (0, 0)
+        for t, lines, offset in self.samples:
+            if t > t_ns:
+                break
+            best = (lines, offset)
+        return best
+
+    def shapes(self, start: int, end: int, top: int = 6) -> list[tuple[str, int]]:
+        """The most frequent kinds of line in bytes [start, end): logger and message with
+        digits blanked."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(start)
+                data = fh.read(max(0, end - start))
+        except OSError:
+            return []
+        kinds: Counter[str] = Counter()
+        for raw in data.splitlines():
+            stamp = _TS.match(raw)
+            text = raw[stamp.end() :] if stamp else raw
+            kinds[_DIGITS.sub("N", text.decode(errors="replace"))[:120]] += 1
+        return kinds.most_common(top)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+async def _pg_accepts(dsn: str) -> bool:
+    try:
+        conn = await asyncpg.connect(dsn, timeout=1.0)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+        return False
+    try:
+        await conn.fetchval("SELECT 1", timeout=1.0)
+        return True
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await conn.close(timeout=1)
+
+
+class _Recovery:
+    def __init__(self, cfg: RecoveryConfig, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.handles = _Handles()
+        self.restarts: list[dict[str, Any]] = []
+        run.result["restarts"] = self.restarts
+        self.mode = Mode(
+            "relay",
+            "relay",
+            "one notify-outbox relay process, default settings"
+            + (f"; relay code from {cfg.alt_relay}" if cfg.alt_relay else ""),
+            cwd=cfg.alt_relay,
+        )
+        run.result["mode"] = self.mode.to_json()
+        run.progress.total = len(cfg.services) * cfg.repeat
+
+    async def body(self, services: Services) -> None:
+        run, cfg = self.run, self.cfg
+        name = f"bench_recovery_{run.run_id.lower()}"
+        topic = f"bench-recovery-{run.run_id.lower()}"
+        run.progress.status("set-up: database and topic")
+        tree = Path(cfg.alt_relay) if cfg.alt_relay else None
+        dsn = await services.create_database(name, src=tree)
+        await services.create_topic(topic, cfg.partitions)
+        run.result["database_setup"] = await set_notify(dsn, "shipped")
+        consumer = await Child.start(
+            "consumer",
+            python_argv("-m", "bench", "_consumer", services.bootstrap, topic),
+            env=child_env({}),
+            log_path=run.log_path("consumer"),
+            pipes=True,
+            cwd=run.src,
+        )
+        relay: Child | None = None
+        gen: Child | None = None
+        counter: asyncio.Task[None] | None = None
+        cells = run.work / "cells"
+        cells.mkdir(parents=True, exist_ok=True)
+        gen_path, got_path = cells / "recovery-gen.bin", cells / "recovery-got.bin"
+        try:
+            ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
+            if not ready.get("ready"):
+                raise BenchError(f"consumer did not get ready: {ready}")
+            relay = await run.start(services, self.mode, dsn, name="relay", extra_env=cfg.relay_env)
+            log = _LogCounter(relay.log_path)
+            counter = asyncio.create_task(log.run())
+            # The schedule is as long as the run's deadline; it is stopped (stdin) when done.
+            deadline = cfg.settle * 2 + len(cfg.services) * cfg.repeat * (
+                cfg.settle + cfg.pause + 2 * _SERVICE_TIMEOUT + cfg.recover_timeout
+            )
+            lc = LoadConfig(
+                dsn=dsn,
+                topic=topic,
+                cell=1,
+                rate=cfg.rate,
+                warmup=0.0,
+                duration=deadline,
+                writers=writers_for(cfg.rate),
+                out=str(gen_path),
+                keys=cfg.keys,
+                reconnect=True,
+                stop_on_input=True,
+            )
+            config_path = cells / "recovery-config.json"
+            lc.save(config_path)
+            gen = await Child.start(
+                "writers",
+                python_argv("-m", "bench", "_loadgen", str(config_path)),
+                env=child_env({}),
+                log_path=run.log_path("writers"),
+                pipes=True,
+                cwd=run.src,
+            )
+            run.progress.status(f"steady traffic at {cfg.rate:g} ev/s for {cfg.settle:g}s")
+            await asyncio.sleep(cfg.settle)
+            for service in cfg.services:
+                for i in range(cfg.repeat):
+                    self.restarts.append(await self._restart(service, i, dsn))
+                    if not relay.running():
+                        raise BenchError(
+                            f"the relay exited ({relay.proc.returncode}):\n{relay.tail()}"
+                        )
+                    await asyncio.sleep(cfg.settle)
+            if not gen.running():
+                raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
+            await gen.send_line("stop")
+            summary = json.loads(await gen.read_line(60))
+            run.result["writers"] = summary
+            run.progress.status(f"waiting for {summary['acked']} events at the consumer")
+            await consumer.send_line(
+                json.dumps(
+                    {
+                        "cmd": "collect",
+                        "cell": 1,
+                        "expect": summary["acked"],
+                        "timeout": cfg.drain_timeout,
+                        "out": str(got_path),
+                    }
+                )
+            )
+            run.result["consumer"] = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
+            counter.cancel()
+            log.sample()
+            self._analyse(load_arrays(gen_path), load_arrays(got_path), log)
+        finally:
+            if counter is not None:
+                counter.cancel()
+            if gen is not None:
+                await gen.stop(10)
+            if relay is not None:
+                run.result["relay_exit"] = await run.stop(relay)
+                run.result["relay_log_lines"] = sum(1 for _ in relay.log_path.open("rb"))
+            with contextlib.suppress(Exception):
+                await consumer.send_line(json.dumps({"cmd": "quit"}))
+            await consumer.stop(15)
+            for p in (gen_path, got_path):
+                p.unlink(missing_ok=True)
+
+    async def _restart(self, service: str, i: int, dsn: str) -> dict[str, Any]:
+        run, cfg = self.run, self.cfg
+        h = self.handles
+        label = f"{service} restart {i + 1}/{cfg.repeat}"
+        run.progress.status(f"{label}: stopping")
+        t_stop = time.monotonic_ns()
+        if service == "kafka":
+            await asyncio.wait_for(asyncio.to_thread(h.kafka.stop), _SERVICE_TIMEOUT)
+        else:
+            await asyncio.wait_for(asyncio.to_thread(h.postgres.stop, "fast"), _SERVICE_TIMEOUT)
+        t_stopped = time.monotonic_ns()
+        await asyncio.sleep(cfg.pause)
+        run.progress.status(f"{label}: starting")
+        t_start = time.monotonic_ns()
+        starting = asyncio.ensure_future(
+            asyncio.wait_for(
+                asyncio.to_thread(h.kafka.start if service == "kafka" else h.postgres.start),
+                _SERVICE_TIMEOUT,
+            )
+        )
+        # "Accepting connections": Kafka's port takes a TCP connection; PostgreSQL lets a
+        # client log in and run a query (its port opens earlier, while it still refuses
+        # logins with "the database system is starting up").
+        t_up: int | None = None
+        limit = time.monotonic() + _SERVICE_TIMEOUT
+        while t_up is None and time.monotonic() < limit:
+            if service == "kafka":
+                ok = await asyncio.to_thread(_port_open, h.kafka.port)
+            else:
+                ok = await _pg_accepts(dsn)
+            if ok:
+                t_up = time.monotonic_ns()
+                break
+            if starting.done() and starting.exception() is not None:
+                break
+            await asyncio.sleep(_POLL_S)
+        await starting  # raises a failed start
+        t_started = time.monotonic_ns()
+        if t_up is None:
+            raise BenchError(f"{label}: the service never accepted connections")
+        run.progress.status(f"{label}: up; waiting for the relay to catch up")
+        caught_up = await self._caught_up(dsn, cfg.recover_timeout)
+        t_caught_up = time.monotonic_ns()
+        record = {
+            "service": service,
+            "n": i + 1,
+            "t_stop_ns": t_stop,
+            "t_stopped_ns": t_stopped,
+            "t_start_ns": t_start,
+            "t_up_ns": t_up,
+            "t_started_ns": t_started,
+            "t_caught_up_ns": t_caught_up,
+            "caught_up": caught_up,
+            "stop_s": (t_stopped - t_stop) / 1e9,
+            "up_after_stop_s": (t_up - t_stop) / 1e9,
+            "ready_after_up_s": (t_started - t_up) / 1e9,
+        }
+        run.progress.line(
+            f"{label}: stopped in {record['stop_s']:.1f}s, accepting connections "
+            f"{record['up_after_stop_s']:.1f}s after the stop"
+            + ("" if caught_up else "; the relay did NOT catch up in time"),
+            cell=True,
+        )
+        return record
+
+    async def _caught_up(self, dsn: str, within: float) -> bool:
+        """Wait (bounded) until the outbox holds no more than a second of traffic: only paces
+        the run (the figures come from the consumer's arrays afterwards)."""
+        limit = time.monotonic() + within
+        while time.monotonic() < limit:
+            with contextlib.suppress(
+                OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError
+            ):
+                conn = await asyncpg.connect(dsn, timeout=5)
+                try:
+                    left = int(await conn.fetchval("SELECT count(*) FROM outbox", timeout=5))
+                finally:
+                    await conn.close(timeout=2)
+                if left <= max(10, int(self.cfg.rate)):
+                    return True
+            await asyncio.sleep(0.2)
+        return False
+
+    def _analyse(self, gen: dict[str, Any], got: dict[str, Any], log: _LogCounter) -> None:
+        send, ack = gen["send"], gen["ack"]
+        recv_of: dict[int, int] = {}
+        for i, r in zip(got["index"], got["recv"], strict=True):
+            recv_of.setdefault(int(i), int(r))
+        acked = [i for i in range(len(ack)) if ack[i]]
+        missing = [i for i in acked if i not in recv_of]
+        self.run.result["events"] = {
+            "acked": len(acked),
+            "received": len(recv_of),
+            "missing": len(missing),
+            "first_missing": missing[:20],
+        }
+        for k, r in enumerate(self.restarts):
+            t_stop, t_up = r["t_stop_ns"], r["t_up_ns"]
+            # "Committed after the outage began": Kafka: the INSERT began after the broker
+            # was stopped; PostgreSQL: after it accepted connections again.
+            since = t_stop if r["service"] == "kafka" else t_up
+            firsts = [
+                recv_of[i]
+                for i in range(len(send))
+                if send[i] >= since and ack[i] and i in recv_of and recv_of[i] >= t_up
+            ]
+            t_first = min(firsts) if firsts else None
+            nxt = self.restarts[k + 1]["t_stop_ns"] if k + 1 < len(self.restarts) else None
+            lo = t_stop - 1_000_000_000
+            hi = (nxt - 1_000_000_000) if nxt is not None else None
+            lat = [
+                (recv_of[i] - ack[i]) / 1e6
+                for i in acked
+                if ack[i] >= lo and (hi is None or ack[i] < hi) and i in recv_of
+            ]
+            lost = sum(1 for i in missing if ack[i] >= lo and (hi is None or ack[i] < hi))
+            end = t_first if t_first is not None else r["t_caught_up_ns"]
+            lines0, off0 = log.at(t_stop)
+            lines1, off1 = log.at(end)
+            outage_s = (end - t_stop) / 1e9
+            r.update(
+                {
+                    "first_delivery_after_up_s": (t_first - t_up) / 1e9 if t_first else None,
+                    "first_delivery_after_stop_s": (t_first - t_stop) / 1e9 if t_first else None,
+                    "max_latency_ms": max(lat) if lat else None,
+                    "events_in_slot": len(lat),
+                    "missing_in_slot": lost,
+                    "log_lines": lines1 - lines0,
+                    "log_lines_per_s": (lines1 - lines0) / outage_s if outage_s > 0 else None,
+                    "log_kinds": log.shapes(off0, off1),
+                }
+            )
+
+
+def recovery_problems(result: dict[str, Any]) -> list[str]:
+    """What makes a recovery result wrong (not slow): lost events, a restart after which
+    nothing was delivered, a relay that did not stop cleanly."""
+    problems = []
+    ev = result.get("events")
+    if ev is None:
+        problems.append("no analysis (the run did not finish)")
+    elif ev["missing"]:
+        problems.append(f"{ev['missing']} committed events never arrived")
+    for r in result.get("restarts", []):
+        if r.get("first_delivery_after_up_s") is None:
+            problems.append(f"{r['service']} restart {r['n']}: no delivery after it came back")
+    return problems
+
+
+def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians and maxima per service, and the targets of issue 10 (recovery <= 1 s, about
+    one log line per second of outage)."""
+    import statistics
+
+    out: dict[str, Any] = {"services": {}, "targets": []}
+    for service in result["config"]["services"]:
+        rs = [r for r in result.get("restarts", []) if r["service"] == service]
+        rec = [r["first_delivery_after_up_s"] for r in rs if r.get("first_delivery_after_up_s")]
+        lps = [r["log_lines_per_s"] for r in rs if r.get("log_lines_per_s") is not None]
+        lat = [r["max_latency_ms"] for r in rs if r.get("max_latency_ms") is not None]
+        row = {
+            "restarts": len(rs),
+            "recovery_median_s": statistics.median(rec) if rec else None,
+            "recovery_max_s": max(rec) if rec else None,
+            "up_after_stop_median_s": (
+                statistics.median([r["up_after_stop_s"] for r in rs]) if rs else None
+            ),
+            "max_latency_ms": max(lat) if lat else None,
+            "log_lines_per_s_median": statistics.median(lps) if lps else None,
+            "log_lines_per_s_max": max(lps) if lps else None,
+        }
+        out["services"][service] = row
+        if row["recovery_median_s"] is not None:
+            v = row["recovery_median_s"]
+            out["targets"].append(
+                {
+                    "target": f"{service}: delivery resumes <= 1 s after it accepts connections "
+                    "(median)",
+                    "measured": f"{v:.2f} s (max {row['recovery_max_s']:.2f} s)",
+                    "verdict": "met" if v <= 1.0 else "MISSED",
+                }
+            )
+        if row["log_lines_per_s_max"] is not None:
+            v = row["log_lines_per_s_max"]
+            out["targets"].append(
+                {
+                    "target": f"{service} outage: <= ~1 relay log line per second",
+                    "measured": f"max {v:.1f} lines/s (median {row['log_lines_per_s_median']:.1f})",
+                    "verdict": "met" if v <= 1.5 else "MISSED",
+                }
+            )
+    return out
+
+
+async def run_recovery(cfg: RecoveryConfig, out_dir: Path, *, keep: bool) -> Path:
+    """Run the recovery phase; returns the result JSON's path (written even on failure)."""
+    run = PhaseRun("recovery", cfg.to_json(), out_dir, keep=keep)
+    rec = _Recovery(cfg, run)
+    run.progress.line(
+        f"recovery: {cfg.repeat} restart(s) of {' and '.join(cfg.services)}, pause "
+        f"{cfg.pause:g}s, writers at {cfg.rate:g} ev/s"
+    )
+    return await run.run(_opener(cfg, rec.handles), rec.body, fsync_seconds=cfg.fsync_test_seconds)

@@ -1,0 +1,167 @@
+"""The drain consumer, run as its own process (``python -m bench _tally BOOTSTRAP TOPIC``).
+
+It reads every partition of one topic from the *beginning* and tallies what arrives: unique
+``outbox-event-id`` headers (repeats are counted, not tallied twice), the monotonic time of
+the first arrival and of the arrival that brought the last new event, and per-key order: the
+payload of a keyed event carries ``"s"``, its sequence number within its key, so an event whose
+``s`` is below the highest already seen for its key is an order violation. A line protocol on
+stdin/stdout:
+
+    -> {"ready": true}                                     once positioned at the beginning
+    <- {"cmd": "wait", "expect": 100000, "timeout": 300}
+    -> {"unique": 100000, "complete": true, ...}           when all arrived, or at the timeout
+    <- {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+
+from bench.consumer import assign_all
+
+__all__ = ["Tally", "main"]
+
+_START_TIMEOUT = 30.0
+_HEADER = "outbox-event-id"
+
+
+class Tally:
+    """What has arrived so far (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.seen: set[bytes] = set()
+        self.duplicates = 0
+        self.no_id = 0
+        self.first_ns = 0
+        self.last_ns = 0
+        self.keyed = 0
+        self.violations = 0
+        self.unordered = 0  # keyed events without a readable "s"
+        self.last_seq: dict[bytes, int] = {}
+        self.changed = asyncio.Event()
+
+    def add(self, key: bytes | None, value: bytes | None, headers: Any, recv_ns: int) -> None:
+        """Tally one record received at ``recv_ns``."""
+        self.records += 1
+        if not self.first_ns:
+            self.first_ns = recv_ns
+        event_id = next((v for k, v in headers or () if k == _HEADER), None)
+        if event_id is None:
+            self.no_id += 1
+            return
+        if event_id in self.seen:
+            # A re-send (at-least-once): the first copy decided order and arrival time.
+            self.duplicates += 1
+            return
+        self.seen.add(event_id)
+        self.last_ns = recv_ns
+        if key is None:
+            return
+        self.keyed += 1
+        try:
+            seq = int(json.loads(value or b"")["s"])
+        except (ValueError, TypeError, KeyError):
+            self.unordered += 1
+            return
+        if seq < self.last_seq.get(key, -1):
+            self.violations += 1
+        else:
+            self.last_seq[key] = seq
+
+    def summary(self, expect: int) -> dict[str, Any]:
+        """The tally as JSON (``complete``: every expected event arrived)."""
+        return {
+            "records": self.records,
+            "unique": len(self.seen),
+            "expect": expect,
+            "complete": len(self.seen) >= expect,
+            "duplicates": self.duplicates,
+            "no_event_id": self.no_id,
+            "first_ns": self.first_ns or None,
+            "last_ns": self.last_ns or None,
+            "keyed": self.keyed,
+            "keys": len(self.last_seq),
+            "order_violations": self.violations,
+            "keyed_without_seq": self.unordered,
+        }
+
+
+async def _fetch(consumer: AIOKafkaConsumer, tally: Tally) -> None:
+    while True:
+        batch = await consumer.getmany(timeout_ms=200, max_records=5000)
+        recv = time.monotonic_ns()
+        for records in batch.values():
+            for r in records:
+                tally.add(r.key, r.value, r.headers, recv)
+        if batch:
+            tally.changed.set()
+
+
+async def _wait(tally: Tally, fetch: asyncio.Task[None], cmd: dict[str, Any]) -> dict[str, Any]:
+    expect = int(cmd["expect"])
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(float(cmd["timeout"])):
+            while len(tally.seen) < expect and not fetch.done():
+                tally.changed.clear()
+                await tally.changed.wait()
+    if fetch.done():
+        fetch.result()  # raises the fetch error
+    return tally.summary(expect)
+
+
+async def run(bootstrap: str, topic: str) -> None:
+    """Consume ``topic`` from the beginning and serve the line protocol until ``quit``."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        client_id="bench-tally",
+        # Large fetches: the consumer shares 2 cores with what it measures, so it should not
+        # be the bottleneck of a fast drain.
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+        fetch_max_bytes=16 * 1024 * 1024,
+    )
+    async with asyncio.timeout(_START_TIMEOUT):
+        await consumer.start()
+    try:
+        await assign_all(consumer, topic, from_end=False)
+        tally = Tally()
+        fetch = asyncio.create_task(_fetch(consumer, tally))
+        # Wakes a waiting command when the fetch task dies, so its error is reported.
+        fetch.add_done_callback(lambda _: tally.changed.set())
+        print(json.dumps({"ready": True}), flush=True)
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                cmd = json.loads(line)
+                if cmd.get("cmd") == "quit":
+                    return
+                print(json.dumps(await _wait(tally, fetch, cmd)), flush=True)
+        finally:
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fetch
+    finally:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(10):
+                await consumer.stop()
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``python -m bench _tally BOOTSTRAP TOPIC``."""
+    from bench.procs import run_async
+
+    run_async(run(argv[0], argv[1]))
+    return 0

@@ -1,0 +1,96 @@
+"""The backlog-drain and outage-recovery phases of the bench, tiny, end to end: they must run,
+deliver every row in per-key order, and write their result and report. Nothing here looks at
+speed (the machines are shared and noisy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Services
+from tests.support import ROOT
+
+DRAIN_TIMEOUT = 120
+RECOVERY_TIMEOUT = 180
+
+
+def _bench(
+    args: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
+    env.update(PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+@pytest.mark.timeout(DRAIN_TIMEOUT + 30)
+def test_drain_delivers_every_row_in_key_order(services: Services, tmp_path: Path) -> None:
+    rows = 2000
+    done = _bench(
+        [
+            "drain",
+            *("--rows", str(rows), "--mixes", "keys-1000", "--modes", "relay-1", "poller"),
+            *("--out", str(tmp_path), "--cell-timeout", "60"),
+        ],
+        _env(
+            NOTIFY_OUTBOX_DSN=services.dsn,
+            NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS=services.bootstrap,
+        ),
+        DRAIN_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("drain-*.json")
+    result = json.loads(path.read_text())
+    cells = result["cells"]
+    assert {c["mode"] for c in cells} == {"relay-1", "poller"}
+    for c in cells:
+        assert not c["timed_out"], c
+        assert c["unique"] == rows, c
+        assert c["order_violations"] == 0, c
+        assert c["keyed"] == rows, c
+        assert c["pending_after"] == 0, c
+        assert c["rate_first_last"] is not None, c
+    assert path.with_suffix(".md").is_file()
+    assert path.with_suffix(".png").is_file()
+
+
+@pytest.mark.timeout(RECOVERY_TIMEOUT + 30)
+def test_recovery_after_a_kafka_restart(services: Services, tmp_path: Path) -> None:
+    from devstack import KafkaBroker, PostgresServer
+
+    args = ["recovery", "--repeat", "1", "--services", "kafka", "--settle", "2"]
+    args += ["--out", str(tmp_path), "--no-plots"]
+    if isinstance(services.kafka, KafkaBroker) and isinstance(services.postgres, PostgresServer):
+        # The tests' own devstack stack: the bench restarts its broker (as the fault suite
+        # does) instead of starting a second stack.
+        base = services.kafka.base_dir.parent
+        assert services.postgres.base_dir.parent == base
+        args += ["--stack-dir", str(base)]
+    # Otherwise no service variables: the bench starts a stack of its own, which it may restart.
+    done = _bench(args, _env(), RECOVERY_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("recovery-*.json")
+    result = json.loads(path.read_text())
+    assert result["events"]["missing"] == 0, result["events"]
+    assert result["events"]["acked"] > 0
+    (restart,) = result["restarts"]
+    assert restart["service"] == "kafka"
+    assert restart["first_delivery_after_up_s"] is not None, restart
+    assert restart["log_lines"] >= 0
+    assert path.with_suffix(".md").is_file()
