@@ -27,6 +27,7 @@ import anyio.abc
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from tests.support import RelayProcess, header
 
@@ -314,6 +315,24 @@ async def relays(*procs: FaultRelay) -> AsyncIterator[tuple[FaultRelay, ...]]:
     finally:
         for p in procs:
             p.__exit__(None, None, None)
+
+
+# --- topics ------------------------------------------------------------------------------------
+
+
+async def create_topic_with_configs(
+    bootstrap: str, name: str, configs: dict[str, str], *, partitions: int = 1
+) -> None:
+    """A topic with broker-side topic configs, such as a small ``max.message.bytes``: a limit
+    the broker enforces when it appends, so a row over it fails at ack time, not at send."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=configs)]
+        )
+    finally:
+        await admin.close()
 
 
 # --- a Kafka tail: when did each event arrive? -----------------------------------------------
