@@ -77,12 +77,28 @@ class OutboxStore(Protocol):
         ...
 
     async def has_due(self) -> bool:
-        """Whether any row is due, without locking anything."""
+        """Whether a claim would get something (rows waiting for their retry time, and rows
+        queued behind them, do not count), without locking anything."""
+        ...
+
+    async def poll(self) -> tuple[bool, float | None]:
+        """The fallback poll's look, in one statement: ``has_due``, and the seconds until the
+        earliest retry that is not due yet (None if there is none)."""
+        ...
+
+    async def count_pending(self, limit: int) -> int:
+        """Pending rows, counted up to ``limit``."""
         ...
 
     async def delete_expired(self, older_than: float, limit: int) -> int:
         """Delete up to ``limit`` rows published more than ``older_than`` seconds ago."""
         ...
+
+
+# A claim looks at up to this many candidate rows per row it may take: enough to pass the rows
+# of keys that sibling claims own while a backlog drains, and a bound on the walk when they
+# own everything in reach (the claim then comes back short, and the worker rests).
+CLAIM_SCAN_FACTOR = 10
 
 
 class _PgBatch:
@@ -116,7 +132,7 @@ class _PgBatch:
         # The common path is one round trip: mark, COMMIT and a look for more, sent together
         # in the simple protocol (which takes no parameters: the ids are rendered as an
         # integer literal; int() guards that they are nothing else).
-        sql = self._q["commit_and_look"]
+        sql = self._q["commit_and_look"] + "\n" + self._q["due"]
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
             literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
@@ -151,6 +167,8 @@ class PgOutboxStore:
         self._q = queries
         self._delete = delete_on_publish
         self._timeout = command_timeout
+        self._has_due = "SELECT\n" + queries["due"]
+        self._poll = f"SELECT\n{queries['due']},\n({queries['next_retry']})"
 
     @asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
@@ -159,7 +177,9 @@ class PgOutboxStore:
         async with self._pool.acquire() as conn:
             try:
                 await conn.execute("BEGIN")
-                records = await conn.fetch(self._q["claim"], limit, timeout=self._timeout)
+                records = await conn.fetch(
+                    self._q["claim"], limit, limit * CLAIM_SCAN_FACTOR, timeout=self._timeout
+                )
                 # Positional: the claim's columns are in OutboxRow's field order.
                 batch = _PgBatch(conn, self._q, [OutboxRow(*r) for r in records], self._delete)
                 try:
@@ -182,7 +202,17 @@ class PgOutboxStore:
                 raise
 
     async def has_due(self) -> bool:
-        return bool(await self._pool.fetchval(self._q["has_due"], timeout=self._timeout))
+        return bool(await self._pool.fetchval(self._has_due, timeout=self._timeout))
+
+    async def poll(self) -> tuple[bool, float | None]:
+        row = await self._pool.fetchrow(self._poll, timeout=self._timeout)
+        assert row is not None
+        return bool(row[0]), None if row[1] is None else float(row[1])
+
+    async def count_pending(self, limit: int) -> int:
+        return int(
+            await self._pool.fetchval(self._q["count_pending"], limit, timeout=self._timeout)
+        )
 
     async def delete_expired(self, older_than: float, limit: int) -> int:
         status = await self._pool.execute(

@@ -16,8 +16,10 @@ class RelayEvents:
     """Counts events by name and lets callers await them.
 
     Names used by the relay: ``listening``, ``listener_lost``, ``wake:<source>`` (source is
-    notification, poll, reconnect, start or backlog), ``claimed``, ``published``, ``retried``,
-    ``dead_lettered``, ``batch_done``, ``kafka_unavailable``, ``db_error``, ``cleanup``.
+    notification, poll, reconnect, start, backlog, retry (a row's retry time came) or gate
+    (producers that may have skipped their NOTIFY have finished)), ``poll`` (a fallback poll
+    ran), ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``batch_done``,
+    ``kafka_unavailable``, ``db_error``, ``cleanup``.
     ``claimed``, ``published``, ``retried`` and ``dead_lettered`` count rows; the others count
     occurrences.
     """

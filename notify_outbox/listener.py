@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import asyncpg
 
+from .backoff import Backoff
 from .events import RelayEvents
 from .settings import OutboxSettings
 from .sqlfiles import Queries
@@ -59,6 +60,8 @@ class Listener:
         #: Whether this relay holds the gated notify's awake marker A (on this connection).
         self.marked = False
         self._identity: tuple[int, Any] | None = None  # (pid, backend_start) of the session
+        self._backoff = Backoff(settings.reconnect_min_delay, settings.reconnect_max_delay)
+        self._lost_at: float | None = None  # when the last working session was lost
 
     def _on_notification(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
         if payload.startswith(PROBE_PREFIX):
@@ -106,6 +109,11 @@ class Listener:
                 await conn.add_listener(self._settings.channel, self._on_notification)
         # Only now may workers run gate statements on this connection.
         self.connection = conn
+        # The session works: the next failure starts the backoff from the beginning.
+        self._backoff.reset()
+        if self._lost_at is not None:
+            log.warning("listening again after %.1fs", time.monotonic() - self._lost_at)
+            self._lost_at = None
         self._events.emit("listening")
         self._wake("start" if first else "reconnect")
         while True:
@@ -167,10 +175,27 @@ class Listener:
         self._events.emit("gate_sleep")
         return True
 
+    async def release(self) -> None:
+        """Let producers NOTIFY again now, whether or not producers are in flight (see the
+        ``release_awake`` query: the caller must then wait for ``gate_free``)."""
+        async with self._lock:
+            if not self.marked:
+                return
+            await self._gate_query("release_awake")
+            self.marked = False
+        self._events.emit("gate_sleep")
+
+    async def gate_free(self) -> bool | None:
+        """True when no producer is in flight; None without a healthy connection."""
+        async with self._lock:
+            return await self._gate_query("gate_free")
+
     async def run(self) -> None:
-        """Listen until cancelled, reconnecting with exponential backoff and jitter."""
+        """Listen until cancelled, reconnecting with exponential backoff and jitter.
+
+        The log says when a working session is lost and when listening works again; failed
+        attempts in between are quiet (DEBUG)."""
         s = self._settings
-        delay = s.reconnect_min_delay
         first = True
         while True:
             conn: asyncpg.Connection | None = None
@@ -180,20 +205,21 @@ class Listener:
                         s.dsn.get_secret_value(),
                         server_settings={"application_name": "notify-outbox-listener"},
                     )
-                delay = s.reconnect_min_delay
                 await self._serve(conn, first)
             except (*_CONNECTION_ERRORS, ListenerLost) as e:
+                reason = type(e).__name__ if not isinstance(e, ListenerLost) else str(e)
                 self._events.emit("listener_lost")
-                log.warning(
-                    "listener connection lost (%s); reconnecting in about %.1fs",
-                    type(e).__name__ if not isinstance(e, ListenerLost) else e,
-                    delay,
-                )
+                # A lost session, or a connection that failed after it was made, is worth a
+                # line each; a server that refuses connections only once per outage.
+                if conn is not None or (first and self._backoff.failures == 0):
+                    self._lost_at = self._lost_at or time.monotonic()
+                    log.warning("listener connection lost (%s); reconnecting", reason)
+                else:
+                    log.debug("listener reconnect failed (%s)", reason)
             finally:
                 self.connection = None
                 self.marked = False  # a session-level lock dies with its session
                 if conn is not None:
                     conn.terminate()
             first = False
-            await anyio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, s.reconnect_max_delay)
+            await self._backoff.sleep()

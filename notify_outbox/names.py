@@ -76,6 +76,13 @@ class OutboxNames:
         return n - (1 << 32) if n >= (1 << 31) else n
 
     @property
+    def claim_namespace(self) -> int:
+        """First key of the two-key advisory locks a claim takes on keys (and on keyless rows):
+        a number of its own, so that claims never wait on producers' per-key ordering locks."""
+        n = zlib.crc32(f"notify_outbox_claim:{self.target}".encode())
+        return n - (1 << 32) if n >= (1 << 31) else n
+
+    @property
     def gate_key(self) -> int:
         """Bigint advisory key G of the gated notify: producers hold it shared until commit."""
         return (1 << 33) + self.lock_namespace
@@ -102,6 +109,7 @@ class OutboxNames:
             "@prefix@": t,
             "@config@": f"{s}.{_quote(t + '_config')}",
             "@lock_ns@": str(self.lock_namespace),
+            "@claim_ns@": str(self.claim_namespace),
             "@gate_key@": str(self.gate_key),
             "@awake_key@": str(self.awake_key),
         }
@@ -109,6 +117,7 @@ class OutboxNames:
     # Tokens whose values do not depend on the schema's name (see migrations.verify).
     SCHEMA_INDEPENDENT = (
         "@lock_ns@",
+        "@claim_ns@",
         "@gate_key@",
         "@awake_key@",
         "@target_literal@",

@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
 from aiokafka.helpers import create_ssl_context
 
+from .backoff import Backoff
 from .claimer import OutboxRow
 from .enqueue import RESERVED_HEADERS
 from .settings import OutboxSettings
@@ -58,6 +58,17 @@ _SESSION_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.InvalidProducerEpoch,
     kafka_errors.ProducerFenced,
 )
+
+
+# While acks are awaited (the claim's transaction is open), Kafka is asked this often whether it
+# is still there; when it is not, the batch gives up at once rather than hold its row locks and
+# an xid (which holds back vacuum cluster-wide) for the whole send deadline.
+_PROBE_EVERY = 0.5
+_PROBE_TIMEOUT = 1.0
+# How often an unavailable Kafka is asked whether it is back: a refused connection costs
+# nothing, and delivery should resume well within a second of the broker's return.
+_RECOVERY_FIRST = 0.02
+_RECOVERY_CAP = 0.2
 
 
 class RowRejected(Exception):
@@ -122,6 +133,12 @@ class PublishResult:
 class Publisher(Protocol):
     """What the relay needs from Kafka (a port, so tests can use a fake)."""
 
+    @property
+    def available(self) -> bool:
+        """False while Kafka is known to be unavailable: claim nothing until
+        ``wait_available`` returns."""
+        ...
+
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         """Send rows in order and wait for their acks, within the send deadline."""
         ...
@@ -148,7 +165,12 @@ class KafkaPublisher:
         # Acks of batches whose deadline passed: they may still complete when Kafka returns.
         self._outstanding: set[asyncio.Future[Any]] = set()
         self._broken = False  # the producer's idempotent session is unusable: replace it
-        self._restart_lock = asyncio.Lock()
+        self._down: str | None = None  # why Kafka is unavailable, while it is
+        self._recovery_lock = asyncio.Lock()
+
+    @property
+    def available(self) -> bool:
+        return self._down is None and not self._broken
 
     def _make_producer(self) -> AIOKafkaProducer:
         s = self._settings
@@ -181,18 +203,26 @@ class KafkaPublisher:
     async def start(self) -> None:
         """Connect to Kafka, retrying with backoff until it answers (a relay started before
         its broker waits instead of crashing)."""
-        delay = self._settings.reconnect_min_delay
+        s = self._settings
+        backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
         while True:
             producer = self._make_producer()
             try:
-                with anyio.fail_after(self._settings.kafka_send_timeout):
+                with anyio.fail_after(s.kafka_send_timeout):
                     await producer.start()
             except (kafka_errors.KafkaError, TimeoutError, OSError) as e:
-                with anyio.move_on_after(self._settings.kafka_send_timeout, shield=True):
+                with anyio.move_on_after(s.kafka_send_timeout, shield=True):
                     await producer.stop()
-                log.warning("Kafka not reachable yet (%s); retrying in %.1fs", _describe(e), delay)
-                await anyio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, self._settings.reconnect_max_delay)
+                delay = backoff.next_delay()
+                # The first failure and then one line in 64: a relay started before its
+                # broker waits quietly.
+                if backoff.failures % 64 == 1:
+                    log.warning(
+                        "Kafka not reachable yet (%s); retrying every %.1fs or so",
+                        _describe(e),
+                        backoff.cap,
+                    )
+                await anyio.sleep(delay)
                 continue
             self._producer = producer
             return
@@ -229,10 +259,43 @@ class KafkaPublisher:
             raise kafka_errors.KafkaConnectionError("metadata request failed")
         return {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
 
+    async def _reachable(self, topics: Iterable[str] = ()) -> bool:
+        """Whether Kafka answers a metadata request within ``_PROBE_TIMEOUT`` and every
+        partition of ``topics`` (those that exist) has a leader to take writes."""
+        client = self.producer.client
+        with anyio.move_on_after(_PROBE_TIMEOUT):
+            try:
+                if not await client.force_metadata_update():
+                    return False
+            except (kafka_errors.KafkaError, OSError):
+                return False
+            for topic in topics:
+                for partition in client.cluster.partitions_for_topic(topic) or ():
+                    leader = client.cluster.leader_for_partition(TopicPartition(topic, partition))
+                    if leader is None or leader < 0:
+                        return False
+            return True
+        return False
+
+    async def _await_acks(self, futures: Iterable[asyncio.Future[Any]], topics: set[str]) -> bool:
+        """Wait for ``futures``; False as soon as a probe finds Kafka unavailable."""
+        pending = {f for f in futures if not f.done()}
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=_PROBE_EVERY)
+            if pending and not await self._reachable(topics):
+                return False
+        return True
+
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         result = PublishResult()
+        if not self.available:
+            result.unavailable = self._down or "the Kafka producer must be replaced"
+            return result
         sent: list[tuple[OutboxRow, asyncio.Future[Any]]] = []
         blocked_keys: set[str] = set()
+        # The topic and ack of each key's latest row sent in this batch.
+        latest: dict[str, tuple[str, asyncio.Future[Any]]] = {}
+        topics = {r.topic for r in rows}
 
         def fail(row: OutboxRow, reason: str, *, permanent: bool) -> None:
             (result.rejected if permanent else result.failed).append((row.id, reason))
@@ -242,11 +305,13 @@ class KafkaPublisher:
 
         with anyio.move_on_after(self._settings.kafka_send_timeout) as scope:
             try:
-                missing = await self._missing_topics({r.topic for r in rows})
+                missing = await self._missing_topics(topics)
             except (kafka_errors.KafkaError, OSError) as e:
                 result.unavailable = f"Kafka metadata unavailable: {_describe(e)}"
-                return result
+                missing = topics
             for row in rows:
+                if result.unavailable is not None:
+                    break
                 if row.key is not None and row.key in blocked_keys:
                     continue
                 if row.topic in missing:
@@ -257,6 +322,17 @@ class KafkaPublisher:
                 except (RowRejected, ValueError) as e:
                     fail(row, f"malformed event: {e}", permanent=True)
                     continue
+                earlier = latest.get(row.key) if row.key is not None else None
+                if earlier is not None and earlier[0] != row.topic:
+                    # Kafka keeps order only within a partition: a key's row for another
+                    # topic waits until the row before it is acknowledged (or failed).
+                    if not await self._await_acks([earlier[1]], topics):
+                        result.unavailable = "Kafka stopped answering"
+                        break
+                    if earlier[1].cancelled() or earlier[1].exception() is not None:
+                        assert row.key is not None
+                        blocked_keys.add(row.key)
+                        continue
                 try:
                     fut = await self.producer.send(
                         msg.topic, value=msg.value, key=msg.key, headers=msg.headers
@@ -268,8 +344,14 @@ class KafkaPublisher:
                     result.unavailable = _describe(e)
                     break
                 sent.append((row, fut))
-            if sent:
-                await asyncio.wait([f for _, f in sent])
+                if row.key is not None:
+                    latest[row.key] = (row.topic, fut)
+            if (
+                sent
+                and result.unavailable is None
+                and not await self._await_acks([f for _, f in sent], topics)
+            ):
+                result.unavailable = "Kafka stopped answering"
         if scope.cancelled_caught and result.unavailable is None:
             result.unavailable = (
                 f"Kafka did not acknowledge within {self._settings.kafka_send_timeout}s"
@@ -292,34 +374,37 @@ class KafkaPublisher:
                 fail(row, _describe(error), permanent=False)
             elif result.unavailable is None:
                 result.unavailable = _describe(error)
+        if result.unavailable is not None and self._down is None:
+            self._down = result.unavailable
         return result
 
-    async def _restart(self) -> None:
-        """Replace a producer whose session is broken (see ``_SESSION_ERRORS``)."""
-        async with self._restart_lock:
-            if not self._broken:
-                return
-            log.warning("restarting the Kafka producer: its idempotent session is broken")
-            old = self._producer
-            await self.start()  # the old producer serves other workers until this returns
-            self._broken = False
-            self._outstanding.clear()
-            if old is not None:
-                with anyio.move_on_after(self._settings.kafka_send_timeout, shield=True):
-                    await old.stop()
+    async def _replace(self) -> None:
+        """Start a new producer and abandon the old one without waiting for its sends.
+
+        Its unacknowledged sends belong to claims that were given back: their rows are sent
+        again by the new producer (at-least-once). A new producer id also leaves behind an
+        idempotent session that a broker restart may have broken (sequence numbers the
+        broker no longer expects), instead of discovering that through a failed send.
+        """
+        old = self._producer
+        await self.start()
+        self._broken = False
+        self._outstanding.clear()
+        if old is not None:
+            # Without its sender task, stop() does not wait to flush what it still holds.
+            sender_task = getattr(getattr(old, "_sender", None), "sender_task", None)
+            if sender_task is not None and not sender_task.done():
+                sender_task.cancel()
+            with anyio.move_on_after(_PROBE_TIMEOUT, shield=True):
+                await old.stop()
 
     async def wait_available(self) -> None:
-        if self._broken:
-            await self._restart()
-        delay = self._settings.reconnect_min_delay
-        while True:
-            pending = [f for f in self._outstanding if not f.done()]
-            if pending:
-                await asyncio.wait(pending, timeout=delay)
-            else:
-                with anyio.move_on_after(self._settings.kafka_send_timeout):
-                    if await self.producer.client.force_metadata_update():
-                        return
-            log.info("waiting for Kafka to come back (next check in %.1fs)", delay)
-            await anyio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, self._settings.reconnect_max_delay)
+        async with self._recovery_lock:  # one prober for all workers
+            if self.available:
+                return
+            backoff = Backoff(_RECOVERY_FIRST, _RECOVERY_CAP)
+            while not await self._reachable():
+                await backoff.sleep()
+            if self._broken or any(not f.done() for f in self._outstanding):
+                await self._replace()
+            self._down = None

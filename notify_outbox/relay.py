@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, Self
 
 import anyio
 import asyncpg
 
-from .claimer import BatchOutcome, OutboxRow, OutboxStore, PgOutboxStore
+from .backoff import Backoff
+from .claimer import OutboxStore, PgOutboxStore
 from .errors import MigrationError, PublisherUnavailable
 from .events import RelayEvents
 from .listener import Listener
-from .publisher import KafkaPublisher, Publisher, PublishResult
+from .outage import Outage, tame_third_party_logs
+from .policy import decide
+from .publisher import KafkaPublisher, Publisher
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
 from .wakeup import Doorbell
@@ -45,6 +47,23 @@ _DB_ERRORS = (
     asyncpg.InternalClientError,
     TimeoutError,
 )
+# Errors that mean "the server is not there (yet)": cheap to retry, and retried quickly so that
+# delivery resumes within about a second of PostgreSQL coming back.
+_UNREACHABLE = (
+    OSError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
+# The relay looks at most this many rows to say how many are pending (bounded work).
+_COUNT_LIMIT = 1_000_000
+# When try_sleep keeps failing (a producer's transaction stays open), the relay retries it this
+# many times, with doubling waits from gate_poll_interval, then lets producers notify again and
+# watches the gate with a backoff up to _GATE_WATCH_CAP seconds.
+_SLEEP_TRIES = 6
+_GATE_WATCH_CAP = 2.0
 # Points where a test can stop the process dead (see NOTIFY_OUTBOX_TEST_CRASH_AT in the CLI).
 FaultHook = Callable[[str], None]
 
@@ -89,7 +108,10 @@ class Relay:
         #: Whether this relay takes part in the gated notify (the database's notify_mode).
         self.gated = False
         self._busy_workers = 0
-        self._db_delay = settings.reconnect_min_delay
+        self.kafka_outage = Outage("Kafka", log)
+        self.db_outage = Outage("PostgreSQL", log)
+        self._retry_wakes: dict[float, asyncio.TimerHandle] = {}
+        self._gate_watch: asyncio.Task[None] | None = None
         self._stop_deadline: float | None = None
         self._close_forced = False  # a graceful close had to abandon the producer or pool
 
@@ -157,7 +179,7 @@ class Relay:
         errors of any worker after stopping the others (never runs half-alive).
         """
         try:
-            with self._abort_scope:
+            with self._abort_scope, tame_third_party_logs():
                 await self._run()
         except BaseException:
             if self.outcome == "running":
@@ -179,6 +201,7 @@ class Relay:
                 services.start_soon(self._poller, name="poller")
                 services.start_soon(self._housekeeping, name="housekeeping")
                 services.start_soon(self._shutdown_watchdog, name="watchdog")
+                services.start_soon(self._remind_outages, name="outage-reminders")
                 async with anyio.create_task_group() as workers:
                     for n in range(self.settings.workers):
                         workers.start_soon(self._worker, name=f"worker-{n}")
@@ -191,6 +214,10 @@ class Relay:
                 services.cancel_scope.cancel()
             clean = not self._abort_scope.cancel_called
         finally:
+            for handle in self._retry_wakes.values():
+                handle.cancel()
+            if self._gate_watch is not None:
+                self._gate_watch.cancel()
             # Cancelled, aborted or failed: tear down at once (rows in flight stay pending).
             with anyio.CancelScope(shield=True):
                 await self._close(graceful=clean)
@@ -203,8 +230,9 @@ class Relay:
             if self._pool is None:
                 return False
             queries = Queries(s.names)
-            config = render("@config@", s.names)
-            if not await self._pool.fetchval("SELECT to_regclass($1) IS NOT NULL", config):
+            # The newest migration's claim function: older schemas lack it.
+            claim_fn = render("@schema@.@prefix@_claim(integer, integer)", s.names)
+            if not await self._pool.fetchval("SELECT to_regprocedure($1) IS NOT NULL", claim_fn):
                 raise MigrationError(
                     f"outbox {s.names.target} is missing or not up to date: "
                     "run `notify-outbox migrate` first"
@@ -225,7 +253,7 @@ class Relay:
 
     async def _connect_pool(self) -> asyncpg.Pool:
         s = self.settings
-        delay = s.reconnect_min_delay
+        backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
         # A worker holds its transaction open while Kafka acknowledges; if the relay ever
         # hangs, the server ends that transaction rather than keep rows locked forever.
         idle_tx_ms = int((s.kafka_send_timeout + 2 * s.db_command_timeout) * 1000)
@@ -245,13 +273,14 @@ class Relay:
                     )
                 return pool
             except _DB_ERRORS as e:
-                log.warning(
-                    "PostgreSQL not reachable (%s); retrying in about %.1fs",
-                    redact(str(e) or type(e).__name__, s),
-                    delay,
-                )
-                await anyio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, s.reconnect_max_delay)
+                delay = backoff.next_delay()
+                if backoff.failures % 64 == 1:  # the first failure, then one line in 64
+                    log.warning(
+                        "PostgreSQL not reachable (%s); retrying every %.1fs or so",
+                        redact(str(e) or type(e).__name__, s),
+                        backoff.cap,
+                    )
+                await anyio.sleep(delay)
 
     def _shutdown_left(self) -> float:
         """Seconds left of the graceful stop's deadline (all of it if no stop was asked)."""
@@ -317,17 +346,42 @@ class Relay:
         else:
             self._doorbell.ring()
 
+    def _wake_for_retry(self, delay: float) -> None:
+        """Wake a worker when a row's retry becomes due (otherwise only the fallback poll
+        would notice). Deadlines are rounded up to 50 ms so a burst of failures shares one
+        timer; a little late never hurts, early would find the row not yet due."""
+        loop = asyncio.get_running_loop()
+        at = -(-(loop.time() + delay + 0.01) // 0.05) * 0.05
+        if at in self._retry_wakes or self._stopping:
+            return
+
+        def fire() -> None:
+            self._retry_wakes.pop(at, None)
+            self._wake("retry")
+
+        self._retry_wakes[at] = loop.call_at(at, fire)
+
     async def _poller(self) -> None:
         assert self._store is not None
         while True:
             await anyio.sleep(self.settings.poll_interval)
+            self.events.emit("poll")
             try:
-                due = await self._store.has_due()
+                due, retry_in = await self._store.poll()
             except _DB_ERRORS as e:
-                log.debug("fallback poll failed: %s", redact(str(e), self.settings))
+                # The safety net failing is worth a line (once per outage).
+                self.db_outage.failed(redact(str(e) or type(e).__name__, self.settings))
                 continue
+            if retry_in is not None:
+                self._wake_for_retry(retry_in)  # e.g. retries scheduled by a relay that died
             if due:
                 self._wake("poll")
+
+    async def _remind_outages(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            self.kafka_outage.remind()
+            self.db_outage.remind()
 
     async def _housekeeping(self) -> None:
         s = self.settings
@@ -347,14 +401,18 @@ class Relay:
     # --- workers ------------------------------------------------------------------------------
 
     async def _worker(self) -> None:
+        s = self.settings
+        # Each worker backs off on its own: N failing workers must not double one delay N
+        # times. Unreachable servers are retried quickly (capped at reconnect_max_delay).
+        db_backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
         while await self._doorbell.wait():
             self._busy_workers += 1
             try:
-                await self._drain()
+                await self._drain(db_backoff)
             finally:
                 self._busy_workers -= 1
 
-    async def _drain(self) -> None:
+    async def _drain(self, db_backoff: Backoff) -> None:
         """Claim batches until nothing is due (a wake-up drains the table).
 
         With the gated notify, a relay that has been draining without a break for
@@ -365,8 +423,9 @@ class Relay:
         """
         s = self.settings
         busy_since: float | None = None  # start of the current unbroken run of claims
+        sleep_tries = 0  # try_sleep refused in a row (producers in flight)
         while not self._stopping:
-            done = await self._claim_once()
+            done = await self._claim_once(db_backoff)
             if done is None:
                 continue  # an error was handled (and waited out): claim again
             claimed, more = done
@@ -388,9 +447,18 @@ class Relay:
                 continue
             assert self.listener is not None
             if not await self.listener.try_sleep():
-                # Producers in flight may have skipped their NOTIFY: stay awake.
-                await anyio.sleep(s.gate_poll_interval)
-                continue
+                # Producers in flight may have skipped their NOTIFY: stay awake a little,
+                # with doubling waits; a producer transaction that stays open must not make
+                # an idle relay spin.
+                if sleep_tries < _SLEEP_TRIES:
+                    await anyio.sleep(s.gate_poll_interval * 2**sleep_tries)
+                    sleep_tries += 1
+                    continue
+                # Let producers notify again now, and look once more when every producer
+                # that may have skipped its NOTIFY has finished.
+                await self.listener.release()
+                self._watch_gate()
+            sleep_tries = 0
             # A is released: from now on producers notify. One more look, as a new statement,
             # sees every row whose producer skipped its NOTIFY (they have all committed).
             if await self._due():
@@ -400,6 +468,23 @@ class Relay:
             # it to sleep, or producers would skip their NOTIFY with nobody claiming.
             if not self._may_sleep():
                 return
+
+    def _watch_gate(self) -> None:
+        """Wake a worker once no producer is in flight any more (in the background, so the
+        workers stay free to answer notifications meanwhile)."""
+        if self._gate_watch is not None and not self._gate_watch.done():
+            return
+
+        async def watch() -> None:
+            backoff = Backoff(self.settings.gate_poll_interval, _GATE_WATCH_CAP)
+            while not self._stopping:
+                await backoff.sleep()
+                assert self.listener is not None
+                if await self.listener.gate_free() is not False:
+                    self._wake("gate")
+                    return
+
+        self._gate_watch = asyncio.create_task(watch(), name="notify-outbox-gate-watch")
 
     def _may_sleep(self) -> bool:
         """Whether this worker must run the sleep protocol before it idles: only the last
@@ -423,38 +508,58 @@ class Relay:
         return False
 
     async def _due(self) -> bool:
-        """Whether rows are due; True after an error, so that the caller claims (and the
-        claim handles the error)."""
+        """Whether a claim would get something; True after an error, so that the caller
+        claims (and the claim handles the error)."""
         assert self._store is not None
         try:
             return await self._store.has_due()
         except _DB_ERRORS:
             return True
 
-    async def _claim_once(self) -> tuple[int, bool | None] | None:
+    async def _claim_once(self, db_backoff: Backoff) -> tuple[int, bool | None] | None:
         """One claim-publish-mark round: rows claimed, and whether more rows were due after
         it committed (None: unknown). None after an error that was logged and waited out."""
         s = self.settings
+        assert self._publisher is not None
+        if not self._publisher.available:
+            # Claim nothing while Kafka is away: rows stay pending, no transaction held.
+            await self._wait_for_kafka()
+            return None
         try:
             claimed = await self._process_batch()
         except PublisherUnavailable as e:
             self.events.emit("kafka_unavailable")
-            log.warning("Kafka unavailable (%s); rows stay pending", e)
-            assert self._publisher is not None
-            await self._until_stopped(self._publisher.wait_available())
+            self.kafka_outage.failed(str(e))
+            await self._wait_for_kafka()
             return None
         except _DB_ERRORS as e:
             self.events.emit("db_error")
-            log.warning(
-                "database error in worker (%s); retrying in about %.1fs",
-                redact(str(e) or type(e).__name__, s),
-                self._db_delay,
-            )
-            await self._until_stopped(anyio.sleep(self._db_delay * random.uniform(0.5, 1.0)))
-            self._db_delay = min(self._db_delay * 2, s.reconnect_max_delay)
+            self.db_outage.failed(redact(str(e) or type(e).__name__, s))
+            if not isinstance(e, _UNREACHABLE) and db_backoff.failures % 16 == 0:
+                # Not an outage but a failing statement (permissions, a broken schema):
+                # say what it is now and then, not at every retry.
+                log.error("claim failed: %s", redact(str(e) or type(e).__name__, s))
+            await self._until_stopped(db_backoff.sleep())
             return None
-        self._db_delay = s.reconnect_min_delay
+        db_backoff.reset()
+        if self.db_outage.active:
+            self.db_outage.recovered(await self._count_pending())
         return claimed
+
+    async def _wait_for_kafka(self) -> None:
+        """Wait until Kafka answers again (one prober for all workers), then log the end of
+        the outage once."""
+        assert self._publisher is not None
+        await self._until_stopped(self._publisher.wait_available())
+        if self._publisher.available and self.kafka_outage.active:
+            self.kafka_outage.recovered(await self._count_pending())
+
+    async def _count_pending(self) -> int | None:
+        assert self._store is not None
+        try:
+            return await self._store.count_pending(_COUNT_LIMIT)
+        except _DB_ERRORS:
+            return None
 
     async def _process_batch(self) -> tuple[int, bool | None]:
         assert self._store is not None
@@ -468,52 +573,25 @@ class Relay:
             self._fault("after_claim")
             result = await self._publisher.publish(rows)
             self._fault("after_ack")
-            outcome = self._decide(rows, result)
+            outcome = decide(rows, result, self.settings)
+            # The claim commits at once, even when Kafka became unavailable: its rows that
+            # were not acknowledged stay pending, and no transaction waits for the broker.
             await batch.complete(outcome)
         self._fault("after_mark")
         self.events.emit("published", len(outcome.published))
         if outcome.retry:
             self.events.emit("retried", len(outcome.retry))
+            self._wake_for_retry(min(delay for _, _, delay in outcome.retry))
         if outcome.dead:
             self.events.emit("dead_lettered", len(outcome.dead))
         self.events.emit("batch_done")
         if result.unavailable is not None:
+            self.kafka_outage.failed(result.unavailable)
+            settled = len(outcome.published) + len(outcome.dead) + len(outcome.retry)
+            self.kafka_outage.held += len(rows) - settled
             raise PublisherUnavailable(result.unavailable)
         return len(rows), batch.more_due
 
     def _fault(self, point: str) -> None:
         if self._fault_hook is not None:
             self._fault_hook(point)
-
-    def _decide(self, rows: Sequence[OutboxRow], result: PublishResult) -> BatchOutcome:
-        s = self.settings
-        by_id = {r.id: r for r in rows}
-        outcome = BatchOutcome(published=list(result.delivered))
-        for row_id, reason in result.rejected:
-            log.error("dead-lettering row %s (topic %s): %s", row_id, by_id[row_id].topic, reason)
-            outcome.dead.append((row_id, reason))
-        for row_id, reason in result.failed:
-            attempts = by_id[row_id].attempts + 1
-            if attempts >= s.max_attempts:
-                log.error(
-                    "dead-lettering row %s (topic %s) after %d attempts: %s",
-                    row_id,
-                    by_id[row_id].topic,
-                    attempts,
-                    reason,
-                )
-                outcome.dead.append((row_id, f"{reason} (after {attempts} attempts)"))
-            else:
-                delay = min(s.retry_max_delay, s.retry_base_delay * 2 ** (attempts - 1))
-                delay *= random.uniform(0.5, 1.0)
-                log.warning(
-                    "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
-                    row_id,
-                    by_id[row_id].topic,
-                    attempts,
-                    s.max_attempts,
-                    delay,
-                    reason,
-                )
-                outcome.retry.append((row_id, reason, delay))
-        return outcome

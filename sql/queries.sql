@@ -2,45 +2,39 @@
 -- replaced by validated, quoted names once at start-up; values are always $n parameters.
 
 -- name: claim
--- Claims up to $1 rows in commit order per key, locking them until the claiming transaction
--- ends. "heads" are the earliest pending row of their key (or keyless rows): a key is taken by
--- whoever locks its head, and SKIP LOCKED lets other workers pass it by. "followers" are the
--- later pending rows of the keys this worker now owns; no one else can claim them while the
--- head is pending, so they are locked without SKIP LOCKED and sent in the same batch.
-WITH heads AS (
-    SELECT o.id, o.event_id, o.topic, o.key, o.payload::text AS payload, o.payload_bytes,
-           o.headers::text AS headers, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts
-    FROM @table@ AS o
-    WHERE o.published_at IS NULL
-      AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
-      AND (o.key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM @table@ AS p
-            WHERE p.key = o.key AND p.published_at IS NULL AND p.id < o.id))
-    ORDER BY o.id
-    LIMIT $1
-    FOR UPDATE OF o SKIP LOCKED
-), followers AS (
-    SELECT o.id, o.event_id, o.topic, o.key, o.payload::text AS payload, o.payload_bytes,
-           o.headers::text AS headers, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts
-    FROM @table@ AS o
-    WHERE o.key IN (SELECT h.key FROM heads AS h WHERE h.key IS NOT NULL)
-      AND o.published_at IS NULL
-      AND o.id NOT IN (SELECT h.id FROM heads AS h)
-    ORDER BY o.id
-    LIMIT $1
-    FOR UPDATE OF o
-)
-SELECT * FROM heads
-UNION ALL
-SELECT * FROM followers
-ORDER BY id;
+-- Locks up to $1 rows in per-key commit order until the claiming transaction ends, looking at no
+-- more than $2 candidates (migration 0003 explains how keys are owned).
+SELECT * FROM @schema@.@prefix@_claim($1, $2);
 
--- name: has_due
--- A cheap look before a fallback poll opens a transaction: keeps an idle relay's load low.
-SELECT EXISTS (
-    SELECT 1 FROM @table@
-    WHERE published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-);
+-- name: due
+-- Whether a claim would get something: a fresh row not held back behind a failed row of its
+-- key, or a retry that is due and first of its key. Rows waiting for their retry time, and
+-- the rows queued behind them, do not count: they must not keep a relay awake. (A condition,
+-- used by has_due and commit_and_look.)
+EXISTS (
+    SELECT 1 FROM @table@ AS o
+    WHERE o.published_at IS NULL AND o.next_attempt_at IS NULL
+      AND (o.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM @table@ AS w
+            WHERE w.key = o.key AND w.published_at IS NULL
+              AND w.next_attempt_at IS NOT NULL AND w.id < o.id)))
+OR EXISTS (
+    SELECT 1 FROM @table@ AS o
+    WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
+      AND NOT EXISTS (
+            SELECT 1 FROM @table@ AS w
+            WHERE w.key = o.key AND w.published_at IS NULL
+              AND w.next_attempt_at IS NOT NULL AND w.id < o.id))
+
+-- name: next_retry
+-- Seconds until the earliest retry that is not due yet (NULL: none), to wake the relay then.
+-- (A scalar subquery, asked together with "due" by the fallback poll.)
+SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 FROM @table@
+WHERE published_at IS NULL AND next_attempt_at > now()
+
+-- name: count_pending
+-- Pending rows, counted up to $1 (bounded work at any table size).
+SELECT count(*) FROM (SELECT 1 FROM @table@ WHERE published_at IS NULL LIMIT $1) AS p;
 
 -- name: mark_published
 -- <ids> is an integer array literal built by the relay from the claimed ids, never from user
@@ -53,11 +47,9 @@ DELETE FROM @table@ WHERE id = ANY('<ids>'::bigint[]);
 
 -- name: commit_and_look
 -- The end of a claim: commit, then look, as a new statement after the commit, whether more
--- is due (the command tag "SELECT 1" or "SELECT 0" says it).
+-- is due (the command tag "SELECT 1" or "SELECT 0" says it; "due" is appended).
 COMMIT;
-SELECT 1 FROM @table@
-WHERE published_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-LIMIT 1;
+SELECT 1 WHERE
 
 -- name: record_failures
 -- $1 ids, $2 errors, $3 seconds until the next attempt.
@@ -140,6 +132,17 @@ SELECT pg_try_advisory_lock(@awake_key@);
 -- every new producer behind it. False means "producers in flight: stay awake, claim again".
 SELECT CASE WHEN pg_try_advisory_xact_lock(@gate_key@) THEN pg_advisory_unlock(@awake_key@)
             ELSE false END;
+
+-- name: release_awake
+-- Lets producers NOTIFY again at once, while some producer transaction stays open (so
+-- try_sleep keeps failing). Producers that skipped their NOTIFY before this are still in
+-- flight: the relay watches gate_free and looks once more when it is.
+SELECT pg_advisory_unlock(@awake_key@);
+
+-- name: gate_free
+-- True when no producer is in flight (G taken and, the statement being its own transaction,
+-- released at once). Never blocks.
+SELECT pg_try_advisory_xact_lock(@gate_key@);
 
 -- name: listener_identity
 -- Who this listening session is: pid and start time identify it even after pid reuse.

@@ -44,12 +44,22 @@ class FakeStore:
     """Claims like the SQL: per key, only the earliest pending row is a head; a worker that
     locks a head also takes the key's later rows. Outcomes apply only if the claim 'commits'."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.rows: dict[int, FakeRow] = {}
         self.locked: set[int] = set()
         self._next_id = 1
-        self.now = 0.0
+        self._clock = clock
+        self._now = 0.0
         self.claims = 0
+
+    @property
+    def now(self) -> float:
+        """The store's time: frozen (set by the test) unless a clock was given."""
+        return self._clock() if self._clock is not None else self._now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self._now = value
 
     def add(self, topic: str = "t", key: str | None = None, payload: str = "{}") -> int:
         row_id = self._next_id
@@ -103,7 +113,23 @@ class FakeStore:
             self.rows[row_id].dead = error
 
     async def has_due(self) -> bool:
-        return any(r.next_attempt <= self.now for r in self.pending())
+        # Like the SQL: a row counts only if a claim could take it, i.e. it is due and no
+        # earlier row of its key is pending.
+        seen: set[str] = set()
+        for r in self.pending():
+            if r.row.key is None or r.row.key not in seen:
+                if r.next_attempt <= self.now and r.row.id not in self.locked:
+                    return True
+                if r.row.key is not None:
+                    seen.add(r.row.key)
+        return False
+
+    async def poll(self) -> tuple[bool, float | None]:
+        waits = [r.next_attempt - self.now for r in self.pending() if r.next_attempt > self.now]
+        return await self.has_due(), min(waits) if waits else None
+
+    async def count_pending(self, limit: int) -> int:
+        return min(limit, len(self.pending()))
 
     async def delete_expired(self, older_than: float, limit: int) -> int:
         return 0
@@ -119,6 +145,7 @@ class FakePublisher:
         self.gate: anyio.Event | None = None  # when set, publish waits for it
         self.entered = anyio.Event()
         self.available_calls = 0
+        self.available = True
 
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         self.entered.set()

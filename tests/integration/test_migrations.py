@@ -48,12 +48,12 @@ async def test_verify_reports_drift_and_tolerates_extra_indexes(db_dsn: str) -> 
         report = await verify(conn, OutboxNames())
         assert report.ok
         assert report.extras == ["index my_own_idx"]
-        await conn.execute("DROP INDEX outbox_pending_key_idx")
+        await conn.execute("DROP INDEX outbox_waiting_key_idx")
         await conn.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify")
         report = await verify(conn, OutboxNames())
         assert not report.ok
         text = "\n".join(report.schema_differences)
-        assert "missing index outbox_pending_key_idx" in text
+        assert "missing index outbox_waiting_key_idx" in text
         assert "trigger outbox_notify" in text
     finally:
         await conn.close()

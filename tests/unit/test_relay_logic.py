@@ -4,6 +4,7 @@ shutdown behaviour, in milliseconds."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 import anyio
@@ -173,3 +174,45 @@ async def test_fallback_poll_wakes_a_worker_for_rows_that_came_without_a_wake_up
             await relay.events.wait_for("published")
     assert relay.events.counts["wake:poll"] >= 1
     assert len(pub.sent) == 1
+
+
+async def test_an_idle_relay_does_not_claim_for_rows_waiting_for_their_retry() -> None:
+    # A key's first row waits for its retry time; its later row may not overtake it. Neither
+    # is due, so fallback polls come and go and nothing is claimed (no busy loop).
+    store, pub = FakeStore(), FakePublisher()
+    first, later = store.add(key="k"), store.add(key="k")
+    store.rows[first].next_attempt = 1e9
+    async with Relay(settings(poll_interval=0.005), store=store, publisher=pub) as relay:
+        with anyio.fail_after(10):
+            # The start-up wake has long been served (one claim, which found nothing).
+            await relay.events.wait_for("poll", 5)
+        claims = store.claims
+        with anyio.fail_after(10):
+            await relay.events.wait_for("poll", relay.events.counts["poll"] + 50)
+        assert store.claims == claims
+        assert relay.events.counts["wake:poll"] == 0
+    assert pub.sent == []
+    assert store.rows[later].published is False
+
+
+async def test_a_retry_is_claimed_when_it_becomes_due_not_at_the_next_poll() -> None:
+    store = FakeStore(clock=time.monotonic)
+    failing = store.add(key="k")
+    fails = {"left": 2}
+
+    def behaviour(row: object) -> tuple[str, str] | None:
+        if fails["left"] > 0:
+            fails["left"] -= 1
+            return ("fail", "not yet")
+        return None
+
+    pub = FakePublisher(behaviour)
+    s = settings(poll_interval=60.0, retry_base_delay=0.05, retry_max_delay=0.05)
+    async with Relay(s, store=store, publisher=pub) as relay:
+        with anyio.fail_after(10):
+            await relay.events.wait_for("published")
+            while not store.rows[failing].published:
+                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+    assert store.rows[failing].errors == ["not yet", "not yet"]
+    assert relay.events.counts["wake:retry"] >= 2
+    assert relay.events.counts["wake:poll"] == 0

@@ -1,0 +1,134 @@
+"""A quiet log while PostgreSQL or Kafka is away: one line when an outage starts, a reminder
+every ``remind_every`` seconds, one line when it ends (with its duration and the rows held).
+
+Workers report every failure here; only state changes reach the log. The same goes for
+aiokafka's own loggers, which log every failed connection attempt (thousands of lines per
+second while a broker restarts): ``tame_third_party_logs`` lets one line of each kind through
+per interval and counts the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["Outage", "RateLimitFilter", "tame_third_party_logs"]
+
+
+class Outage:
+    """The state of one dependency ("Kafka", "PostgreSQL") as seen by a relay."""
+
+    def __init__(self, what: str, log: logging.Logger, *, remind_every: float = 30.0) -> None:
+        self.what = what
+        self._log = log
+        self._remind_every = remind_every
+        self.started: float | None = None  # time.monotonic() of the first failure
+        self._reminded = 0.0
+        self.held = 0  # rows claimed during the outage and left pending
+        self.count = 0  # outages so far
+
+    @property
+    def active(self) -> bool:
+        """Whether the dependency is currently failing."""
+        return self.started is not None
+
+    def failed(self, reason: str) -> bool:
+        """Record a failure; logs (and returns True) only for the first of an outage."""
+        if self.started is not None:
+            return False
+        self.started = self._reminded = time.monotonic()
+        self.held = 0
+        self.count += 1
+        self._log.warning("%s unavailable (%s); rows stay pending", self.what, reason)
+        return True
+
+    def remind(self) -> None:
+        """Log a reminder if the outage has lasted another ``remind_every`` seconds."""
+        if self.started is None:
+            return
+        now = time.monotonic()
+        if now - self._reminded >= self._remind_every:
+            self._reminded = now
+            self._log.warning(
+                "%s still unavailable after %.0fs; %d claimed rows given back so far",
+                self.what,
+                now - self.started,
+                self.held,
+            )
+
+    def recovered(self, pending: int | None = None) -> float | None:
+        """Record a success; logs the end of an outage (returns its duration) if one was on."""
+        if self.started is None:
+            return None
+        duration = time.monotonic() - self.started
+        self.started = None
+        backlog = "" if pending is None else f"; {pending} rows pending now"
+        self._log.warning(
+            "%s available again after %.1fs; %d claimed rows were given back meanwhile%s",
+            self.what,
+            duration,
+            self.held,
+            backlog,
+        )
+        return duration
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets through one record per (logger, message template) every ``interval`` seconds; the
+    next one that passes says how many were dropped meanwhile. DEBUG records pass untouched."""
+
+    def __init__(self, interval: float = 60.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last: dict[tuple[str, str], float] = {}
+        self._dropped: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.DEBUG:
+            return True
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        dropped = self._dropped.pop(key, 0)
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} similar lines suppressed)"
+        return True
+
+
+_THIRD_PARTY = ("aiokafka",)
+_installed: list[tuple[logging.Logger, RateLimitFilter]] = []
+_users = 0
+
+
+@contextmanager
+def tame_third_party_logs(interval: float = 60.0) -> Iterator[None]:
+    """While any relay runs, rate-limit aiokafka's loggers (installed once, removed by the
+    last relay to stop). A logger filter applies only to records logged on that very logger,
+    so every aiokafka logger gets one; the modules create theirs at import."""
+    global _users
+    if _users == 0:
+        names = [
+            name
+            for name in logging.root.manager.loggerDict
+            if name == _THIRD_PARTY[0] or name.startswith(tuple(p + "." for p in _THIRD_PARTY))
+        ]
+        limiter = RateLimitFilter(interval)
+        for name in names:
+            logger = logging.getLogger(name)
+            logger.addFilter(limiter)
+            _installed.append((logger, limiter))
+    _users += 1
+    try:
+        yield
+    finally:
+        _users -= 1
+        if _users == 0:
+            for logger, limiter in _installed:
+                logger.removeFilter(limiter)
+            _installed.clear()

@@ -1,0 +1,84 @@
+"""What to write back for a published batch: pure functions, testable without a relay."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+
+from .claimer import BatchOutcome, OutboxRow
+from .publisher import PublishResult
+from .settings import OutboxSettings
+
+__all__ = ["decide", "retry_delay"]
+
+log = logging.getLogger("notify_outbox.relay")
+
+# 2 ** 60 seconds is far beyond any cap; stopping the exponent there keeps the arithmetic in
+# floats (2 ** 1100 would not fit one) however large max_attempts is.
+_MAX_EXPONENT = 60
+
+
+def retry_delay(attempts: int, base: float, cap: float) -> float:
+    """Seconds before attempt ``attempts + 1`` of a row that failed ``attempts`` times:
+    ``base * 2 ** (attempts - 1)``, capped, before jitter."""
+    exponent = min(max(attempts - 1, 0), _MAX_EXPONENT)
+    return float(min(cap, base * 2.0**exponent))
+
+
+def decide(
+    rows: Sequence[OutboxRow], result: PublishResult, settings: OutboxSettings
+) -> BatchOutcome:
+    """The outcome of a batch: delivered rows are published, failed rows retried with backoff
+    (dead-lettered after ``max_attempts``), rejected rows dead-lettered at once.
+
+    Per key, only what comes before the key's first row that was not delivered is kept: a
+    later row of that key is neither marked nor counted as a failure, whatever happened to it
+    (it stays pending and follows the earlier row). So a key's later row is never marked
+    published while an earlier one waits for a retry, even when they went to different topics.
+    """
+    s = settings
+    delivered = set(result.delivered)
+    failed = dict(result.failed)
+    rejected = dict(result.rejected)
+    stopped: set[str] = set()  # keys whose earlier row was not delivered
+    outcome = BatchOutcome()
+    for row in rows:
+        if row.key is not None and row.key in stopped:
+            continue
+        if row.id in delivered:
+            outcome.published.append(row.id)
+            continue
+        if row.key is not None:
+            stopped.add(row.key)
+        if row.id in rejected:
+            reason = rejected[row.id]
+            log.error("dead-lettering row %s (topic %s): %s", row.id, row.topic, reason)
+            outcome.dead.append((row.id, reason))
+        elif row.id in failed:
+            reason = failed[row.id]
+            attempts = row.attempts + 1
+            if attempts >= s.max_attempts:
+                log.error(
+                    "dead-lettering row %s (topic %s) after %d attempts: %s",
+                    row.id,
+                    row.topic,
+                    attempts,
+                    reason,
+                )
+                outcome.dead.append((row.id, f"{reason} (after {attempts} attempts)"))
+                continue
+            delay = retry_delay(attempts, s.retry_base_delay, s.retry_max_delay)
+            delay *= random.uniform(0.5, 1.0)
+            log.warning(
+                "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
+                row.id,
+                row.topic,
+                attempts,
+                s.max_attempts,
+                delay,
+                reason,
+            )
+            outcome.retry.append((row.id, reason, delay))
+        # Neither: not sent, or its ack did not come (Kafka unavailable): stays pending.
+    return outcome
