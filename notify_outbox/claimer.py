@@ -103,12 +103,19 @@ CLAIM_SCAN_FACTOR = 10
 
 class _PgBatch:
     def __init__(
-        self, conn: asyncpg.Connection, queries: Queries, rows: list[OutboxRow], delete: bool
+        self,
+        conn: asyncpg.Connection,
+        queries: Queries,
+        rows: list[OutboxRow],
+        *,
+        delete: bool,
+        full: bool,
     ) -> None:
         self._conn = conn
         self._q = queries
         self._rows = rows
         self._delete = delete
+        self._full = full  # the claim got all it asked for: more is likely due
         self.committed = False
         self._more_due: bool | None = None
 
@@ -131,15 +138,16 @@ class _PgBatch:
             await self._conn.execute(self._q["dead_letter"], list(ids), list(errors))
         # The common path is one round trip: mark, COMMIT and a look for more, sent together
         # in the simple protocol (which takes no parameters: the ids are rendered as an
-        # integer literal; int() guards that they are nothing else).
-        sql = self._q["commit_and_look"] + "\n" + self._q["due"]
+        # integer literal; int() guards that they are nothing else). After a full claim the
+        # look is skipped: the worker claims again anyway, and the claim finds out.
+        sql = "COMMIT" if self._full else self._q["commit_and_look"] + "\n" + self._q["due"]
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
             literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
             sql = self._q[query].replace("<ids>", literal) + "\n" + sql
         status = await self._conn.execute(sql)
         self.committed = True
-        self._more_due = status != "SELECT 0"
+        self._more_due = True if self._full else status != "SELECT 0"
 
 
 async def _rollback(conn: asyncpg.Connection) -> None:
@@ -181,7 +189,8 @@ class PgOutboxStore:
                     self._q["claim"], limit, limit * CLAIM_SCAN_FACTOR, timeout=self._timeout
                 )
                 # Positional: the claim's columns are in OutboxRow's field order.
-                batch = _PgBatch(conn, self._q, [OutboxRow(*r) for r in records], self._delete)
+                rows = [OutboxRow(*r) for r in records]
+                batch = _PgBatch(conn, self._q, rows, delete=self._delete, full=len(rows) >= limit)
                 try:
                     yield batch
                 except Exception:

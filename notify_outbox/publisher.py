@@ -214,14 +214,14 @@ class KafkaPublisher:
                 with anyio.move_on_after(s.kafka_send_timeout, shield=True):
                     await producer.stop()
                 delay = backoff.next_delay()
-                # The first failure and then one line in 64: a relay started before its
-                # broker waits quietly.
-                if backoff.failures % 64 == 1:
-                    log.warning(
-                        "Kafka not reachable yet (%s); retrying every %.1fs or so",
-                        _describe(e),
-                        backoff.cap,
-                    )
+                # A relay started before its broker waits quietly: the first failure and one
+                # in 64 as warnings, every attempt at DEBUG.
+                log.log(
+                    logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
+                    "Kafka not reachable yet (%s); retrying every %.1fs or so",
+                    _describe(e),
+                    backoff.cap,
+                )
                 await anyio.sleep(delay)
                 continue
             self._producer = producer

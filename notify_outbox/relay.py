@@ -274,12 +274,13 @@ class Relay:
                 return pool
             except _DB_ERRORS as e:
                 delay = backoff.next_delay()
-                if backoff.failures % 64 == 1:  # the first failure, then one line in 64
-                    log.warning(
-                        "PostgreSQL not reachable (%s); retrying every %.1fs or so",
-                        redact(str(e) or type(e).__name__, s),
-                        backoff.cap,
-                    )
+                # The first failure and one in 64 as warnings; every attempt at DEBUG.
+                log.log(
+                    logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
+                    "PostgreSQL not reachable (%s); retrying every %.1fs or so",
+                    redact(str(e) or type(e).__name__, s),
+                    backoff.cap,
+                )
                 await anyio.sleep(delay)
 
     def _shutdown_left(self) -> float:

@@ -106,8 +106,14 @@ class OutboxSettings(DatabaseSettings):
     poll_only: bool = Field(False, description="Never LISTEN (e.g. behind PgBouncer)")
     listen_health_interval: float = Field(10.0, gt=0)
     listen_health_timeout: float = Field(5.0, gt=0)
-    reconnect_min_delay: float = Field(0.1, gt=0)
-    reconnect_max_delay: float = Field(10.0, gt=0)
+    reconnect_min_delay: float = Field(0.05, gt=0)
+    reconnect_max_delay: float = Field(
+        0.5,
+        gt=0,
+        description="Cap of the backoff between attempts to reach PostgreSQL (and Kafka at "
+        "start): short, so that delivery resumes within about a second of a server's return; "
+        "a refused connection costs the server nothing, and the log stays quiet meanwhile",
+    )
     db_command_timeout: float = Field(30.0, gt=0)
     gate_linger: float = Field(
         0.01,

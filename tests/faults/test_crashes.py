@@ -143,6 +143,10 @@ class HeldPublisher:
         await self.release.wait()
         return result if result is not None else await self.inner.publish(rows)
 
+    @property
+    def available(self) -> bool:
+        return self.inner.available
+
     async def wait_available(self) -> None:
         await self.inner.wait_available()
 
