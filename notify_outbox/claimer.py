@@ -8,6 +8,7 @@ crashed relay's rows simply become claimable again when its connection goes away
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -200,8 +201,10 @@ class PgOutboxStore:
                     await conn.execute("ROLLBACK")
             except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
                 # The connection may be left mid-protocol (the pool's release no longer runs a
-                # reset query that would have caught it): never hand it out again.
-                conn.terminate()
+                # reset query that would have caught it): never hand it out again. (When the
+                # server already ended it, the pool may have let go of it: nothing to end.)
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    conn.terminate()
                 raise
             except BaseException:
                 # Cancelled (possibly mid-statement): ending the session is the one sure and

@@ -98,25 +98,35 @@ class RateLimitFilter(logging.Filter):
         dropped = self._dropped.pop(key, 0)
         if dropped:
             record.msg = f"{record.msg} ({dropped} similar lines suppressed)"
+        if record.exc_info and record.levelno <= logging.WARNING:
+            # A library's warning about a retry it makes (asyncpg's pool refilling itself)
+            # needs the error, not a dozen lines of its traceback.
+            error = record.exc_info[1]
+            if error is not None:
+                record.msg = f"{record.msg} ({type(error).__name__}: {error})"
+            record.exc_info = None
+            record.exc_text = None
         return True
 
 
-_THIRD_PARTY = ("aiokafka",)
+# aiokafka logs every failed connection attempt; asyncpg's pool logs a traceback each time it
+# fails to restore its minimum size while PostgreSQL is down.
+_THIRD_PARTY = ("aiokafka", "asyncpg")
 _installed: list[tuple[logging.Logger, RateLimitFilter]] = []
 _users = 0
 
 
 @contextmanager
 def tame_third_party_logs(interval: float = 60.0) -> Iterator[None]:
-    """While any relay runs, rate-limit aiokafka's loggers (installed once, removed by the
-    last relay to stop). A logger filter applies only to records logged on that very logger,
-    so every aiokafka logger gets one; the modules create theirs at import."""
+    """While any relay runs, rate-limit aiokafka's and asyncpg's loggers (installed once,
+    removed by the last relay to stop). A logger filter applies only to records logged on that
+    very logger, so every one of their loggers gets it; the modules create theirs at import."""
     global _users
     if _users == 0:
         names = [
             name
             for name in logging.root.manager.loggerDict
-            if name == _THIRD_PARTY[0] or name.startswith(tuple(p + "." for p in _THIRD_PARTY))
+            if name in _THIRD_PARTY or name.startswith(tuple(p + "." for p in _THIRD_PARTY))
         ]
         limiter = RateLimitFilter(interval)
         for name in names:

@@ -152,6 +152,11 @@ def _is_row_error(error: BaseException) -> bool:
     return isinstance(error, _ROW_ERRORS)
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".rstrip(": ")
 
@@ -360,6 +365,9 @@ class KafkaPublisher:
             if not fut.done():
                 self._outstanding.add(fut)
                 fut.add_done_callback(self._outstanding.discard)
+                # Nobody awaits it any more: read its error when it comes, or asyncio logs
+                # "exception was never retrieved" for each one.
+                fut.add_done_callback(_retrieve)
                 continue
             error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
             if error is None:

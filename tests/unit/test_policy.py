@@ -117,3 +117,20 @@ def test_rate_limit_filter_lets_one_line_per_kind_through_and_counts_the_rest() 
     passed = record("Unable connect to node %s")
     assert limiter.filter(passed)
     assert str(passed.msg).endswith("(500 similar lines suppressed)")
+
+
+def test_rate_limit_filter_keeps_a_library_warnings_error_but_not_its_traceback() -> None:
+    try:
+        raise ConnectionRefusedError("the database system is shutting down")
+    except ConnectionRefusedError:
+        import sys
+
+        info = sys.exc_info()
+    record = logging.LogRecord(
+        "asyncpg.pool", logging.WARNING, __file__, 1, "Failed to restore the pool", (), info
+    )
+    assert RateLimitFilter().filter(record)
+    assert record.exc_info is None
+    assert record.getMessage() == (
+        "Failed to restore the pool (ConnectionRefusedError: the database system is shutting down)"
+    )
