@@ -18,7 +18,9 @@ class RelayEvents:
     Names used by the relay: ``listening``, ``listener_lost``, ``wake:<source>`` (source is
     notification, poll, reconnect, start, backlog, retry (a row's retry time came) or gate
     (producers that may have skipped their NOTIFY have finished)), ``poll`` (a fallback poll
-    ran), ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``batch_done``,
+    ran), ``gate_awake`` / ``gate_sleep`` (the awake marker taken / let go), ``gate_busy``
+    (producers were in flight when the relay tried to sleep, or while it watched the gate),
+    ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``batch_done``,
     ``kafka_unavailable``, ``db_error``, ``cleanup``.
     ``claimed``, ``published``, ``retried`` and ``dead_lettered`` count rows; the others count
     occurrences.

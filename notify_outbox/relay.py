@@ -448,6 +448,7 @@ class Relay:
                 continue
             assert self.listener is not None
             if not await self.listener.try_sleep():
+                self.events.emit("gate_busy")
                 # Producers in flight may have skipped their NOTIFY: stay awake a little,
                 # with doubling waits; a producer transaction that stays open must not make
                 # an idle relay spin.
@@ -484,6 +485,7 @@ class Relay:
                 if await self.listener.gate_free() is not False:
                     self._wake("gate")
                     return
+                self.events.emit("gate_busy")
 
         self._gate_watch = asyncio.create_task(watch(), name="notify-outbox-gate-watch")
 

@@ -45,7 +45,10 @@ LANGUAGE plpgsql SET jit = off AS $fn$
 DECLARE
     r record;
     taken bigint[] := '{}';
-    refused integer[] := '{}';
+    -- Keys refused in this claim, as a bitmap of their hash's low 16 bits: constant time to
+    -- check (an array was linear, and long when many claims run at once). A collision passes
+    -- over a key that could have been taken, which is always safe.
+    refused bytea := decode(repeat('00', 8192), 'hex');
     lock_key integer;
     seen integer := 0;
 BEGIN
@@ -80,9 +83,9 @@ BEGIN
                 CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, hashint8(r.id));
             ELSE
                 lock_key := hashtext(r.key);
-                CONTINUE WHEN lock_key = ANY(refused);
+                CONTINUE WHEN get_bit(refused, lock_key & 65535) = 1;
                 IF NOT pg_try_advisory_xact_lock(@claim_ns@, lock_key) THEN
-                    refused := refused || lock_key;
+                    refused := set_bit(refused, lock_key & 65535, 1);
                     CONTINUE;
                 END IF;
             END IF;
