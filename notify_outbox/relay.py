@@ -57,8 +57,11 @@ _UNREACHABLE = (
     asyncpg.InternalClientError,
     TimeoutError,
 )
+# A failing statement (permissions, a broken schema) is not an outage: it is retried far less
+# often than an unreachable server.
+_STATEMENT_RETRY_CAP = 30.0
 # The relay looks at most this many rows to say how many are pending (bounded work).
-_COUNT_LIMIT = 1_000_000
+_COUNT_LIMIT = 100_000
 # When try_sleep keeps failing (a producer's transaction stays open), the relay retries it this
 # many times, with doubling waits from gate_poll_interval, then lets producers notify again and
 # watches the gate with a backoff up to _GATE_WATCH_CAP seconds.
@@ -405,15 +408,18 @@ class Relay:
         s = self.settings
         # Each worker backs off on its own: N failing workers must not double one delay N
         # times. Unreachable servers are retried quickly (capped at reconnect_max_delay).
-        db_backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
+        backoffs = (
+            Backoff(s.reconnect_min_delay, s.reconnect_max_delay),
+            Backoff(s.reconnect_min_delay, _STATEMENT_RETRY_CAP),
+        )
         while await self._doorbell.wait():
             self._busy_workers += 1
             try:
-                await self._drain(db_backoff)
+                await self._drain(backoffs)
             finally:
                 self._busy_workers -= 1
 
-    async def _drain(self, db_backoff: Backoff) -> None:
+    async def _drain(self, backoffs: tuple[Backoff, Backoff]) -> None:
         """Claim batches until nothing is due (a wake-up drains the table).
 
         With the gated notify, a relay that has been draining without a break for
@@ -426,7 +432,7 @@ class Relay:
         busy_since: float | None = None  # start of the current unbroken run of claims
         sleep_tries = 0  # try_sleep refused in a row (producers in flight)
         while not self._stopping:
-            done = await self._claim_once(db_backoff)
+            done = await self._claim_once(backoffs)
             if done is None:
                 continue  # an error was handled (and waited out): claim again
             claimed, more = done
@@ -519,9 +525,12 @@ class Relay:
         except _DB_ERRORS:
             return True
 
-    async def _claim_once(self, db_backoff: Backoff) -> tuple[int, bool | None] | None:
+    async def _claim_once(
+        self, backoffs: tuple[Backoff, Backoff]
+    ) -> tuple[int, bool | None] | None:
         """One claim-publish-mark round: rows claimed, and whether more rows were due after
-        it committed (None: unknown). None after an error that was logged and waited out."""
+        it committed (None: unknown). None after an error that was logged and waited out.
+        ``backoffs``: this worker's for an unreachable server, and for a failing statement."""
         s = self.settings
         assert self._publisher is not None
         if not self._publisher.available:
@@ -538,13 +547,15 @@ class Relay:
         except _DB_ERRORS as e:
             self.events.emit("db_error")
             self.db_outage.failed(redact(str(e) or type(e).__name__, s))
-            if not isinstance(e, _UNREACHABLE) and db_backoff.failures % 16 == 0:
+            backoff = backoffs[0] if isinstance(e, _UNREACHABLE) else backoffs[1]
+            if backoff is backoffs[1] and backoff.failures % 16 == 0:
                 # Not an outage but a failing statement (permissions, a broken schema):
                 # say what it is now and then, not at every retry.
                 log.error("claim failed: %s", redact(str(e) or type(e).__name__, s))
-            await self._until_stopped(db_backoff.sleep())
+            await self._until_stopped(backoff.sleep())
             return None
-        db_backoff.reset()
+        for backoff in backoffs:
+            backoff.reset()
         if self.db_outage.active:
             self.db_outage.recovered(await self._count_pending())
         return claimed
