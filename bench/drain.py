@@ -26,7 +26,7 @@ from bench.config import Mode
 from bench.phase import PhaseRun, loadavg, slug, utc
 from bench.procs import BenchError, Child, child_env, python_argv
 from bench.runner import wait_mode_ready
-from bench.services import Services, open_services, set_notify
+from bench.services import Services, open_services, prepare_poller, set_notify
 
 __all__ = [
     "DEFAULT_MIXES",
@@ -278,6 +278,9 @@ class _Drain:
         try:
             await services.create_topic(topic, cfg.partitions)
             cell["database_setup"] = await set_notify(dsn, dm.mode.notify)
+            if dm.mode.kind == "poller":
+                await prepare_poller(dsn)
+                cell["database_setup"]["poller_index"] = True
             cell.update(await fill_backlog(dsn, topic, mix, cfg.rows))
             await self._measure(services, dsn, topic, dm, cell, label)
         finally:

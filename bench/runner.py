@@ -33,6 +33,7 @@ from bench.services import (
     close_services,
     make_work_dir,
     open_services,
+    prepare_poller,
     remove_work_dir,
     set_notify,
 )
@@ -191,6 +192,9 @@ class Runner:
             topic = f"bench-{self.run_id.lower()}-{_slug(name)}"
             await services.create_topic(topic, self.cfg.partitions)
             notify = await set_notify(dsn, mode.notify)
+            if mode.kind == "poller":
+                await prepare_poller(dsn)
+                notify["poller_index"] = True
             dbs[name] = _ModeDb(mode, dsn, topic, notify)
             self.result["modes"][name]["database_setup"] = notify
         return dbs
