@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from array import array
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,11 +148,32 @@ async def _collect(state: _State, cmd: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def run(bootstrap: str, topic: str) -> None:
-    """Consume ``topic`` and serve the line protocol until ``quit`` or end of input."""
+async def serve_lines(
+    fetch: asyncio.Task[None],
+    ready: dict[str, Any],
+    answer: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+) -> None:
+    """The line protocol of the bench's consumer processes: print ``ready``, then answer each
+    JSON command read from stdin with one JSON line until ``quit`` or end of input; finally
+    stop the ``fetch`` task."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print(json.dumps(ready), flush=True)
+    try:
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "quit":
+                return
+            print(json.dumps(await answer(cmd)), flush=True)
+    finally:
+        fetch.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await fetch
+
+
+async def run(bootstrap: str, topic: str) -> None:
+    """Consume ``topic`` and serve the line protocol until ``quit`` or end of input."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -164,23 +186,13 @@ async def run(bootstrap: str, topic: str) -> None:
         await assign_all(consumer, topic, from_end=True)
         state = _State(wall_offset_ns())
         fetch = asyncio.create_task(_fetch(consumer, state))
-        print(json.dumps({"ready": True, "wall_offset_ns": state.offset}), flush=True)
-        try:
-            while True:
-                line = await reader.readline()
-                if not line:
-                    return
-                cmd = json.loads(line)
-                if cmd.get("cmd") == "quit":
-                    return
-                if fetch.done():
-                    fetch.result()  # raises the fetch error
-                reply = await _collect(state, cmd)
-                print(json.dumps(reply), flush=True)
-        finally:
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await fetch
+
+        async def answer(cmd: dict[str, Any]) -> dict[str, Any]:
+            if fetch.done():
+                fetch.result()  # raises the fetch error
+            return await _collect(state, cmd)
+
+        await serve_lines(fetch, {"ready": True, "wall_offset_ns": state.offset}, answer)
     finally:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(10):

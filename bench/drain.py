@@ -23,9 +23,8 @@ import asyncpg
 
 from bench import envinfo
 from bench.config import Mode
-from bench.phase import PhaseRun, loadavg, slug, utc
+from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.procs import BenchError, Child, child_env, python_argv
-from bench.runner import wait_mode_ready
 from bench.services import Services, open_services, prepare_poller, set_notify
 
 __all__ = [

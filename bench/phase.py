@@ -4,24 +4,39 @@ relay source snapshot, the services, the environment record, progress, and the r
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import hashlib
 import json
+import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+
 from bench import envinfo
 from bench.config import Mode
-from bench.procs import BenchError, Child
+from bench.procs import ROOT, BenchError, Child, child_env, python_argv
 from bench.progress import Progress
-from bench.runner import _clean, record_environment, snapshot_source, start_mode
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
 
-__all__ = ["PhaseRun", "loadavg", "slug", "utc"]
+__all__ = [
+    "PhaseRun",
+    "loadavg",
+    "record_environment",
+    "slug",
+    "snapshot_source",
+    "start_mode",
+    "utc",
+    "wait_mode_ready",
+]
 
+_READY_TIMEOUT = 60.0
 _STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
 
 
@@ -40,11 +55,135 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+def snapshot_source(work: Path) -> tuple[Path, dict[str, Any]]:
+    """Copy ``notify_outbox/`` and ``sql/`` of this checkout into ``work/src``: every process
+    of the run imports the relay from there (it is the working directory of every child, so
+    first on ``sys.path``), so edits to the checkout during a run cannot mix two versions."""
+    src = work / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "notify_outbox", src / "notify_outbox", ignore=ignore)
+    shutil.copytree(ROOT / "sql", src / "sql", ignore=ignore)
+    digest = hashlib.sha256()
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    for p in files:
+        digest.update(str(p.relative_to(src)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return src, {"sha256": digest.hexdigest(), "files": len(files)}
+
+
+async def record_environment(
+    services: Services,
+    work: Path,
+    src_digest: dict[str, Any],
+    *,
+    fsync_seconds: int,
+    progress: Progress,
+    notes: list[str],
+    load_average: list[float],
+) -> dict[str, Any]:
+    """The environment record of a result (machine, fsync, PostgreSQL, Kafka, libraries, git);
+    also creates ``pg_stat_statements`` where it can (a note says when it cannot)."""
+    progress.status("recording the environment")
+    env: dict[str, Any] = {
+        "host": envinfo.host_info(),
+        "libraries": envinfo.library_versions(),
+        "git": await asyncio.to_thread(envinfo.git_info),
+        "services": "own devstack Stack (durable=True)" if services.own_stack else "env",
+        "relay_source": {"snapshot_of": str(ROOT), **src_digest},
+    }
+    probe_dir = work / "stack" if services.own_stack else work
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    env["fdatasync_probe"] = await asyncio.to_thread(envinfo.fdatasync_probe, probe_dir, 1.0)
+    if fsync_seconds > 0:
+        progress.status(f"pg_test_fsync -s {fsync_seconds}")
+        env["pg_test_fsync"] = await asyncio.to_thread(
+            envinfo.pg_test_fsync, probe_dir, fsync_seconds
+        )
+    env["postgres"] = await envinfo.postgres_info(services.dsn)
+    env["kafka"] = {
+        "version": services.kafka_version or "unknown (external broker)",
+        "broker_configs": await services.broker_configs(),
+    }
+    try:
+        await services.admin("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        env["pg_stat_statements"] = True
+    except asyncpg.PostgresError as e:
+        env["pg_stat_statements"] = False
+        notes.append(f"pg_stat_statements unavailable: {e}")
+    fs = env["fdatasync_probe"]
+    pg = env["postgres"]["settings"]
+    progress.line(
+        f"env: {env['host']['cpu_model']} x{env['host']['cores']}, "
+        f"fdatasync median {fs['median_us']} µs, PostgreSQL {pg.get('server_version')} "
+        f"synchronous_commit={pg.get('synchronous_commit')} fsync={pg.get('fsync')}, "
+        f"load {load_average}"
+    )
+    return env
+
+
+async def start_mode(
+    services: Services,
+    mode: Mode,
+    dsn: str,
+    *,
+    src: Path,
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+) -> Child:
+    """Start a mode's process (the relay CLI or the bench's poller) on ``dsn``, from the
+    source snapshot ``src`` (or the mode's own tree), and wait until it logs that it runs
+    (unless ``wait_ready`` is false: then the caller waits, e.g. for several at once)."""
+    if mode.kind == "relay":
+        argv = python_argv("-m", "notify_outbox", "run", *mode.args)
+    else:
+        argv = python_argv("-m", "bench", "_poller", *mode.args)
+    env = child_env(
+        {
+            "NOTIFY_OUTBOX_DSN": dsn,
+            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
+            **dict(mode.env),
+            **(extra_env or {}),
+        }
+    )
+    cwd = Path(mode.cwd) if mode.cwd else src
+    if mode.cwd:
+        # `python -m` puts the working directory first on sys.path: that tree's relay wins.
+        env["PYTHONPATH"] = f"{cwd}{os.pathsep}{env['PYTHONPATH']}"
+    child = await Child.start(mode.name, argv, env=env, log_path=log_path, cwd=cwd)
+    if wait_ready:
+        await wait_mode_ready(child, mode)
+    return child
+
+
+async def wait_mode_ready(child: Child, mode: Mode) -> None:
+    """Wait (bounded) until a process of ``mode`` logs that it runs; stop it on failure."""
+    ready = r"relay running" if mode.kind == "relay" else r"poller running"
+    try:
+        await child.wait_for_log(ready, _READY_TIMEOUT)
+    except BaseException:
+        await child.stop(5)
+        raise
+
+
+def _clean(o: Any) -> Any:
+    """``o`` with every NaN replaced by None (JSON has no NaN)."""
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_clean(v) for v in o]
+    return o
+
+
 class PhaseRun:
     """One run of a phase: ``run(body)`` opens the services, records the environment, runs
-    ``body`` and writes ``<out>/<phase>-<UTC timestamp>.json``."""
+    ``body`` and writes ``<out>/<phase>-<UTC timestamp>.json`` (``<UTC timestamp>.json`` for
+    the latency run, ``phase`` None)."""
 
-    def __init__(self, phase: str, config: dict[str, Any], out_dir: Path, *, keep: bool) -> None:
+    def __init__(
+        self, phase: str | None, config: dict[str, Any], out_dir: Path, *, keep: bool
+    ) -> None:
         self.phase = phase
         self.out_dir = out_dir
         self.keep = keep
@@ -57,7 +196,7 @@ class PhaseRun:
         self._log_no = 0
         self.result: dict[str, Any] = {
             "schema": 1,
-            "phase": phase,
+            **({"phase": phase} if phase else {}),
             "run_id": self.run_id,
             "started_utc": utc(),
             "config": config,
@@ -67,7 +206,8 @@ class PhaseRun:
     @property
     def path(self) -> Path:
         """Where the result JSON goes."""
-        return self.out_dir / f"{self.phase}-{self.run_id}.json"
+        prefix = f"{self.phase}-" if self.phase else ""
+        return self.out_dir / f"{prefix}{self.run_id}.json"
 
     def log_path(self, what: str) -> Path:
         """A new numbered log file in the work directory."""
@@ -117,7 +257,7 @@ class PhaseRun:
         services: Services | None = None
         ok = False
         try:
-            self.progress.line(f"bench {self.phase}: work dir {self.work}")
+            self.progress.line(f"bench {self.phase or 'run'}: work dir {self.work}")
             self.progress.status("starting PostgreSQL and Kafka")
             services = await open_services(self.work)
             services.src = self.src

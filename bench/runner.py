@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
-import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -26,52 +23,21 @@ from bench.arrays import load_arrays
 from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, writers_for
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
-from bench.procs import ROOT, BenchError, Child, child_env, python_argv
-from bench.progress import Progress
+from bench.phase import PhaseRun, loadavg, slug, utc
+from bench.procs import BenchError, Child, child_env, python_argv
 from bench.services import (
     Services,
-    close_services,
-    make_work_dir,
     open_services,
     prepare_poller,
-    remove_work_dir,
     set_notify,
 )
 from notify_outbox.names import OutboxNames
 
-__all__ = ["Runner", "record_environment", "snapshot_source", "start_mode", "wait_mode_ready"]
+__all__ = ["Runner"]
 
 _READY_TIMEOUT = 60.0
-_STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
 _QUERY_TIMEOUT = 30.0
 _EMPTY_TIMEOUT = 30.0
-
-
-def snapshot_source(work: Path) -> tuple[Path, dict[str, Any]]:
-    """Copy ``notify_outbox/`` and ``sql/`` of this checkout into ``work/src``: every process
-    of the run imports the relay from there (it is the working directory of every child, so
-    first on ``sys.path``), so edits to the checkout during a run cannot mix two versions."""
-    src = work / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(ROOT / "notify_outbox", src / "notify_outbox", ignore=ignore)
-    shutil.copytree(ROOT / "sql", src / "sql", ignore=ignore)
-    digest = hashlib.sha256()
-    files = sorted(p for p in src.rglob("*") if p.is_file())
-    for p in files:
-        digest.update(str(p.relative_to(src)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return src, {"sha256": digest.hexdigest(), "files": len(files)}
-
-
-def _utc() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 @dataclass
@@ -87,99 +53,41 @@ class Runner:
 
     def __init__(self, cfg: RunConfig, out_dir: Path, *, keep_work_dir: bool = False) -> None:
         self.cfg = cfg
-        self.out_dir = out_dir
-        self.keep = keep_work_dir
-        self.run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-        self.work = make_work_dir()
-        self.src, self.src_digest = snapshot_source(self.work)
-        self.progress = Progress()
-        self.result: dict[str, Any] = {
-            "schema": 1,
-            "run_id": self.run_id,
-            "started_utc": _utc(),
-            "config": cfg.to_json(),
-            "modes": {name: MODES[name].to_json() for name in cfg.modes},
-            "variants": {name: VARIANTS[name].to_json() for name in cfg.variants},
-            "idle": [],
-            "latency_cells": [],
-            "producer_cells": [],
-            "notes": [],
-        }
+        # The run's lifecycle (work dir, source snapshot, services, environment, JSON) is the
+        # one the drain and recovery phases use; this result file has no phase prefix.
+        self._run = PhaseRun(None, cfg.to_json(), out_dir, keep=keep_work_dir)
+        self.run_id, self.work, self.src = self._run.run_id, self._run.work, self._run.src
+        self.progress, self.errors = self._run.progress, self._run.errors
+        self.result = self._run.result
+        self.result.update(
+            {
+                "modes": {name: MODES[name].to_json() for name in cfg.modes},
+                "variants": {name: VARIANTS[name].to_json() for name in cfg.variants},
+                "idle": [],
+                "latency_cells": [],
+                "producer_cells": [],
+            }
+        )
         self._cell_no = 0
-        self._log_no = 0
-        self.errors: list[str] = []
+        self._dir_no = 0  # numbers the pgbench and closed-loop working directories
 
     # --- the run ------------------------------------------------------------------------------
 
     async def run(self) -> Path:
         """Run everything; returns the path of the JSON written. BenchError if the bench broke
         (the JSON is still written when there is something to write)."""
-        self.result["load_average_start"] = _loadavg()
-        cpu0 = envinfo.cpu_times()
-        t0 = time.monotonic()
-        services: Services | None = None
-        ok = False
-        try:
-            self.progress.line(f"bench {self.cfg.preset}: work dir {self.work}")
-            self.progress.status("starting PostgreSQL and Kafka")
-            services = await open_services(self.work)
-            services.src = self.src
-            self.progress.line(
-                f"services: {'own devstack (durable)' if services.own_stack else 'from env'} "
-                f"{services.bootstrap}"
-            )
-            await self._environment(services)
-            dbs = await self._setup_modes(services)
-            if "idle" not in self.cfg.skip:
-                await self._idle_phase(services, dbs)
-            if "latency" not in self.cfg.skip:
-                await self._latency_phase(services, dbs)
-            if "producer" not in self.cfg.skip:
-                await self._producer_phase(services)
-            ok = not self.errors
-        finally:
-            busy1, total1 = envinfo.cpu_times()
-            self.result["load_average_end"] = _loadavg()
-            self.result["host_cpu_busy"] = (
-                (busy1 - cpu0[0]) / (total1 - cpu0[1]) if total1 > cpu0[1] else None
-            )
-            self.result["wall_seconds"] = round(time.monotonic() - t0, 1)
-            self.result["finished_utc"] = _utc()
-            self.result["errors"] = self.errors
-            if services is not None:
-                try:
-                    await close_services(services)
-                except Exception as e:
-                    self.errors.append(f"stopping services: {type(e).__name__}: {e}")
-            path = self._write()
-            if ok and not self.keep:
-                remove_work_dir(self.work)
-            else:
-                self.progress.line(f"work dir kept: {self.work}")
-        if self.errors:
-            raise BenchError("; ".join(self.errors[:5]))
-        return path
-
-    def _write(self) -> Path:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / f"{self.run_id}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_clean(self.result), indent=1) + "\n")
-        tmp.replace(path)
-        return path
-
-    # --- environment --------------------------------------------------------------------------
-
-    async def _environment(self, services: Services) -> None:
-        self.result["environment"] = await record_environment(
-            services,
-            self.work,
-            self.src_digest,
-            fsync_seconds=self.cfg.fsync_test_seconds,
-            progress=self.progress,
-            notes=self.result["notes"],
-            load_average=self.result["load_average_start"],
+        return await self._run.run(
+            open_services, self._phases, fsync_seconds=self.cfg.fsync_test_seconds
         )
+
+    async def _phases(self, services: Services) -> None:
+        dbs = await self._setup_modes(services)
+        if "idle" not in self.cfg.skip:
+            await self._idle_phase(services, dbs)
+        if "latency" not in self.cfg.skip:
+            await self._latency_phase(services, dbs)
+        if "producer" not in self.cfg.skip:
+            await self._producer_phase(services)
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -188,8 +96,8 @@ class Runner:
         for name in self.cfg.modes:
             mode = MODES[name]
             self.progress.status(f"set-up: database and topic for {name}")
-            dsn = await services.create_database(f"bench_{self.run_id.lower()}_{_slug(name)}")
-            topic = f"bench-{self.run_id.lower()}-{_slug(name)}"
+            dsn = await services.create_database(f"bench_{self.run_id.lower()}_{slug(name)}")
+            topic = f"bench-{self.run_id.lower()}-{slug(name)}"
             await services.create_topic(topic, self.cfg.partitions)
             notify = await set_notify(dsn, mode.notify)
             if mode.kind == "poller":
@@ -199,19 +107,8 @@ class Runner:
             self.result["modes"][name]["database_setup"] = notify
         return dbs
 
-    def _log_path(self, what: str) -> Path:
-        self._log_no += 1
-        return self.work / "logs" / f"{self._log_no:03d}-{_slug(what)}.log"
-
     async def _start_mode(self, services: Services, mode: Mode, dsn: str) -> Child:
-        return await start_mode(
-            services, mode, dsn, src=self.src, log_path=self._log_path(mode.name)
-        )
-
-    async def _stop(self, child: Child) -> None:
-        code = await child.stop(_STOP_TIMEOUT)
-        if code not in (0, -15):
-            self.result["notes"].append(f"{child.name} exited with {code} (log {child.log_path})")
+        return await self._run.start(services, mode, dsn, name=mode.name)
 
     # --- idle ---------------------------------------------------------------------------------
 
@@ -294,7 +191,7 @@ class Runner:
                 )
         finally:
             for child in children.values():
-                await self._stop(child)
+                await self._run.stop(child)
 
     # --- latency ------------------------------------------------------------------------------
 
@@ -315,7 +212,7 @@ class Runner:
             f"consumer {name}",
             python_argv("-m", "bench", "_consumer", services.bootstrap, db.topic),
             env=child_env({}),
-            log_path=self._log_path(f"consumer-{name}"),
+            log_path=self._run.log_path(f"consumer-{name}"),
             pipes=True,
             cwd=self.src,
         )
@@ -374,7 +271,7 @@ class Runner:
                 await consumer.send_line(json.dumps({"cmd": "quit"}))
             await consumer.stop(15)
             if process is not None:
-                await self._stop(process)
+                await self._run.stop(process)
 
     async def _cell(
         self,
@@ -421,12 +318,12 @@ class Runner:
         lc.save(config_path)
         cpu0 = process.cpu()
         host0 = envinfo.cpu_times()
-        started = _utc()
+        started = utc()
         gen = await Child.start(
             f"loadgen cell {n}",
             python_argv("-m", "bench", "_loadgen", str(config_path)),
             env=child_env({}),
-            log_path=self._log_path(f"loadgen-{n}"),
+            log_path=self._run.log_path(f"loadgen-{n}"),
             pipes=True,
             cwd=self.src,
         )
@@ -490,7 +387,7 @@ class Runner:
             "host_cpu_busy": (
                 (host1[0] - host0[0]) / (host1[1] - host0[1]) if host1[1] > host0[1] else None
             ),
-            "load_average": _loadavg(),
+            "load_average": loadavg(),
             "drained": drained,
             "residual_rows": residual,
             **analysis,
@@ -533,8 +430,8 @@ class Runner:
         if spy is None:
             self.result["notes"].append("profile asked, but py-spy is not installed")
             return None
-        out = self.out_dir / f"{self.run_id}-profile-{process.name}-cell{n}"
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        out = self._run.out_dir / f"{self.run_id}-profile-{process.name}-cell{n}"
+        self._run.out_dir.mkdir(parents=True, exist_ok=True)
         self.result.setdefault("profiles", []).append(str(out) + ".txt")
         return await asyncio.create_subprocess_exec(
             spy,
@@ -635,7 +532,7 @@ class Runner:
                     "writers": writers,
                     "setup": setup,
                     "drain_cpu_s": round(drain.cpu() - cpu0, 3) if drain else None,
-                    "load_average": _loadavg(),
+                    "load_average": loadavg(),
                     **res,
                 }
                 self.result["producer_cells"].append(cell)
@@ -649,12 +546,12 @@ class Runner:
             if awake is not None:
                 await awake.close(timeout=5)
             if drain is not None:
-                await self._stop(drain)
+                await self._run.stop(drain)
             await conn.execute("TRUNCATE outbox")
 
     async def _pgbench(self, pgbench: Path, dsn: str, topic: str, writers: int) -> dict[str, Any]:
-        run_dir = self.work / "pgbench" / f"{self._log_no}-{writers}"
-        self._log_no += 1
+        run_dir = self.work / "pgbench" / f"{self._dir_no}-{writers}"
+        self._dir_no += 1
         run_dir.mkdir(parents=True, exist_ok=True)
         script = run_dir / "insert.sql"
         script.write_text(
@@ -719,8 +616,8 @@ class Runner:
     async def _python_writers(self, dsn: str, topic: str, writers: int) -> dict[str, Any]:
         cells_dir = self.work / "cells"
         cells_dir.mkdir(parents=True, exist_ok=True)
-        self._log_no += 1
-        config_path = cells_dir / f"closed-{self._log_no}.json"
+        self._dir_no += 1
+        config_path = cells_dir / f"closed-{self._dir_no}.json"
         LoadConfig(
             dsn=dsn,
             topic=topic,
@@ -737,7 +634,7 @@ class Runner:
             "closed-loop writers",
             python_argv("-m", "bench", "_loadgen", str(config_path)),
             env=child_env({}),
-            log_path=self._log_path("closed-loop"),
+            log_path=self._run.log_path("closed-loop"),
             pipes=True,
             cwd=self.src,
         )
@@ -755,101 +652,6 @@ class Runner:
             "latency": hist.summary_ms(),
             "hist": hist.to_json(),
         }
-
-
-async def record_environment(
-    services: Services,
-    work: Path,
-    src_digest: dict[str, Any],
-    *,
-    fsync_seconds: int,
-    progress: Progress,
-    notes: list[str],
-    load_average: list[float],
-) -> dict[str, Any]:
-    """The environment record of a result (machine, fsync, PostgreSQL, Kafka, libraries, git);
-    also creates ``pg_stat_statements`` where it can (a note says when it cannot)."""
-    progress.status("recording the environment")
-    env: dict[str, Any] = {
-        "host": envinfo.host_info(),
-        "libraries": envinfo.library_versions(),
-        "git": await asyncio.to_thread(envinfo.git_info),
-        "services": "own devstack Stack (durable=True)" if services.own_stack else "env",
-        "relay_source": {"snapshot_of": str(ROOT), **src_digest},
-    }
-    probe_dir = work / "stack" if services.own_stack else work
-    probe_dir.mkdir(parents=True, exist_ok=True)
-    env["fdatasync_probe"] = await asyncio.to_thread(envinfo.fdatasync_probe, probe_dir, 1.0)
-    if fsync_seconds > 0:
-        progress.status(f"pg_test_fsync -s {fsync_seconds}")
-        env["pg_test_fsync"] = await asyncio.to_thread(
-            envinfo.pg_test_fsync, probe_dir, fsync_seconds
-        )
-    env["postgres"] = await envinfo.postgres_info(services.dsn)
-    env["kafka"] = {
-        "version": services.kafka_version or "unknown (external broker)",
-        "broker_configs": await services.broker_configs(),
-    }
-    try:
-        await services.admin("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        env["pg_stat_statements"] = True
-    except asyncpg.PostgresError as e:
-        env["pg_stat_statements"] = False
-        notes.append(f"pg_stat_statements unavailable: {e}")
-    fs = env["fdatasync_probe"]
-    pg = env["postgres"]["settings"]
-    progress.line(
-        f"env: {env['host']['cpu_model']} x{env['host']['cores']}, "
-        f"fdatasync median {fs['median_us']} µs, PostgreSQL {pg.get('server_version')} "
-        f"synchronous_commit={pg.get('synchronous_commit')} fsync={pg.get('fsync')}, "
-        f"load {load_average}"
-    )
-    return env
-
-
-async def start_mode(
-    services: Services,
-    mode: Mode,
-    dsn: str,
-    *,
-    src: Path,
-    log_path: Path,
-    extra_env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-) -> Child:
-    """Start a mode's process (the relay CLI or the bench's poller) on ``dsn``, from the
-    source snapshot ``src`` (or the mode's own tree), and wait until it logs that it runs
-    (unless ``wait_ready`` is false: then the caller waits, e.g. for several at once)."""
-    if mode.kind == "relay":
-        argv = python_argv("-m", "notify_outbox", "run", *mode.args)
-    else:
-        argv = python_argv("-m", "bench", "_poller", *mode.args)
-    env = child_env(
-        {
-            "NOTIFY_OUTBOX_DSN": dsn,
-            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
-            **dict(mode.env),
-            **(extra_env or {}),
-        }
-    )
-    cwd = Path(mode.cwd) if mode.cwd else src
-    if mode.cwd:
-        # `python -m` puts the working directory first on sys.path: that tree's relay wins.
-        env["PYTHONPATH"] = f"{cwd}{os.pathsep}{env['PYTHONPATH']}"
-    child = await Child.start(mode.name, argv, env=env, log_path=log_path, cwd=cwd)
-    if wait_ready:
-        await wait_mode_ready(child, mode)
-    return child
-
-
-async def wait_mode_ready(child: Child, mode: Mode) -> None:
-    """Wait (bounded) until a process of ``mode`` logs that it runs; stop it on failure."""
-    ready = r"relay running" if mode.kind == "relay" else r"poller running"
-    try:
-        await child.wait_for_log(ready, _READY_TIMEOUT)
-    except BaseException:
-        await child.stop(5)
-        raise
 
 
 def _find_pgbench() -> Path | None:
@@ -877,14 +679,3 @@ def _ms(v: float) -> str:
 
 def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
-
-
-def _clean(o: Any) -> Any:
-    """``o`` with every NaN replaced by None (JSON has no NaN)."""
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_clean(v) for v in o]
-    return o

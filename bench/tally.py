@@ -18,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 
-from bench.consumer import assign_all
+from bench.consumer import assign_all, serve_lines
 
 __all__ = ["Tally", "main"]
 
@@ -119,9 +118,6 @@ async def _wait(tally: Tally, fetch: asyncio.Task[None], cmd: dict[str, Any]) ->
 
 async def run(bootstrap: str, topic: str) -> None:
     """Consume ``topic`` from the beginning and serve the line protocol until ``quit``."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -139,20 +135,7 @@ async def run(bootstrap: str, topic: str) -> None:
         fetch = asyncio.create_task(_fetch(consumer, tally))
         # Wakes a waiting command when the fetch task dies, so its error is reported.
         fetch.add_done_callback(lambda _: tally.changed.set())
-        print(json.dumps({"ready": True}), flush=True)
-        try:
-            while True:
-                line = await reader.readline()
-                if not line:
-                    return
-                cmd = json.loads(line)
-                if cmd.get("cmd") == "quit":
-                    return
-                print(json.dumps(await _wait(tally, fetch, cmd)), flush=True)
-        finally:
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await fetch
+        await serve_lines(fetch, {"ready": True}, lambda cmd: _wait(tally, fetch, cmd))
     finally:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(10):
