@@ -209,16 +209,13 @@ def _finish(lines: list[str], result: dict[str, Any], plots: list[str], problems
 
 
 def _plot_drain(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
 
     mixes, modes = list(result["config"]["mixes"]), list(result["config"]["modes"])
     by = {(r["mix"], r["mode"]): r["rate_first_last"] for r in summary["rows"]}
     if not any(v for v in by.values()):
         return False
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(mixes) * max(1, len(modes)) / 3), 4.5))
+    fig, ax = bar_figure(max(6.0, 1.6 * len(mixes) * max(1, len(modes)) / 3))
     width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
         xs = [j + i * width for j in range(len(mixes))]
@@ -227,24 +224,16 @@ def _plot_drain(result: dict[str, Any], summary: dict[str, Any], path: Path) -> 
     ax.set_xticklabels(mixes)
     ax.set_ylabel("events/s, first -> last arrival (median)")
     ax.set_title(f"Backlog drain of {result['config']['rows']:,} rows")
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_bar_chart(fig, ax, path)
 
 
 def _plot_recovery(result: dict[str, Any], path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
 
     rs = result.get("restarts", [])
     if not rs:
         return False
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(rs)), 4.5))
+    fig, ax = bar_figure(max(6.0, 0.7 * len(rs)))
     labels = [f"{r['service']} {r['n']}" for r in rs]
     up = [r["up_after_stop_s"] for r in rs]
     rec = [r.get("first_delivery_after_up_s") or 0 for r in rs]
@@ -253,12 +242,7 @@ def _plot_recovery(result: dict[str, Any], path: Path) -> bool:
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_ylabel("seconds after the stop")
     ax.set_title("Outage recovery per restart")
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_bar_chart(fig, ax, path)
 
 
 def write_phase_report(json_path: Path, *, plots: bool = True) -> Path:

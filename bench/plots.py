@@ -21,6 +21,21 @@ __all__ = ["make_plots"]
 _STYLES = {"p50": "-", "p99": "--", "p99.9": ":"}
 
 
+def bar_figure(width: float, height: float = 4.5) -> tuple[Any, Any]:
+    """A new figure with one axes, for a bar chart finished by ``save_bar_chart``."""
+    return plt.subplots(figsize=(width, height))
+
+
+def save_bar_chart(fig: Any, ax: Any, path: Path) -> bool:
+    """Finish a bar chart the bench's way (legend, horizontal grid), write it, close it."""
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def _colors(modes: list[str]) -> dict[str, Any]:
     cmap = plt.get_cmap("tab10")
     return {m: cmap(i % 10) for i, m in enumerate(modes)}
@@ -134,12 +149,7 @@ def _producer(summary: dict[str, Any], path: Path) -> bool:
     ax.set_xticklabels([f"{w} writer(s)" for w in writers])
     ax.set_ylabel("commits/s (median)")
     ax.set_title("Producer commit throughput by trigger variant")
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_bar_chart(fig, ax, path)
 
 
 def make_plots(
