@@ -233,16 +233,23 @@ class KafkaPublisher:
             return
 
     async def stop(self, grace: float) -> bool:
-        """Flush and stop the producer within ``grace`` seconds; False if it was abandoned."""
+        """Flush and stop the producer within ``grace`` seconds; False if it was abandoned.
+
+        Cancelling the caller (an abort during a graceful stop) abandons it at once."""
         producer, self._producer = self._producer, None
         if producer is None:
             return True
-        with anyio.move_on_after(grace, shield=True) as scope:
-            await producer.stop()
-        if scope.cancelled_caught:
+        stopped = False
+        try:
+            with anyio.move_on_after(grace):
+                await producer.stop()
+                stopped = True
+        finally:
+            if not stopped:
+                _abandon(producer)
+        if not stopped:
             log.error("Kafka producer did not stop within %.1fs; abandoning it", grace)
-            return False
-        return True
+        return stopped
 
     @property
     def producer(self) -> AIOKafkaProducer:
@@ -400,9 +407,7 @@ class KafkaPublisher:
         self._outstanding.clear()
         if old is not None:
             # Without its sender task, stop() does not wait to flush what it still holds.
-            sender_task = getattr(getattr(old, "_sender", None), "sender_task", None)
-            if sender_task is not None and not sender_task.done():
-                sender_task.cancel()
+            _abandon(old)
             with anyio.move_on_after(_PROBE_TIMEOUT, shield=True):
                 await old.stop()
 
@@ -416,3 +421,10 @@ class KafkaPublisher:
             if self._broken or any(not f.done() for f in self._outstanding):
                 await self._replace()
             self._down = None
+
+
+def _abandon(producer: AIOKafkaProducer) -> None:
+    """Cancel a producer's sender task, so nothing it still holds is sent or waited for."""
+    sender_task = getattr(getattr(producer, "_sender", None), "sender_task", None)
+    if sender_task is not None and not sender_task.done():
+        sender_task.cancel()

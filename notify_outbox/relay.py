@@ -104,6 +104,9 @@ class Relay:
         self._stopping = False
         self._stop_requested = anyio.Event()
         self._abort_scope = anyio.CancelScope()
+        # Cancelled by abort(): a second signal cuts a graceful close (producer flush, pool
+        # close) short instead of waiting for what is left of shutdown_timeout.
+        self._close_scope = anyio.CancelScope()
         self._ready = anyio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pool: asyncpg.Pool | None = None
@@ -166,6 +169,7 @@ class Relay:
         if self.outcome == "running":
             self.outcome = "aborted"
         self._abort_scope.cancel()
+        self._close_scope.cancel()
 
     async def stop(self) -> None:
         """Graceful stop of a relay started with ``async with``; returns when it has exited."""
@@ -293,23 +297,26 @@ class Relay:
         return max(0.0, self._stop_deadline - time.monotonic())
 
     async def _close(self, *, graceful: bool) -> None:
-        if isinstance(self._publisher, KafkaPublisher):
-            stopped = await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
-            # Every batch was marked only after its acks, so nothing is lost; still, the stop
-            # did not finish within shutdown_timeout, and the exit status says so.
-            self._close_forced = self._close_forced or (graceful and not stopped)
-        if self._pool is not None:
-            if not graceful:
-                self._pool.terminate()
-            else:
+        # Runs shielded from the run's cancellation; only abort() cancels _close_scope.
+        with self._close_scope:
+            if isinstance(self._publisher, KafkaPublisher):
+                stopped = await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
+                # Every batch was marked only after its acks, so nothing is lost; still, the
+                # stop did not finish within shutdown_timeout, and the exit status says so.
+                self._close_forced = self._close_forced or (graceful and not stopped)
+            if self._pool is not None and graceful:
                 # Every worker has finished: the pool's connections are idle. Close them
                 # politely within what is left of shutdown_timeout, else at once.
                 left = min(self.settings.db_command_timeout, self._shutdown_left())
                 with anyio.move_on_after(left) as scope:
                     await self._pool.close()
+                    self._pool = None
                 if scope.cancelled_caught:
-                    self._pool.terminate()
                     self._close_forced = True
+        if graceful and self._close_scope.cancelled_caught:
+            log.warning("aborted the graceful stop: Kafka producer and connections dropped")
+        if self._pool is not None:
+            self._pool.terminate()
             self._pool = None
 
     async def _until_stopped(self, coro: Any) -> Any:

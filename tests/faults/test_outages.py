@@ -221,9 +221,10 @@ async def test_13_sigterm_while_kafka_is_down_and_a_second_signal_aborts(
         before_a, before_b = len(a.matching(claimed)), len(b.matching(claimed))
         await _produce_until(p, lambda: len(a.matching(claimed)) > before_a)
         code_a, took_a = await a.terminate(within=60)
-        # B's send deadline is 30 s: once it claimed during the outage (perhaps already, with
-        # every worker now busy), its batch stays in flight, so its graceful stop is still
-        # waiting when the second signal comes.
+        # B's send deadline and shutdown_timeout are 30 s: once it claimed during the outage,
+        # its graceful stop waits either for that batch (until the relay sees Kafka gone and
+        # gives it back) or for the producer's flush to a broker that is down; either way it
+        # is still waiting when the second signal comes, which must cut it short.
         await _produce_until(p, lambda: len(b.matching(claimed)) > before_b)
         b.signal()
         await b.line("stopping: finishing in-flight batches", within=10)
