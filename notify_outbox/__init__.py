@@ -6,7 +6,6 @@ plain ``INSERT``); a trigger NOTIFYs the relay at commit; the relay claims the r
 acknowledged. A slow fallback poll catches any missed notification.
 """
 
-from .claimer import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore, PgOutboxStore
 from .enqueue import OutboxEvent, enqueue, enqueue_many
 from .errors import (
     ConfigurationError,
@@ -21,6 +20,7 @@ from .names import OutboxNames
 from .publisher import KafkaPublisher, Publisher, PublishResult
 from .relay import Relay
 from .settings import DatabaseSettings, OutboxSettings, load_settings
+from .store import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore, PgOutboxStore
 
 __version__ = "0.1.0"
 

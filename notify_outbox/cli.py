@@ -20,6 +20,7 @@ from typing import Any
 
 import asyncpg
 
+from .db import DATABASE_ERRORS
 from .errors import ConfigurationError, MigrationError
 from .migrations import migrate, render_migrations, verify
 from .names import OutboxNames, validate_identifier
@@ -122,7 +123,7 @@ def _overrides(args: argparse.Namespace, *fields: str) -> dict[str, Any]:
 async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
     try:
         return await asyncpg.connect(settings.dsn.get_secret_value(), timeout=30)
-    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
+    except DATABASE_ERRORS as e:
         raise ConfigurationError(
             f"cannot connect to PostgreSQL (NOTIFY_OUTBOX_DSN): {redact(str(e), settings)}"
         ) from None

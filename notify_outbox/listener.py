@@ -21,6 +21,7 @@ import anyio
 import asyncpg
 
 from .backoff import Backoff
+from .db import DATABASE_ERRORS
 from .events import RelayEvents
 from .settings import OutboxSettings
 from .sqlfiles import Queries
@@ -30,7 +31,6 @@ __all__ = ["PROBE_PREFIX", "Listener"]
 log = logging.getLogger("notify_outbox.listener")
 
 PROBE_PREFIX = "notify-outbox-probe:"
-_CONNECTION_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 class ListenerLost(Exception):
@@ -206,7 +206,7 @@ class Listener:
                         server_settings={"application_name": "notify-outbox-listener"},
                     )
                 await self._serve(conn, first)
-            except (*_CONNECTION_ERRORS, ListenerLost) as e:
+            except (*DATABASE_ERRORS, ListenerLost) as e:
                 reason = type(e).__name__ if not isinstance(e, ListenerLost) else str(e)
                 self._events.emit("listener_lost")
                 # A lost session, or a connection that failed after it was made, is worth a

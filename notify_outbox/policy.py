@@ -6,9 +6,9 @@ import logging
 import random
 from collections.abc import Sequence
 
-from .claimer import BatchOutcome, OutboxRow
 from .publisher import PublishResult
 from .settings import OutboxSettings
+from .store import BatchOutcome, OutboxRow
 
 __all__ = ["decide", "retry_delay"]
 

@@ -21,9 +21,9 @@ from aiokafka import errors as kafka_errors
 from aiokafka.helpers import create_ssl_context
 
 from .backoff import Backoff
-from .claimer import OutboxRow
 from .enqueue import RESERVED_HEADERS
 from .settings import OutboxSettings
+from .store import OutboxRow
 
 __all__ = [
     "KafkaMessage",

@@ -22,7 +22,7 @@ import anyio
 import asyncpg
 
 from .backoff import Backoff
-from .claimer import OutboxStore, PgOutboxStore
+from .db import DATABASE_ERRORS, UNREACHABLE_ERRORS
 from .errors import MigrationError, PublisherUnavailable
 from .events import RelayEvents
 from .listener import Listener
@@ -31,32 +31,13 @@ from .policy import decide
 from .publisher import KafkaPublisher, Publisher
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
+from .store import OutboxStore, PgOutboxStore
 from .wakeup import Doorbell
 
 __all__ = ["Relay"]
 
 log = logging.getLogger("notify_outbox.relay")
 
-# InternalClientError: asyncpg's protocol state after the server vanished mid-operation
-# ("cannot switch to state ...; another operation is in progress"); a database error like the
-# others, not a reason to bring the whole relay down.
-_DB_ERRORS = (
-    OSError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
-# Errors that mean "the server is not there (yet)": cheap to retry, and retried quickly so that
-# delivery resumes within about a second of PostgreSQL coming back.
-_UNREACHABLE = (
-    OSError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.ConnectionDoesNotExistError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
 # A failing statement (permissions, a broken schema) is not an outage: it is retried far less
 # often than an unreachable server.
 _STATEMENT_RETRY_CAP = 30.0
@@ -279,7 +260,7 @@ class Relay:
                         reset=_keep_session,
                     )
                 return pool
-            except _DB_ERRORS as e:
+            except DATABASE_ERRORS as e:
                 delay = backoff.next_delay()
                 # The first failure and one in 64 as warnings; every attempt at DEBUG.
                 log.log(
@@ -379,7 +360,7 @@ class Relay:
             self.events.emit("poll")
             try:
                 due, retry_in = await self._store.poll()
-            except _DB_ERRORS as e:
+            except DATABASE_ERRORS as e:
                 # The safety net failing is worth a line (once per outage).
                 self.db_outage.failed(redact(str(e) or type(e).__name__, self.settings))
                 continue
@@ -406,7 +387,7 @@ class Relay:
                     self.events.emit("cleanup", n)
                     if n < s.cleanup_batch:
                         break
-            except _DB_ERRORS as e:
+            except DATABASE_ERRORS as e:
                 log.warning("retention cleanup failed: %s", redact(str(e), s))
 
     # --- workers ------------------------------------------------------------------------------
@@ -529,7 +510,7 @@ class Relay:
         assert self._store is not None
         try:
             return await self._store.has_due()
-        except _DB_ERRORS:
+        except DATABASE_ERRORS:
             return True
 
     async def _claim_once(
@@ -551,10 +532,10 @@ class Relay:
             self.kafka_outage.failed(str(e))
             await self._wait_for_kafka()
             return None
-        except _DB_ERRORS as e:
+        except DATABASE_ERRORS as e:
             self.events.emit("db_error")
             self.db_outage.failed(redact(str(e) or type(e).__name__, s))
-            backoff = backoffs[0] if isinstance(e, _UNREACHABLE) else backoffs[1]
+            backoff = backoffs[0] if isinstance(e, UNREACHABLE_ERRORS) else backoffs[1]
             if backoff is backoffs[1] and backoff.failures % 16 == 0:
                 # Not an outage but a failing statement (permissions, a broken schema):
                 # say what it is now and then, not at every retry.
@@ -579,7 +560,7 @@ class Relay:
         assert self._store is not None
         try:
             return await self._store.count_pending(_COUNT_LIMIT)
-        except _DB_ERRORS:
+        except DATABASE_ERRORS:
             return None
 
     async def _process_batch(self) -> tuple[int, bool | None]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from notify_outbox.claimer import BatchOutcome, ClaimedBatch, OutboxRow
+from notify_outbox.store import BatchOutcome, ClaimedBatch, OutboxRow
 from notify_outbox.publisher import PublishResult
 
 

@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
-from notify_outbox.claimer import OutboxRow
+from notify_outbox.store import OutboxRow
 from notify_outbox.publisher import KafkaPublisher, PublishResult
 from tests.conftest import Services
 from tests.faults.checker import FIGURES, OutboxChecker

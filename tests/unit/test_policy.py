@@ -9,7 +9,7 @@ import pytest
 
 from notify_outbox import OutboxSettings
 from notify_outbox.backoff import Backoff
-from notify_outbox.claimer import OutboxRow
+from notify_outbox.store import OutboxRow
 from notify_outbox.outage import Outage, RateLimitFilter
 from notify_outbox.policy import decide, retry_delay
 from notify_outbox.publisher import PublishResult
