@@ -37,6 +37,10 @@ class ListenerLost(Exception):
     """The listening connection is gone or did not answer its health probe."""
 
 
+# What ends a listening session and starts the reconnect loop (anything else is a bug: raised).
+_SESSION_ENDED: tuple[type[Exception], ...] = (*DATABASE_ERRORS, ListenerLost)
+
+
 class Listener:
     """Keeps a LISTEN alive and calls ``wake(source)`` on every hint to claim."""
 
@@ -206,7 +210,7 @@ class Listener:
                         server_settings={"application_name": "notify-outbox-listener"},
                     )
                 await self._serve(conn, first)
-            except (*DATABASE_ERRORS, ListenerLost) as e:
+            except _SESSION_ENDED as e:
                 reason = type(e).__name__ if not isinstance(e, ListenerLost) else str(e)
                 self._events.emit("listener_lost")
                 # A lost session, or a connection that failed after it was made, is worth a
