@@ -24,8 +24,9 @@ import asyncpg
 from bench import envinfo
 from bench.config import Mode
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
-from bench.procs import BenchError, Child, child_env, python_argv
+from bench.procs import BenchError, Child, python_argv
 from bench.services import Services, open_services, prepare_poller, set_notify
+from devstack.relayproc import child_env, create_topics
 
 __all__ = [
     "DEFAULT_MIXES",
@@ -275,7 +276,7 @@ class _Drain:
             "started_utc": utc(),
         }
         try:
-            await services.create_topic(topic, cfg.partitions)
+            await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
             cell["database_setup"] = await set_notify(dsn, dm.mode.notify)
             if dm.mode.kind == "poller":
                 await prepare_poller(dsn)
@@ -317,7 +318,7 @@ class _Drain:
         tally = await Child.start(
             f"tally {label}",
             python_argv("-m", "bench", "_tally", services.bootstrap, topic),
-            env=child_env({}),
+            env=child_env(),
             log_path=run.log_path(f"tally-{slug(label)}"),
             pipes=True,
             cwd=run.src,

@@ -21,9 +21,10 @@ import asyncpg
 
 from bench import envinfo
 from bench.config import Mode
-from bench.procs import ROOT, BenchError, Child, child_env, python_argv
+from bench.procs import ROOT, BenchError, Child, python_argv
 from bench.progress import Progress
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
+from devstack.relayproc import READY, cli_argv, relay_env
 
 __all__ = [
     "PhaseRun",
@@ -134,17 +135,10 @@ async def start_mode(
     source snapshot ``src`` (or the mode's own tree), and wait until it logs that it runs
     (unless ``wait_ready`` is false: then the caller waits, e.g. for several at once)."""
     if mode.kind == "relay":
-        argv = python_argv("-m", "notify_outbox", "run", *mode.args)
+        argv = cli_argv("run", *mode.args)
     else:
         argv = python_argv("-m", "bench", "_poller", *mode.args)
-    env = child_env(
-        {
-            "NOTIFY_OUTBOX_DSN": dsn,
-            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
-            **dict(mode.env),
-            **(extra_env or {}),
-        }
-    )
+    env = relay_env(dsn, services.bootstrap, **{**dict(mode.env), **(extra_env or {})})
     cwd = Path(mode.cwd) if mode.cwd else src
     if mode.cwd:
         # `python -m` puts the working directory first on sys.path: that tree's relay wins.
@@ -157,7 +151,7 @@ async def start_mode(
 
 async def wait_mode_ready(child: Child, mode: Mode) -> None:
     """Wait (bounded) until a process of ``mode`` logs that it runs; stop it on failure."""
-    ready = r"relay running" if mode.kind == "relay" else r"poller running"
+    ready = READY if mode.kind == "relay" else "poller running"
     try:
         await child.wait_for_log(ready, _READY_TIMEOUT)
     except BaseException:
@@ -306,6 +300,7 @@ class PhaseRun:
         """Write the result JSON (atomically); returns its path."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_clean(self.result), indent=1) + "\n")
+        # Compact: a run holds per-cell arrays; indented, one run was 370,000 lines.
+        tmp.write_text(json.dumps(_clean(self.result), separators=(",", ":")) + "\n")
         tmp.replace(self.path)
         return self.path

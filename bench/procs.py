@@ -1,4 +1,5 @@
-"""Child processes of the bench: environment, start, readiness, CPU time and a bounded stop.
+"""Child processes of the bench: start, readiness, CPU time and a bounded stop (their
+environment comes from ``devstack.relayproc``, shared with the tests and the demo).
 
 Every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so nothing outlives a bench that was killed,
 and every wait here has a deadline.
@@ -24,7 +25,6 @@ __all__ = [
     "ROOT",
     "BenchError",
     "Child",
-    "child_env",
     "cpu_seconds",
     "python_argv",
     "run_async",
@@ -55,16 +55,6 @@ def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run(coro)
     result: _T = uvloop.run(coro)
     return result
-
-
-def child_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """Our environment without any ``NOTIFY_OUTBOX_*`` variable (so a schema or table setting
-    in the caller's shell cannot split producers and relay), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def python_argv(*args: str) -> list[str]:

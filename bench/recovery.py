@@ -30,8 +30,9 @@ from bench.arrays import load_arrays
 from bench.config import Mode, writers_for
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
-from bench.procs import BenchError, Child, child_env, python_argv
+from bench.procs import BenchError, Child, python_argv
 from bench.services import Services, check_loopback, open_services, set_notify
+from devstack.relayproc import child_env, create_topics
 
 __all__ = ["RecoveryConfig", "recovery_problems", "run_recovery", "summarize_recovery"]
 
@@ -210,12 +211,12 @@ class _Recovery:
         run.progress.status("set-up: database and topic")
         tree = Path(cfg.alt_relay) if cfg.alt_relay else None
         dsn = await services.create_database(name, src=tree)
-        await services.create_topic(topic, cfg.partitions)
+        await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
         run.result["database_setup"] = await set_notify(dsn, "shipped")
         consumer = await Child.start(
             "consumer",
             python_argv("-m", "bench", "_consumer", services.bootstrap, topic),
-            env=child_env({}),
+            env=child_env(),
             log_path=run.log_path("consumer"),
             pipes=True,
             cwd=run.src,
@@ -255,7 +256,7 @@ class _Recovery:
             gen = await Child.start(
                 "writers",
                 python_argv("-m", "bench", "_loadgen", str(config_path)),
-                env=child_env({}),
+                env=child_env(),
                 log_path=run.log_path("writers"),
                 pipes=True,
                 cwd=run.src,

@@ -24,13 +24,14 @@ from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, write
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun, loadavg, slug, utc
-from bench.procs import BenchError, Child, child_env, python_argv
+from bench.procs import BenchError, Child, python_argv
 from bench.services import (
     Services,
     open_services,
     prepare_poller,
     set_notify,
 )
+from devstack.relayproc import child_env, create_topics
 from notify_outbox.names import OutboxNames
 
 __all__ = ["Runner"]
@@ -98,7 +99,7 @@ class Runner:
             self.progress.status(f"set-up: database and topic for {name}")
             dsn = await services.create_database(f"bench_{self.run_id.lower()}_{slug(name)}")
             topic = f"bench-{self.run_id.lower()}-{slug(name)}"
-            await services.create_topic(topic, self.cfg.partitions)
+            await create_topics(services.bootstrap, [topic], partitions=self.cfg.partitions)
             notify = await set_notify(dsn, mode.notify)
             if mode.kind == "poller":
                 await prepare_poller(dsn)
@@ -211,7 +212,7 @@ class Runner:
         consumer = await Child.start(
             f"consumer {name}",
             python_argv("-m", "bench", "_consumer", services.bootstrap, db.topic),
-            env=child_env({}),
+            env=child_env(),
             log_path=self._run.log_path(f"consumer-{name}"),
             pipes=True,
             cwd=self.src,
@@ -322,7 +323,7 @@ class Runner:
         gen = await Child.start(
             f"loadgen cell {n}",
             python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env({}),
+            env=child_env(),
             log_path=self._run.log_path(f"loadgen-{n}"),
             pipes=True,
             cwd=self.src,
@@ -466,7 +467,7 @@ class Runner:
         self.progress.status("producer overhead: set-up")
         dsn = await services.create_database(f"bench_{self.run_id.lower()}_producer")
         topic = f"bench-{self.run_id.lower()}-producer"
-        await services.create_topic(topic, cfg.partitions)
+        await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
         pgbench = _find_pgbench()
         self.result["producer_driver"] = "pgbench" if pgbench else "python"
         conn = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
@@ -633,7 +634,7 @@ class Runner:
         gen = await Child.start(
             "closed-loop writers",
             python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env({}),
+            env=child_env(),
             log_path=self._run.log_path("closed-loop"),
             pipes=True,
             cwd=self.src,

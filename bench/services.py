@@ -20,9 +20,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 
-from bench.procs import BenchError, Child, child_env, python_argv
+from bench.procs import BenchError, Child
+from devstack.relayproc import cli_argv, relay_env
 
 __all__ = [
     "Services",
@@ -96,8 +97,8 @@ class Services:
         dsn = dsn_for(self.dsn, name)
         child = await Child.start(
             f"migrate {name}",
-            python_argv("-m", "notify_outbox", "migrate"),
-            env=child_env({"NOTIFY_OUTBOX_DSN": dsn}),
+            cli_argv("migrate"),
+            env=relay_env(dsn),
             log_path=self.work_dir / "logs" / f"migrate-{name}.log",
             cwd=src or self.src,
         )
@@ -113,24 +114,6 @@ class Services:
             with contextlib.suppress(OSError, asyncpg.PostgresError, TimeoutError):
                 await self.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         self.databases.clear()
-
-    async def create_topic(self, name: str, partitions: int) -> None:
-        """Create a topic (replication 1) and wait until its metadata is there."""
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=20000)
-        async with asyncio.timeout(_ADMIN_TIMEOUT):
-            await admin.start()
-        try:
-            async with asyncio.timeout(_ADMIN_TIMEOUT):
-                await admin.create_topics(
-                    [NewTopic(name, num_partitions=partitions, replication_factor=1)]
-                )
-                while True:
-                    meta = await admin.describe_topics([name])
-                    if meta and not meta[0].get("error_code") and meta[0].get("partitions"):
-                        break
-                    await asyncio.sleep(0.1)
-        finally:
-            await admin.close()
 
     async def broker_configs(self) -> dict[str, str]:
         """A few broker settings worth recording (empty if Kafka will not say)."""

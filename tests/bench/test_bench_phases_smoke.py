@@ -5,13 +5,13 @@ speed (the machines are shared and noisy)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from devstack.relayproc import child_env, relay_env
 from tests.conftest import Services
 from tests.support import ROOT
 
@@ -33,12 +33,6 @@ def _bench(
     )
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
-    env.update(PYTHONPATH=str(ROOT), **extra)
-    return env
-
-
 @pytest.mark.timeout(DRAIN_TIMEOUT + 30)
 def test_drain_delivers_every_row_in_key_order(services: Services, tmp_path: Path) -> None:
     rows = 2000
@@ -48,10 +42,7 @@ def test_drain_delivers_every_row_in_key_order(services: Services, tmp_path: Pat
             *("--rows", str(rows), "--mixes", "keys-1000", "--modes", "relay-1", "poller"),
             *("--out", str(tmp_path), "--cell-timeout", "60"),
         ],
-        _env(
-            NOTIFY_OUTBOX_DSN=services.dsn,
-            NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS=services.bootstrap,
-        ),
+        relay_env(services.dsn, services.bootstrap),
         DRAIN_TIMEOUT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -83,7 +74,7 @@ def test_recovery_after_a_kafka_restart(services: Services, tmp_path: Path) -> N
         assert services.postgres.base_dir.parent == base
         args += ["--stack-dir", str(base)]
     # Otherwise no service variables: the bench starts a stack of its own, which it may restart.
-    done = _bench(args, _env(), RECOVERY_TIMEOUT)
+    done = _bench(args, child_env(), RECOVERY_TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     (path,) = tmp_path.glob("recovery-*.json")
     result = json.loads(path.read_text())

@@ -4,7 +4,6 @@ write a result, and says nothing about speed (the machines are shared and noisy)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.config import DEFAULT_MODES
+from devstack.relayproc import relay_env
 from tests.conftest import Services
 from tests.support import ROOT
 
@@ -20,12 +20,7 @@ SMOKE_TIMEOUT = 170
 
 @pytest.mark.timeout(SMOKE_TIMEOUT + 30)
 def test_smoke_run_writes_a_result_with_every_mode(services: Services, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
-    env.update(
-        NOTIFY_OUTBOX_DSN=services.dsn,
-        NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS=services.bootstrap,
-        PYTHONPATH=str(ROOT),
-    )
+    env = relay_env(services.dsn, services.bootstrap)
     done = subprocess.run(
         [sys.executable, "-m", "bench", "smoke", "--out", str(tmp_path)],
         cwd=ROOT,

@@ -27,9 +27,9 @@ import anyio.abc
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tests.support import RelayProcess, header
+from devstack.relayproc import READY, RelayProcess, create_topics
+from tests.support import header
 
 if TYPE_CHECKING:
     from devstack import KafkaBroker, PostgresServer
@@ -203,8 +203,9 @@ def log_time(line: str) -> float:
 
 
 class FaultRelay(RelayProcess):
-    """``python -m notify_outbox run`` as a subprocess (``tests.support.RelayProcess``), with
-    fast fault-test settings, line counting, and async waits that keep the event loop free."""
+    """``python -m notify_outbox run`` as a subprocess (``devstack.relayproc.RelayProcess``),
+    with fast fault-test settings, its in-flight bound, and async waits that keep the event
+    loop free."""
 
     def __init__(
         self,
@@ -214,47 +215,23 @@ class FaultRelay(RelayProcess):
         env: dict[str, str] | None = None,
         name: str = "relay",
     ) -> None:
-        self.name = name
         self.env = {**RELAY_ENV, **(env or {})}
         self.workers = int(self.env["NOTIFY_OUTBOX_WORKERS"])
         self.batch_size = int(self.env["NOTIFY_OUTBOX_BATCH_SIZE"])
-        super().__init__(dsn, bootstrap, *args, env=self.env)
+        super().__init__(dsn, bootstrap, *args, env=self.env, name=name)
 
     @property
     def in_flight_bound(self) -> int:
         return max_in_flight(self.workers, self.batch_size)
 
-    def matching(self, pattern: str) -> list[str]:
-        regex = re.compile(pattern)
-        with self._cond:
-            return [line for line in self.lines if regex.search(line)]
-
-    def _wait_count(self, pattern: str, count: int, timeout: float) -> str:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                hits = [line for line in self.lines if regex.search(line)]
-                if len(hits) >= count:
-                    return hits[count - 1]
-                if self.proc.poll() is not None and not self._reader.is_alive():
-                    raise AssertionError(
-                        f"{self.name} exited ({self.proc.returncode}) before logging "
-                        f"{pattern!r} {count} time(s):\n{self.output()}"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    raise AssertionError(
-                        f"{self.name}: {len(hits)} of {count} log line(s) {pattern!r} within "
-                        f"{timeout}s:\n{self.output()}"
-                    )
-
     async def line(self, pattern: str, *, count: int = 1, within: float = 60.0) -> str:
         """Wait until ``pattern`` has been logged ``count`` times; returns that line."""
-        return str(await anyio.to_thread.run_sync(lambda: self._wait_count(pattern, count, within)))
+        return await anyio.to_thread.run_sync(
+            lambda: self.wait_for_line(pattern, within, count=count)
+        )
 
     async def ready(self, within: float = 60.0) -> None:
-        await self.line("relay running", within=within)
+        await self.line(READY, within=within)
 
     async def exited(self, within: float) -> int:
         """Wait for the process to exit by itself; fails the test after ``within`` s."""
@@ -284,12 +261,12 @@ class FaultRelay(RelayProcess):
         await self.exited(30)
         return at
 
-    def output(self) -> str:
+    def output(self, lines: int = 50) -> str:
         """The last lines of the relay's own log (aiokafka's reconnect chatter left out; the
         whole log is in ``dump()``)."""
         with self._cond:
             own = [line for line in self.lines if " aiokafka" not in line]
-        return f"--- {self.name} (last lines, without aiokafka's) ---\n" + "\n".join(own[-50:])
+        return f"--- {self.name} (last lines, without aiokafka's) ---\n" + "\n".join(own[-lines:])
 
     def dump(self) -> Path:
         """Write the whole log to a file (for a failure's post-mortem); returns its path."""
@@ -325,14 +302,7 @@ async def create_topic_with_configs(
 ) -> None:
     """A topic with broker-side topic configs, such as a small ``max.message.bytes``: a limit
     the broker enforces when it appends, so a row over it fails at ack time, not at send."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=configs)]
-        )
-    finally:
-        await admin.close()
+    await create_topics(bootstrap, [name], partitions=partitions, configs=configs)
 
 
 # --- a Kafka tail: when did each event arrive? -----------------------------------------------

@@ -8,13 +8,13 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import uuid
 from collections import defaultdict
 
 import asyncpg
 import pytest
 
+from devstack.relayproc import child_env, cli_argv
 from tests.conftest import Services
 from tests.support import ROOT, RelayProcess, consume, header
 
@@ -156,17 +156,12 @@ async def test_ten_thousand_events_16_writers_3_relays_arrive_once_in_key_order(
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
     return subprocess.run(
-        [sys.executable, "-m", "notify_outbox", *args],
+        cli_argv(*args),
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")},
-            **(env or {}),
-        },
+        env=child_env(**(env or {})),
         timeout=60,
     )
 
