@@ -245,3 +245,15 @@ def test_dockerfile_installs_the_project() -> None:
     assert any(re.match(r"RUN .*\bpip install (\S+ )*\.(\s|$)", line) for line in lines), (
         "the Dockerfile does not pip install the project"
     )
+
+
+def test_relay_serves_metrics_and_its_healthcheck_uses_readyz(compose: dict[str, Any]) -> None:
+    relay = _service(compose, "relay")
+    env = _env(relay)
+    port = int(env["NOTIFY_OUTBOX_HTTP_PORT"])
+    # Reachable from outside the container, and published.
+    assert env["NOTIFY_OUTBOX_HTTP_HOST"] == "0.0.0.0"  # noqa: S104
+    assert port in _container_ports(relay)
+    test = relay["healthcheck"]["test"]
+    text = test if isinstance(test, str) else " ".join(str(part) for part in test)
+    assert "notify_outbox healthcheck" in text or "/readyz" in text
