@@ -1,0 +1,1 @@
+"""Worked examples of notify-outbox (run from the repository root)."""

@@ -1,0 +1,132 @@
+"""A consumer process for the inbox's end-to-end fault test (``test_inbox_e2e.py``).
+
+``python -m tests.faults.inbox_consumer`` reads the orders topic in a consumer group through
+``notify_outbox.inbox.consume`` and applies each order to its own table, ``consumer_orders``
+(deliberately without a unique constraint, so a double apply would show as a count of 2). Every
+repeat the inbox absorbs is recorded in ``consumer_repeats`` in the same transaction, so the
+figure survives the process being killed.
+
+Environment: ``INBOX_TEST_DSN`` (the consumer's database), ``INBOX_TEST_BOOTSTRAP``,
+``INBOX_TEST_TOPIC``, ``INBOX_TEST_GROUP``, ``INBOX_TEST_NAME`` (client id, for logs), and
+optionally ``INBOX_TEST_CRASH_AFTER=N``: SIGKILL itself right after the N-th database commit,
+before that batch's Kafka offsets are committed; the exact window that makes Kafka redeliver
+messages whose changes are already committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+from aiokafka import AIOKafkaConsumer
+
+from notify_outbox.inbox import Inbox, InboxMessage, consume
+
+SETUP_SQL = """
+CREATE TABLE IF NOT EXISTS consumer_orders (
+    event_id   text    NOT NULL,
+    order_id   bigint  NOT NULL,
+    total      integer NOT NULL,
+    applied_by text    NOT NULL
+);
+CREATE TABLE IF NOT EXISTS consumer_repeats (event_id text NOT NULL, seen_by text NOT NULL);
+"""
+
+log = logging.getLogger("inbox_consumer")
+
+
+class CountingInbox(Inbox):
+    """The inbox, plus a record of every repeat it absorbed and an optional crash point."""
+
+    def __init__(self, *, name: str, crash_after: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.name = name
+        self.crash_after = crash_after
+        self.commits = 0
+
+    @contextlib.asynccontextmanager
+    async def process(self, conn: asyncpg.Connection, message: InboxMessage) -> AsyncIterator[bool]:
+        async with super().process(conn, message) as fresh:
+            if not fresh:
+                await conn.execute(
+                    "INSERT INTO consumer_repeats VALUES ($1, $2)",
+                    self.event_id(message),
+                    self.name,
+                )
+            yield fresh
+
+    async def apply(
+        self,
+        db: asyncpg.Pool | asyncpg.Connection,
+        message: Any,
+        handler: Callable[[asyncpg.Connection, Any], Awaitable[None]],
+    ) -> bool:
+        fresh = await super().apply(db, message, handler)
+        self.commits += 1
+        if self.commits == self.crash_after:
+            # Committed in the database, offset not yet committed in Kafka.
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fresh
+
+
+async def run() -> None:
+    env = os.environ
+    name = env["INBOX_TEST_NAME"]
+    pool = await asyncpg.create_pool(env["INBOX_TEST_DSN"], min_size=1, max_size=2)
+    consumer = AIOKafkaConsumer(
+        env["INBOX_TEST_TOPIC"],
+        bootstrap_servers=env["INBOX_TEST_BOOTSTRAP"],
+        group_id=env["INBOX_TEST_GROUP"],
+        client_id=name,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        # A killed member leaves the group after this; the broker's minimum is 6 s.
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        max_poll_records=50,
+    )
+    inbox = CountingInbox(
+        name=name, crash_after=int(env.get("INBOX_TEST_CRASH_AFTER", "0")), consumer="orders"
+    )
+
+    async def handler(conn: asyncpg.Connection, record: Any) -> None:
+        order = json.loads(record.value)
+        await conn.execute(
+            "INSERT INTO consumer_orders VALUES ($1, $2, $3, $4)",
+            inbox.event_id(record),
+            order["order_id"],
+            order["total"],
+            name,
+        )
+
+    await consumer.start()
+    try:
+        log.info("consumer running")
+        await consume(consumer, pool, handler, inbox=inbox)
+    finally:
+        await consumer.stop()
+        await pool.close()
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

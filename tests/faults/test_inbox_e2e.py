@@ -1,0 +1,316 @@
+"""The inbox end to end: exactly-once application downstream of an at-least-once relay.
+
+A producer writes business rows (``orders``) and their events with ``enqueue`` in one
+transaction each; the relay (a subprocess) publishes them; two consumer processes of one
+group apply them to their own database through the inbox. Meanwhile a seeded schedule kills
+the relay and the consumers with SIGKILL and restarts them. The first consumer also kills
+itself once right after a database commit, before its Kafka offsets are committed, so at
+least one redelivery is certain. At the end, every committed order was applied exactly once
+(counted in the consumer's table, which has no unique constraint that could hide a double
+apply), none is missing, and none appeared that was not committed.
+
+Replay a run with ``NOTIFY_OUTBOX_FAULT_SEED=<seed>`` (the seed is printed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import anyio
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+import notify_outbox
+from notify_outbox.inbox import migrate_inbox
+from tests.conftest import Services
+from tests.faults.checker import FIGURES
+from tests.faults.harness import FaultRelay, connect, eventually, partitions, relays, task_group
+from tests.faults.inbox_consumer import SETUP_SQL as CONSUMER_SQL
+from tests.support import ROOT, create_topics
+
+pytestmark = pytest.mark.anyio
+
+EVENTS = 1200
+PRODUCE_SECONDS = 12.0
+CHAOS_SECONDS = 16.0
+PRODUCER_SQL = """
+CREATE TABLE orders (
+    id       bigint  GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    total    integer NOT NULL,
+    event_id uuid    NOT NULL UNIQUE
+)
+"""
+
+
+class ConsumerProcess:
+    """``python -m tests.faults.inbox_consumer`` as a subprocess, its log read by a thread."""
+
+    def __init__(self, env: dict[str, str], name: str, *, crash_after: int = 0) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.faults.inbox_consumer"],
+            env={
+                **os.environ,
+                **env,
+                "PYTHONPATH": str(ROOT),
+                "INBOX_TEST_NAME": name,
+                "INBOX_TEST_CRASH_AFTER": str(crash_after),
+            },
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait_line(self, pattern: str, timeout: float) -> None:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(regex.search(line) for line in self.lines):
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise AssertionError(f"{self.name} exited before {pattern!r}:\n{self.output()}")
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    raise AssertionError(f"{self.name}: no {pattern!r} in {timeout}s")
+
+    async def ready(self, within: float = 60.0) -> None:
+        await anyio.to_thread.run_sync(lambda: self._wait_line("consumer running", within))
+
+    async def kill(self) -> None:
+        self.proc.kill()
+        await anyio.to_thread.run_sync(lambda: self.proc.wait(30))
+
+    def output(self) -> str:
+        with self._cond:
+            return f"--- {self.name} ---\n" + "\n".join(self.lines[-40:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+async def produce(dsn: str, topic: str, rng: random.Random) -> int:
+    """Orders and their events, one to five per transaction, spread over PRODUCE_SECONDS."""
+    written = 0
+    started = time.monotonic()
+    async with connect(dsn) as conn:
+        while written < EVENTS:
+            n = min(rng.randint(1, 5), EVENTS - written)
+            async with conn.transaction():
+                for _ in range(n):
+                    total = rng.randint(1, 500)
+                    order_id = await conn.fetchval(
+                        "INSERT INTO orders (total, event_id) VALUES ($1, gen_random_uuid()) "
+                        "RETURNING id",
+                        total,
+                    )
+                    event_id = await notify_outbox.enqueue(
+                        conn,
+                        topic=topic,
+                        key=f"customer-{order_id % 40}",
+                        payload={"order_id": order_id, "total": total},
+                    )
+                    await conn.execute(
+                        "UPDATE orders SET event_id = $1 WHERE id = $2", event_id, order_id
+                    )
+            written += n
+            due = started + PRODUCE_SECONDS * written / EVENTS
+            await anyio.sleep(max(0.0, due - time.monotonic()))  # a rate, not a synchronisation
+    return written
+
+
+async def test_every_order_is_applied_exactly_once_through_kills(
+    services: Services, db_dsn: str, empty_db_dsn: str
+) -> None:
+    seed = int(os.environ.get("NOTIFY_OUTBOX_FAULT_SEED", "0")) or random.randrange(1, 10**9)
+    rng = random.Random(seed)
+    print(f"inbox e2e: seed {seed}")
+    started = time.monotonic()
+    topic = f"orders-{uuid.uuid4().hex[:8]}"
+    await create_topics(services.bootstrap, [topic], partitions=4)
+    async with connect(db_dsn) as conn:
+        await conn.execute(PRODUCER_SQL)
+    async with connect(empty_db_dsn) as conn:
+        await migrate_inbox(conn)
+        await conn.execute(CONSUMER_SQL)
+    consumer_env = {
+        "INBOX_TEST_DSN": empty_db_dsn,
+        "INBOX_TEST_BOOTSTRAP": services.bootstrap,
+        "INBOX_TEST_TOPIC": topic,
+        "INBOX_TEST_GROUP": f"orders-projection-{uuid.uuid4().hex[:6]}",
+    }
+    kills = {"relay": 0, "consumer": 0, "self": 0}
+    generation = {"relay": 0, "c0": 0, "c1": 0}
+    procs: dict[str, FaultRelay | ConsumerProcess] = {}
+
+    def start(which: str) -> FaultRelay | ConsumerProcess:
+        generation[which] += 1
+        name = f"{which}#{generation[which]}"
+        if which == "relay":
+            # The first relay crashes itself after Kafka acknowledged its first batch, before
+            # marking it: that batch is certainly published twice.
+            env = {"NOTIFY_OUTBOX_TEST_CRASH_AT": "after_ack"} if name == "relay#1" else {}
+            proc: FaultRelay | ConsumerProcess = FaultRelay(
+                db_dsn, services.bootstrap, env=env, name=name
+            )
+        else:
+            # The first consumer crashes itself once, in the commit-to-offset window.
+            crash = 60 if name == "c0#1" else 0
+            proc = ConsumerProcess(consumer_env, name, crash_after=crash)
+        procs[which] = proc
+        return proc
+
+    async def ready(proc: FaultRelay | ConsumerProcess) -> None:
+        await proc.ready()
+
+    all_started: list[FaultRelay | ConsumerProcess] = []
+    try:
+        for which in ("relay", "c0", "c1"):
+            all_started.append(start(which))
+        for proc in all_started:
+            await ready(proc)
+
+        def all_alive(which: list[str]) -> None:
+            dead = [procs[w] for w in which if procs[w].proc.poll() is not None]
+            assert not dead, "a process died by itself:\n" + "\n".join(p.output() for p in dead)
+
+        async def chaos(candidates: list[str], rng: random.Random) -> None:
+            until = time.monotonic() + CHAOS_SECONDS
+            while time.monotonic() < until:
+                await anyio.sleep(rng.uniform(0.3, 1.5))  # the fault schedule
+                all_alive(candidates)  # only the kills of this schedule end a process
+                victim = rng.choice(candidates)
+                await procs[victim].kill()
+                kills["relay" if victim == "relay" else "consumer"] += 1
+                await anyio.sleep(rng.uniform(0.0, 0.5))
+                all_started.append(start(victim))
+                await ready(procs[victim])
+
+        async def faults() -> None:
+            # First the scripted crashes (relay#1 after an ack, c0#1 after a commit): they
+            # come within the first second or two of production. Then the random ones, on two
+            # schedules side by side (relay; consumers), each with its own seeded RNG.
+            for which in ("relay", "c0"):
+                proc = procs[which]
+                await anyio.to_thread.run_sync(lambda p=proc: p.proc.wait(30))  # type: ignore[misc]
+                kills["self"] += 1
+                all_started.append(start(which))
+                await ready(procs[which])
+            async with task_group() as tg:
+                tg.start_soon(chaos, ["relay"], random.Random(rng.random()))
+                tg.start_soon(chaos, ["c0", "c1"], random.Random(rng.random()))
+
+        async with task_group() as tg:
+            tg.start_soon(faults)
+            written = await produce(db_dsn, topic, random.Random(rng.random()))
+        all_alive(list(procs))
+
+        async with connect(db_dsn) as conn:
+            expected = {str(r["event_id"]) for r in await conn.fetch("SELECT event_id FROM orders")}
+        assert len(expected) == written == EVENTS
+
+        async def all_applied() -> bool:
+            async with connect(empty_db_dsn) as conn:
+                n = await conn.fetchval("SELECT count(DISTINCT event_id) FROM consumer_orders")
+            return int(n) >= len(expected)
+
+        await eventually(
+            all_applied,
+            within=60,
+            what="the consumers applied every order",
+            interval=0.2,
+            details=lambda: "\n".join(p.output() for p in procs.values()),
+        )
+        async with connect(empty_db_dsn) as conn:
+            counts = {
+                r["event_id"]: r["n"]
+                for r in await conn.fetch(
+                    "SELECT event_id, count(*) AS n FROM consumer_orders GROUP BY event_id"
+                )
+            }
+            repeats = int(await conn.fetchval("SELECT count(*) FROM consumer_repeats"))
+            mismatched = await conn.fetchval(
+                "SELECT count(*) FROM consumer_orders c WHERE NOT EXISTS (SELECT 1 FROM inbox i "
+                "WHERE i.consumer = 'orders' AND i.event_id = c.event_id)"
+            )
+        async with connect(db_dsn) as conn:
+            wrong_totals = await _wrong_totals(conn, empty_db_dsn)
+        published = await _messages_in(services.bootstrap, topic)
+    finally:
+        for proc in all_started:
+            if isinstance(proc, ConsumerProcess):
+                proc.close()
+        async with relays(*[p for p in all_started if isinstance(p, FaultRelay)]):
+            pass
+
+    doubles = {e: n for e, n in counts.items() if n > 1}
+    missing = expected - counts.keys()
+    phantom = counts.keys() - expected
+    figures = {
+        "events": len(expected),
+        "applied_once": sum(1 for n in counts.values() if n == 1),
+        "applied_twice_or_more": len(doubles),
+        "missing": len(missing),
+        "phantom": len(phantom),
+        "relay_kills": kills["relay"],
+        "consumer_kills": kills["consumer"],
+        "self_crashes": kills["self"],
+        "kafka_messages": published,
+        "kafka_duplicates_from_relay": published - len(expected),
+        "repeats_absorbed_by_inbox": repeats,
+        "seconds": round(time.monotonic() - started, 1),
+        "seed": seed,
+    }
+    FIGURES.notes["inbox end to end"] = figures
+    print(f"inbox e2e figures: {figures}")
+    assert not doubles, f"applied more than once: {list(doubles.items())[:5]} ({figures})"
+    assert not missing, f"{len(missing)} orders never applied ({figures})"
+    assert not phantom, f"{len(phantom)} applied orders were never committed ({figures})"
+    assert mismatched == 0, "business rows without their inbox id: not one transaction"
+    assert wrong_totals == 0, "an applied order differs from what the producer wrote"
+    # The scripted crashes (relay after an ack, consumer after a commit) make repeats certain.
+    assert published > len(expected), f"the relay published no duplicate ({figures})"
+    assert repeats >= 1, f"the inbox absorbed no repeat: the test exercised nothing ({figures})"
+
+
+async def _wrong_totals(producer: asyncpg.Connection, consumer_dsn: str) -> int:
+    written = {
+        str(r["event_id"]): (r["id"], r["total"])
+        for r in await producer.fetch("SELECT id, total, event_id FROM orders")
+    }
+    async with connect(consumer_dsn) as conn:
+        rows = await conn.fetch("SELECT event_id, order_id, total FROM consumer_orders")
+    return sum(1 for r in rows if written.get(r["event_id"]) != (r["order_id"], r["total"]))
+
+
+async def _messages_in(bootstrap: str, topic: str) -> int:
+    """How many messages the topic holds (end offsets): the relay's duplicates included."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = await partitions(consumer, [topic])
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()

@@ -1,0 +1,141 @@
+"""The inbox's Redis fast path against a real Redis (Debian's redis-server, see devstack/redis.py)
+and a real PostgreSQL: a pre-check only, written after the database commit, and harmless to
+lose."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import pytest
+import redis.asyncio
+
+from devstack import StackError
+from devstack.redis import RedisServer
+from notify_outbox.inbox import Inbox, RedisSeen, migrate_inbox
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Msg:
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    key: bytes | None = None
+
+
+def event(eid: str | None = None) -> Msg:
+    return Msg([("outbox-event-id", (eid or str(uuid.uuid4())).encode())])
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        server.start()
+    except StackError as e:
+        pytest.fail(f"no Redis for the fast-path tests: {e}", pytrace=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    if not redis_server.is_running():  # a test before killed it
+        redis_server.start()
+    c = redis.asyncio.Redis.from_url(
+        redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5
+    )
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture
+async def pool(empty_db_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await asyncpg.create_pool(empty_db_dsn, min_size=1, max_size=2)
+    async with p.acquire() as conn:
+        await migrate_inbox(conn)
+        await conn.execute("CREATE TABLE applied (event_id text NOT NULL)")
+    yield p
+    await p.close()
+
+
+def apply_handler(inbox: Inbox) -> Any:
+    async def handler(conn: asyncpg.Connection, message: Msg) -> None:
+        await conn.execute("INSERT INTO applied VALUES ($1)", inbox.event_id(message))
+
+    return handler
+
+
+class NoDatabase:
+    """Stands in for the pool where the database must not be touched."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the database was used ({name}) although Redis had the id")
+
+
+async def test_a_seen_id_is_skipped_without_the_database(
+    pool: asyncpg.Pool, client: redis.asyncio.Redis
+) -> None:
+    fast = RedisSeen(client)
+    inbox = Inbox(consumer="fast", fast_path=fast)
+    msg = event()
+    assert await inbox.apply(pool, msg, apply_handler(inbox)) is True
+    assert await client.exists(fast.key(inbox, inbox.event_id(msg))) == 1
+    assert await inbox.apply(NoDatabase(), msg, apply_handler(inbox)) is False  # type: ignore[arg-type]
+    assert inbox.counts["duplicate_fast"] == 1
+    # Another consumer's keys are its own.
+    other = Inbox(consumer="other", fast_path=fast)
+    assert await other.apply(pool, msg, apply_handler(other)) is True
+
+
+async def test_redis_learns_an_id_only_after_the_commit(
+    pool: asyncpg.Pool, client: redis.asyncio.Redis
+) -> None:
+    fast = RedisSeen(client)
+    inbox = Inbox(fast_path=fast)
+    msg = event()
+    key = fast.key(inbox, inbox.event_id(msg))
+
+    async def failing(conn: asyncpg.Connection, message: Msg) -> None:
+        await conn.execute("INSERT INTO applied VALUES ($1)", inbox.event_id(message))
+        assert await client.exists(key) == 0  # inside the transaction: not yet
+        raise RuntimeError("handler failed")
+
+    with pytest.raises(RuntimeError, match="handler failed"):
+        await inbox.apply(pool, msg, failing)
+    assert await client.exists(key) == 0
+    assert await inbox.apply(pool, msg, apply_handler(inbox)) is True
+    assert await client.exists(key) == 1
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM applied") == 1
+
+
+async def test_losing_redis_mid_stream_never_applies_twice(
+    pool: asyncpg.Pool, client: redis.asyncio.Redis, redis_server: RedisServer
+) -> None:
+    fast = RedisSeen(client, timeout=0.3)
+    inbox = Inbox(fast_path=fast)
+    handler = apply_handler(inbox)
+    ids = [str(uuid.uuid4()) for _ in range(60)]
+    # Each id delivered three times over the stream; Redis is killed a third of the way
+    # through and comes back empty two thirds of the way through.
+    stream = [eid for eid in ids for _ in range(3)]
+    for i, eid in enumerate(stream):
+        if i == len(stream) // 3:
+            redis_server.kill()
+        if i == 2 * len(stream) // 3:
+            redis_server.start()
+        await inbox.apply(pool, event(eid), handler)
+    # Everything again, with Redis empty for the first third of the ids.
+    for eid in ids:
+        assert await inbox.apply(pool, event(eid), handler) is False
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT event_id, count(*) AS n FROM applied GROUP BY event_id")
+    assert {r["event_id"]: r["n"] for r in rows} == dict.fromkeys(ids, 1)
+    assert inbox.counts["applied"] == 60
+    assert fast.errors > 0  # Redis really was gone for a while
+    assert inbox.counts["duplicate_fast"] > 0  # and useful before and after
+    assert inbox.counts["duplicate"] > 0  # the database caught what Redis could not
