@@ -18,8 +18,15 @@ from typing import Any
 
 from devstack import Stack, StackError
 from devstack._common import cache_root, read_json, write_json
+from devstack.pgbouncer import POOL_MODES, PgBouncer
 
 STATE_FILE = "stack.json"
+# Exported by `up --pgbouncer`: the maintenance database through each pooler.
+PGBOUNCER_DSN_ENV = {
+    "transaction": "NOTIFY_OUTBOX_TEST_PGBOUNCER_TX_DSN",
+    "session": "NOTIFY_OUTBOX_TEST_PGBOUNCER_SESSION_DSN",
+}
+_PGBOUNCER_NAMES = {"transaction": "pgb-tx", "session": "pgb-sess"}
 
 
 def default_dir() -> Path:
@@ -63,7 +70,20 @@ def _exports(stack: Stack) -> str:
     # The relay's own settings, so it can be run by hand against the same stack.
     env["NOTIFY_OUTBOX_DSN"] = stack.postgres.dsn
     env["NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"] = stack.kafka.bootstrap_servers
+    for pooler in _poolers(stack):
+        if pooler.is_running:
+            env[PGBOUNCER_DSN_ENV[pooler.pool_mode]] = pooler.dsn_for("postgres")
     return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
+
+
+def _poolers(stack: Stack, *, create: bool = False) -> list[PgBouncer]:
+    """The stack's PgBouncers (those ``up --pgbouncer`` made, or all modes if ``create``)."""
+    poolers = []
+    for mode in POOL_MODES:
+        base = stack.base_dir / "pgbouncer" / mode
+        if create or base.is_dir():
+            poolers.append(PgBouncer(base, postgres_port=stack.postgres.port, pool_mode=mode))
+    return poolers
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -73,6 +93,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     started = time.monotonic()
     stack.start()
     _save(stack)
+    for pooler in _poolers(stack, create=args.pgbouncer):
+        pooler.start()
+        print(f"pgbouncer ({pooler.pool_mode}) on port {pooler.port}", file=sys.stderr)
     print(
         f"stack up in {time.monotonic() - started:.1f}s: postgres {stack.postgres.dsn}, "
         f"kafka {stack.kafka.bootstrap_servers} (state: {directory / STATE_FILE})",
@@ -84,6 +107,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_down(args: argparse.Namespace) -> int:
     stack = _load(args.dir)
+    for pooler in _poolers(stack):
+        pooler.stop()
     stack.stop()
     _save(stack)
     print(f"stack in {stack.base_dir} stopped", file=sys.stderr)
@@ -97,6 +122,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("postgres", pg.is_running(), pg.pid, pg.dsn, pg.log_path),
         ("kafka", kafka.is_running(), kafka.pid, kafka.bootstrap_servers, kafka.log_path),
     ]
+    rows.extend(
+        (_PGBOUNCER_NAMES[p.pool_mode], p.is_running, p.pid, p.dsn_for("postgres"), p.log_path)
+        for p in _poolers(stack)
+    )
     for name, running, pid, address, log in rows:
         state = f"running (pid {pid})" if running else "stopped"
         print(f"{name:<9} {state:<22} {address}  log: {log}")
@@ -141,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--fast",
         action="store_true",
         help="fsync/synchronous_commit/full_page_writes off (tests); default keeps them on",
+    )
+    up.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="also run PgBouncer in transaction and session mode (installs Debian's package "
+        "when missing)",
     )
     up.set_defaults(func=_cmd_up)
     down = sub.add_parser("down", parents=[common], help="stop both services, keep the data")

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pwd
 import socket
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 CACHE_DIR_ENV = "NOTIFY_OUTBOX_CACHE_DIR"
+# PostgreSQL and PgBouncer both refuse to run as root, so as root they run as this account.
+SERVICE_USER = "postgres"
+
+_log = logging.getLogger("devstack")
 
 
 def cache_root() -> Path:
@@ -96,3 +103,41 @@ def cmdline(pid: int) -> list[str]:
     except OSError:
         return []
     return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def service_user(program: str) -> pwd.struct_passwd | None:
+    """The account ``program`` must run as: None (the current user) unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        raise StackError(
+            f"running as root, and {program} refuses to run as root, but there is no "
+            f"{SERVICE_USER!r} user to run it as: create it (useradd --system {SERVICE_USER}) "
+            "or run as an unprivileged user"
+        ) from None
+
+
+def grant_search(directory: Path, user: pwd.struct_passwd, target: Path) -> None:
+    """Let ``user`` traverse ``directory`` and its parents on the way to ``target``."""
+    # Root-owned private dirs (pytest's /tmp/pytest-of-root, mkdtemp results)
+    # would keep the service user from reaching its files. Adding only the
+    # search bit lets it traverse them without being able to list them.
+    groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
+    for path in (directory, *directory.parents):
+        st = path.stat()
+        if st.st_uid == user.pw_uid:
+            needed = stat.S_IXUSR
+        elif st.st_gid in groups:
+            needed = stat.S_IXGRP
+        else:
+            needed = stat.S_IXOTH
+        if not st.st_mode & needed:
+            _log.warning(
+                "granting search permission on %s so the %s user can reach %s",
+                path,
+                user.pw_name,
+                target,
+            )
+            os.chmod(path, stat.S_IMODE(st.st_mode) | needed)

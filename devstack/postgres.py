@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import pwd
 import shutil
-import stat
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from devstack._common import StackError, cmdline, free_ports, pid_alive, read_json, tail, write_json
+from devstack._common import (
+    StackError,
+    cmdline,
+    free_ports,
+    grant_search,
+    pid_alive,
+    read_json,
+    service_user,
+    tail,
+    write_json,
+)
+from devstack.pgbundles import PG_VERSION_ENV, bundle_bindir
 
 __all__ = ["PostgresServer", "find_pg_bindir"]
 
-_log = logging.getLogger(__name__)
-
 PG_BINDIR_ENV = "NOTIFY_OUTBOX_PG_BINDIR"
 _SUPERUSER = "postgres"
-# PostgreSQL refuses to run as root, so as root the server runs as this account.
-_OS_USER = "postgres"
 _STATE_FILE = "devstack-postgres.json"
 _CONF_FILE = "devstack.conf"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -31,9 +36,20 @@ _STOP_MODES = ("smart", "fast", "immediate")
 
 
 def find_pg_bindir() -> Path:
-    """Locate the directory holding ``initdb`` and ``pg_ctl``."""
+    """Locate the directory holding ``initdb`` and ``pg_ctl``.
+
+    ``NOTIFY_OUTBOX_PG_BINDIR`` names it outright; otherwise
+    ``NOTIFY_OUTBOX_PG_VERSION`` picks a major version: the installed one if
+    Debian's package is there, else a bundle from Maven Central (pgbundles).
+    """
     candidates: list[Path] = []
     override = os.environ.get(PG_BINDIR_ENV)
+    version = os.environ.get(PG_VERSION_ENV, "").strip()
+    if version and not override:
+        installed = Path("/usr/lib/postgresql") / version / "bin"
+        if (installed / "initdb").is_file() and (installed / "pg_ctl").is_file():
+            return installed
+        return bundle_bindir(version)
     if override:
         candidates.append(Path(override))
     else:
@@ -150,7 +166,12 @@ class PostgresServer:
         if not state.get("initialized") or not (self.data_dir / "PG_VERSION").is_file():
             self._initdb()
         self._write_conf()
-        write_json(self._state_path, {"port": self.port, "initialized": True})
+        # The binaries are remembered so that a stop from another handle (or
+        # without NOTIFY_OUTBOX_PG_VERSION) uses the same pg_ctl.
+        write_json(
+            self._state_path,
+            {"port": self.port, "initialized": True, "bindir": str(self._bindir)},
+        )
         result = self._run(
             [
                 "pg_ctl",
@@ -177,7 +198,8 @@ class PostgresServer:
             raise ValueError(f"mode must be one of {_STOP_MODES}, not {mode!r}")
         if not self.is_running():
             return
-        self._bindir = self._bindir or find_pg_bindir()
+        saved = read_json(self._state_path).get("bindir")
+        self._bindir = self._bindir or (Path(saved) if saved else None) or find_pg_bindir()
         result = self._run(
             [
                 "pg_ctl",
@@ -206,16 +228,7 @@ class PostgresServer:
 
     def _os_user(self) -> pwd.struct_passwd | None:
         """The account the server runs as, or None to run as the current user."""
-        if os.geteuid() != 0:
-            return None
-        try:
-            return pwd.getpwnam(_OS_USER)
-        except KeyError:
-            raise StackError(
-                f"running as root, and PostgreSQL refuses to run as root, but there is no "
-                f"{_OS_USER!r} user to run it as: create it (useradd --system {_OS_USER}) "
-                "or run as an unprivileged user"
-            ) from None
+        return service_user("PostgreSQL")
 
     def _prepare_dirs(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
@@ -236,26 +249,7 @@ class PostgresServer:
         self._grant_search(user)
 
     def _grant_search(self, user: pwd.struct_passwd) -> None:
-        # Root-owned private dirs (pytest's /tmp/pytest-of-root, mkdtemp results)
-        # would keep the postgres user from reaching data/. Adding only the
-        # search bit lets it traverse them without being able to list them.
-        groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
-        for directory in (self.base_dir, *self.base_dir.parents):
-            st = directory.stat()
-            if st.st_uid == user.pw_uid:
-                needed = stat.S_IXUSR
-            elif st.st_gid in groups:
-                needed = stat.S_IXGRP
-            else:
-                needed = stat.S_IXOTH
-            if not st.st_mode & needed:
-                _log.warning(
-                    "granting search permission on %s so the %s user can reach %s",
-                    directory,
-                    user.pw_name,
-                    self.data_dir,
-                )
-                os.chmod(directory, stat.S_IMODE(st.st_mode) | needed)
+        grant_search(self.base_dir, user, self.data_dir)
 
     def _initdb(self) -> None:
         # A half-initialised data dir from an interrupted run would make initdb

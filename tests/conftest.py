@@ -21,6 +21,7 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames, migrate
+from tests.pooling import Poolers, start_poolers
 from tests.support import create_topics, dsn_with_database
 
 TEMPLATE_DB = "notify_outbox_template"
@@ -62,6 +63,37 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
         yield from _containers(dsn, bootstrap)
         return
     yield from _local_stack(tmp_path_factory.mktemp("stack"), dsn, bootstrap)
+
+
+@pytest.fixture(scope="session")
+def poolers(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Poolers]:
+    """A transaction-mode and a session-mode PgBouncer in front of the tests' PostgreSQL."""
+    from devstack import StackError
+
+    try:
+        pools = start_poolers(services.dsn, tmp_path_factory.mktemp("pgbouncer"))
+    except StackError as e:
+        pytest.fail(f"no PgBouncer for the tests: {e}", pytrace=False)
+    try:
+        yield pools
+    finally:
+        pools.stop()
+
+
+@pytest.fixture(autouse=True)
+def _pgbouncer_crash_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test during which a pooler crashed, and restart it for the next ones."""
+    yield
+    if "poolers" in request.fixturenames:
+        crashes = request.getfixturevalue("poolers").restart_crashed()
+        if crashes:
+            pytest.fail("\n".join(crashes), pytrace=False)
+
+
+@pytest.fixture(params=["transaction", "session"])
+def pooled_dsn(request: pytest.FixtureRequest, poolers: Poolers, db_dsn: str) -> str:
+    """This test's database through PgBouncer, once per pool mode (see the test id)."""
+    return poolers.dsn_through(request.param, db_dsn)
 
 
 def _containers(dsn: str | None, bootstrap: str | None) -> Iterator[Services]:
