@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install test test-faults unit lint demo bench bench-smoke stack-up stack-down clean
+.PHONY: install test test-faults unit lint demo example bench bench-smoke stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench-smoke: $(STAMP)
 # Options: make demo DEMO_ARGS="--events 1000 --rate 100" (or --keep to leave the stack up).
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+# The consumer side: an order service, the relay, and a billing consumer that applies each
+# order exactly once with the inbox (examples/orders). Options: EXAMPLE_ARGS="--orders 50".
+example: $(STAMP)
+	$(PY) -m examples.orders $(EXAMPLE_ARGS)
 
 # Local services for manual work: `eval "$$(make -s stack-up)"` exports the settings.
 stack-up: $(STAMP)

@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import asyncpg
 
-from .db import DATABASE_ERRORS
+from .admin_cli import (
+    add_admin_commands,
+    print_requeue,
+    print_status,
+    run_admin_command,
+    wants_admin,
+)
+from .db import DATABASE_ERRORS, never_heals, statement_cache_size
+from .deadletters import DeadLetterFilter
+from .debezium_cli import add_debezium_command, run_debezium_command, wants_debezium
 from .errors import ConfigurationError, MigrationError
+from .http import healthcheck_main, serve_monitoring
+from .inbox_cli import add_inbox_command, add_inbox_flag, run_inbox_command, wants_inbox
+from .logs import configure_logging, secrets_from_env
 from .migrations import migrate, render_migrations, verify
 from .names import OutboxNames, validate_identifier
 from .relay import Relay
@@ -46,8 +57,15 @@ def _name_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channel", help="NOTIFY channel [NOTIFY_OUTBOX_CHANNEL]")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage (an unknown flag, a bad value) is one line, not the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(  # subcommands' parsers are _Parser too
         prog="notify-outbox",
         description="Relay outbox events from PostgreSQL to Kafka. Settings come from "
         "NOTIFY_OUTBOX_* environment variables; flags override them.",
@@ -65,9 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     _db_flags(p)
     p.add_argument("--check", action="store_true", help="only check: exit 4 if not up to date")
+    add_inbox_flag(p)
 
     p = sub.add_parser("verify", parents=[common], help="same as `migrate --check`")
     _db_flags(p)
+    add_inbox_flag(p)
 
     p = sub.add_parser(
         "sql", parents=[common], help="print the migrations' SQL for psql, Alembic or Flyway"
@@ -77,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grants", action="store_true", help="print least-privilege GRANTs instead")
     p.add_argument("--relay-role", default="notify_outbox_relay", help="role of the relay")
     p.add_argument("--app-role", default="notify_outbox_app", help="role of the application")
+    add_inbox_flag(p)
 
     p = sub.add_parser(
         "run", parents=[common], help="run the relay until SIGTERM/SIGINT (twice: abort)"
@@ -95,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
         "status", parents=[common], help="print pending, retrying and dead-lettered counts (JSON)"
     )
     _db_flags(p)
+    p.add_argument(
+        "--count-limit", type=int, default=100_000, help="count each up to this (bounded work)"
+    )
 
     p = sub.add_parser(
         "notify-mode", parents=[common], help="show or set how producers wake the relay"
@@ -113,6 +137,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _db_flags(p)
     p.add_argument("ids", nargs="+", type=int, help="ids of dead-lettered rows")
+
+    p = sub.add_parser(
+        "healthcheck", parents=[common], help="exit 0 if the local relay's /readyz says ready"
+    )
+    p.add_argument("--url", help="default: http://$NOTIFY_OUTBOX_HTTP_HOST:$..._PORT/readyz")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    add_inbox_command(sub, common)
+    add_debezium_command(sub, common)  # Debezium-compatible mode: debezium_cli.py
+    add_admin_commands(sub, common)  # dead-letters, replay: admin_cli.py
     return parser
 
 
@@ -121,11 +154,19 @@ def _overrides(args: argparse.Namespace, *fields: str) -> dict[str, Any]:
 
 
 async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
+    # A command runs a handful of statements: no statement cache, which also makes it work
+    # through a transaction-pooling PgBouncer (unless NOTIFY_OUTBOX_STATEMENT_CACHE_SIZE).
     try:
-        return await asyncpg.connect(settings.dsn.get_secret_value(), timeout=30)
+        return await asyncpg.connect(
+            settings.dsn.get_secret_value(),
+            timeout=30,
+            statement_cache_size=statement_cache_size(settings.statement_cache_size, True),
+        )
     except DATABASE_ERRORS as e:
+        why = never_heals(e)
         raise ConfigurationError(
-            f"cannot connect to PostgreSQL (NOTIFY_OUTBOX_DSN): {redact(str(e), settings)}"
+            f"cannot connect to PostgreSQL (NOTIFY_OUTBOX_DSN): "
+            f"{why + ': ' if why else ''}{redact(str(e) or type(e).__name__, settings)}"
         ) from None
 
 
@@ -143,12 +184,10 @@ async def _migrate(settings: DatabaseSettings, check: bool) -> int:
         await conn.close()
 
 
-async def _status(settings: DatabaseSettings) -> int:
+async def _status(settings: DatabaseSettings, count_limit: int) -> int:
     conn = await _connect(settings)
     try:
-        row = await conn.fetchrow(Queries(settings.names)["stats"])
-        print(json.dumps(dict(row) if row else {}))
-        return EXIT_OK
+        return await print_status(conn, settings.names, count_limit)
     finally:
         await conn.close()
 
@@ -169,10 +208,8 @@ async def _notify_mode(settings: DatabaseSettings, mode: str | None) -> int:
 async def _requeue(settings: DatabaseSettings, ids: list[int]) -> int:
     conn = await _connect(settings)
     try:
-        async with conn.transaction():
-            rows = await conn.fetch(Queries(settings.names)["requeue_dead"], ids)
-        print(f"requeued {len(rows)} of {len(ids)} events")
-        return EXIT_OK if len(rows) == len(ids) else EXIT_FAILED
+        # The same as `dead-letters requeue ID...`.
+        return await print_requeue(conn, settings.names, DeadLetterFilter(ids=ids), dry_run=False)
     finally:
         await conn.close()
 
@@ -226,7 +263,8 @@ async def _run_relay(settings: OutboxSettings) -> int:
 
         ready.add_done_callback(announce)
         try:
-            await relay.run()
+            async with serve_monitoring(relay, settings):  # /metrics etc. if http_port is set
+                await relay.run()
         finally:
             ready.cancel()
     finally:
@@ -281,20 +319,27 @@ def _run_async(coro: Coroutine[Any, Any, int], *, uvloop_ok: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``notify-outbox`` command; returns the exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     try:
+        # NOTIFY_OUTBOX_LOG_FORMAT=json: one JSON object a line (logs.py); secrets redacted.
+        fmt = os.environ.get("NOTIFY_OUTBOX_LOG_FORMAT")
+        configure_logging(args.log_level, fmt, secrets=secrets_from_env(getattr(args, "dsn", None)))
+        if wants_admin(args):  # dead-letters, replay: admin_cli.py
+            return run_admin_command(args, _connect)
+        if wants_debezium(args):  # Debezium-compatible mode: debezium_cli.py
+            return run_debezium_command(args, _connect)
+        if wants_inbox(args):  # the consumer side: inbox_cli.py
+            return run_inbox_command(args, _connect)
         if args.command == "sql":
             return _print_sql(args)
+        if args.command == "healthcheck":
+            return healthcheck_main(args.url, args.timeout)
         if args.command in ("migrate", "verify"):
             db = load_settings(DatabaseSettings, **_overrides(args))
             check = args.command == "verify" or args.check
             return asyncio.run(_migrate(db, check))
         if args.command == "status":
-            return asyncio.run(_status(load_settings(DatabaseSettings, **_overrides(args))))
+            db = load_settings(DatabaseSettings, **_overrides(args))
+            return asyncio.run(_status(db, args.count_limit))
         if args.command == "notify-mode":
             db = load_settings(DatabaseSettings, **_overrides(args))
             return asyncio.run(_notify_mode(db, args.mode))

@@ -1,11 +1,21 @@
-"""Connecting to PostgreSQL: the one list of database errors, and which of them will never
-heal by retrying."""
+"""Connecting to PostgreSQL: the one list of database errors, which of them no retry cures,
+whether a pooler sits in between, and ending a connection without upsetting one."""
 
 from __future__ import annotations
 
+import asyncio
+
+import anyio
 import asyncpg
 
-__all__ = ["DATABASE_ERRORS", "UNREACHABLE_ERRORS"]
+__all__ = [
+    "DATABASE_ERRORS",
+    "UNREACHABLE_ERRORS",
+    "behind_pooler",
+    "never_heals",
+    "statement_cache_size",
+    "terminate",
+]
 
 # Everything a database call can raise when the database, not the relay, is the problem.
 # InternalClientError: asyncpg's protocol state after the server vanished mid-operation
@@ -29,3 +39,76 @@ UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
     asyncpg.InternalClientError,
     TimeoutError,
 )
+
+
+# SQLSTATEs of connection errors that no retry will cure: say what to fix instead of waiting.
+_NEVER_HEALS = {
+    "28000": "the server refused this user or client address (pg_hba.conf, or the pooler's "
+    "auth settings)",
+    "28P01": "the password was refused",
+    "3D000": "the database does not exist",
+    "42501": "the user may not connect to this database",
+}
+# PgBouncer reports its own refusals, and the server's refusals it passes on, as protocol
+# violations (08P01), among transient ones such as "pgbouncer cannot connect to server"; these
+# are the permanent ones.
+_POOLER_REFUSALS = (
+    "unsupported startup parameter",
+    "no such database",
+    "no such user",
+    "does not exist",
+    "password authentication failed",
+    "no pg_hba.conf entry",
+)
+
+
+def never_heals(error: BaseException) -> str | None:
+    """Why retrying to connect cannot help (a wrong password, a missing database, a pooler
+    that refuses a start-up parameter), or None for errors that may pass (an outage)."""
+    if isinstance(error, asyncpg.ClientConfigurationError):
+        return "the connection settings are invalid"
+    code = getattr(error, "sqlstate", None)
+    if code in _NEVER_HEALS:
+        return _NEVER_HEALS[code]
+    if code == "08P01" and any(r in str(error) for r in _POOLER_REFUSALS):
+        return "the connection pooler refused the connection"
+    return None
+
+
+async def behind_pooler(conn: asyncpg.Connection) -> bool:
+    """Whether a connection pooler (PgBouncer) sits between this client and PostgreSQL.
+
+    A pooler answers the start-up itself, with a backend key (pid) of its own making; the pid
+    of the server process that actually runs our statements differs from it. A plain TCP
+    proxy passes the server's key through, and keeps the session: it counts as direct."""
+    server_pid: int = await conn.fetchval("SELECT pg_backend_pid()")
+    announced: int = conn.get_server_pid()
+    return announced != server_pid
+
+
+def statement_cache_size(configured: int | None, pooled: bool) -> int:
+    """asyncpg's statement cache size: the setting, else none behind a pooler (a named
+    prepared statement lives in one server session, which a transaction pooler hands to
+    other clients between transactions), else asyncpg's default."""
+    if configured is not None:
+        return configured
+    return 0 if pooled else 100
+
+
+# How long ending a connection waits for asyncpg's cancel requests still on their way.
+_CANCEL_GRACE = 1.0
+
+
+async def terminate(conn: asyncpg.Connection) -> None:
+    """End ``conn`` at once, but only after asyncpg's cancel requests still on their way (a
+    statement that timed out or was cancelled) have been delivered, for up to a second.
+
+    ``Connection.terminate()`` alone abandons them mid-flight, and PgBouncer before 1.19.1
+    (Debian 12 ships 1.18) crashes, disconnecting every client it serves, when a cancel
+    request's connection closes before it forwarded the request (pgbouncer issue #801).
+    Shielded from cancellation: it runs on error and cancellation paths."""
+    pending = [t for t in getattr(conn, "_cancellations", ()) if not t.done()]
+    if pending:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_GRACE):
+            await asyncio.wait(pending)
+    conn.terminate()

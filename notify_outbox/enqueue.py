@@ -20,6 +20,7 @@ import asyncpg
 from .errors import EventValidationError
 from .names import OutboxNames
 from .sqlfiles import Queries
+from .tracing import with_trace_context
 
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES",
@@ -108,16 +109,18 @@ def _prepare(event: OutboxEvent, max_bytes: int) -> PreparedEvent:
             raise EventValidationError("an event without payload (a tombstone) needs a key")
         size = 0
     headers_json: str | None = None
-    if event.headers is not None:
-        if not isinstance(event.headers, Mapping):
+    # The active OpenTelemetry span's traceparent, when tracing is on (tracing.py).
+    headers = with_trace_context(event.headers)
+    if headers is not None:
+        if not isinstance(headers, Mapping):
             raise EventValidationError("headers must be a mapping of str to str")
-        for name, value in event.headers.items():
+        for name, value in headers.items():
             if not isinstance(name, str) or not isinstance(value, str):
                 raise EventValidationError("headers must be a mapping of str to str")
             if name in RESERVED_HEADERS:
                 raise EventValidationError(f"header {name!r} is reserved for the relay")
             size += len(name.encode()) + len(value.encode())
-        headers_json = json.dumps(dict(event.headers), ensure_ascii=False)
+        headers_json = json.dumps(dict(headers), ensure_ascii=False)
     size += len(key.encode()) if key else 0
     if size > max_bytes:
         raise EventValidationError(

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["RelayEvents"]
+if TYPE_CHECKING:
+    from .store import BatchOutcome, OutboxRow
+
+__all__ = ["BatchObserver", "RelayEvents"]
 
 Hook = Callable[[str, int], None]
+#: ``observer(rows, outcome, unavailable)``: a batch's claimed rows, what was written back for
+#: them, and why Kafka was unavailable (None if it was not); called once the claim committed.
+BatchObserver = Callable[["Sequence[OutboxRow]", "BatchOutcome", "str | None"], None]
 
 
 class RelayEvents:
@@ -20,20 +27,35 @@ class RelayEvents:
     (producers that may have skipped their NOTIFY have finished)), ``poll`` (a fallback poll
     ran), ``gate_awake`` / ``gate_sleep`` (the awake marker taken / let go), ``gate_busy``
     (producers were in flight when the relay tried to sleep, or while it watched the gate),
+    ``idle`` (a worker found nothing more to claim and waits for the next wake-up),
     ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``batch_done``,
-    ``kafka_unavailable``, ``db_error``, ``cleanup``.
-    ``claimed``, ``published``, ``retried`` and ``dead_lettered`` count rows; the others count
-    occurrences.
+    ``kafka_unavailable``, ``db_error``, ``cleanup`` (published rows deleted by retention),
+    ``cleanup_dead_letters`` (dead letters deleted by their retention).
+    ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``cleanup`` and
+    ``cleanup_dead_letters`` count rows; the others count occurrences.
     """
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self._changed = asyncio.Event()
         self._hooks: list[Hook] = []
+        self._batch_observers: list[BatchObserver] = []
 
     def add_hook(self, hook: Hook) -> None:
         """Call ``hook(name, amount)`` on every event (it must not block or raise)."""
         self._hooks.append(hook)
+
+    def add_batch_observer(self, observer: BatchObserver) -> None:
+        """Call ``observer(rows, outcome, unavailable)`` after every committed claim, for what
+        counts alone cannot say: topics, and rows' ``created_at`` (it must not block or raise)."""
+        self._batch_observers.append(observer)
+
+    def report_batch(
+        self, rows: Sequence[OutboxRow], outcome: BatchOutcome, unavailable: str | None
+    ) -> None:
+        """Report a committed claim to the batch observers."""
+        for observer in self._batch_observers:
+            observer(rows, outcome, unavailable)
 
     def emit(self, name: str, amount: int = 1) -> None:
         """Record ``amount`` occurrences of ``name``."""

@@ -14,19 +14,20 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import asyncpg
 
 from .backoff import Backoff
-from .db import DATABASE_ERRORS
+from .db import DATABASE_ERRORS, terminate
+from .errors import ConfigurationError
 from .events import RelayEvents
 from .settings import OutboxSettings
 from .sqlfiles import Queries
 
-__all__ = ["PROBE_PREFIX", "Listener"]
+__all__ = ["PROBE_PREFIX", "ListenUnsupported", "Listener"]
 
 log = logging.getLogger("notify_outbox.listener")
 
@@ -35,6 +36,16 @@ PROBE_PREFIX = "notify-outbox-probe:"
 
 class ListenerLost(Exception):
     """The listening connection is gone or did not answer its health probe."""
+
+
+class ListenUnsupported(ConfigurationError):
+    """LISTEN does not work through this connection (a transaction-pooling PgBouncer hands
+    the server session to other clients between statements, notifications included)."""
+
+
+# How long to wait between attempts once LISTEN was found not to work: it takes a change of
+# the pooler's or the relay's settings to cure, not a quick retry.
+_UNSUPPORTED_RETRY = 30.0
 
 
 # What ends a listening session and starts the reconnect loop (anything else is a bug: raised).
@@ -51,19 +62,27 @@ class Listener:
         events: RelayEvents,
         *,
         connect: Callable[..., Any] = asyncpg.connect,
+        notify: Callable[[str, str], Awaitable[object]] | None = None,
     ) -> None:
+        """``notify(channel, payload)`` sends a notification over another connection (the
+        workers' pool): it proves that a LISTEN through a connection pooler hears
+        notifications at all (see ``_check_listen``)."""
         self._settings = settings
         self._wake = wake
         self._events = events
         self._connect = connect
+        self._notify = notify
         self._probes: dict[str, asyncio.Future[None]] = {}
         self._queries = Queries(settings.names)
         # One query at a time on the connection (asyncpg refuses overlapping ones).
         self._lock = asyncio.Lock()
         self.connection: asyncpg.Connection | None = None
-        #: Whether this relay holds the gated notify's awake marker A (on this connection).
-        self.marked = False
-        self._identity: tuple[int, Any] | None = None  # (pid, backend_start) of the session
+        # (pid, backend_start) of the last session, when it was a direct one (see _serve).
+        self._identity: tuple[int, Any] | None = None
+        #: Whether the current session is PostgreSQL's own (no pooler in between): only then
+        #: is the awake marker, a session-level lock, tied to this relay's life.
+        self.direct = True
+        self._pooled_noted = False
         self._backoff = Backoff(settings.reconnect_min_delay, settings.reconnect_max_delay)
         self._lost_at: float | None = None  # when the last working session was lost
 
@@ -98,19 +117,25 @@ class Listener:
         # The connection may die silently during its set-up too, before the health probe
         # runs: every statement here needs a deadline (TimeoutError means reconnect).
         with anyio.fail_after(self._settings.db_command_timeout):
-            if self._identity is not None:
+            identity = await conn.fetchrow(self._queries["listener_identity"])
+            # Behind a pooler the server pid differs from the one announced at start-up, and
+            # the server session may serve another client tomorrow: never end it by pid.
+            self.direct = identity is not None and identity["pid"] == conn.get_server_pid()
+            if self.direct and self._identity is not None:
                 # A dropped client socket does not end the server session at once; until it
                 # ends, it may still hold the awake marker and producers may skip their
-                # NOTIFY. End it (only that exact session) before the catch-up claim below.
+                # NOTIFY. End it (only that exact session: pid and start time, recorded on a
+                # direct connection) before the catch-up claim below.
                 pid, started = self._identity
                 await conn.execute(self._queries["end_old_listener"], pid, started, 5000)
-            identity = await conn.fetchrow(self._queries["listener_identity"])
-            self._identity = (identity["pid"], identity["backend_start"]) if identity else None
+            self._identity = (identity["pid"], identity["backend_start"]) if self.direct else None
             # asyncpg runs LISTEN outside any transaction, so it is committed before the
             # catch-up claim that the wake below starts: nothing committed after this point
             # is missed.
             async with self._lock:
                 await conn.add_listener(self._settings.channel, self._on_notification)
+        if not self.direct:
+            await self._check_listen()
         # Only now may workers run gate statements on this connection.
         self.connection = conn
         # The session works: the next failure starts the backoff from the beginning.
@@ -127,72 +152,57 @@ class Listener:
                 raise ListenerLost("the listening connection was closed")
             await self._probe(conn)
 
-    async def _gate_query(self, name: str) -> bool | None:
-        """Run one gate statement; the caller holds ``self._lock``. None if there is no
-        healthy connection to run it on.
-
-        Any failure terminates the connection: that releases A for certain, whereas a lock
-        state we are unsure of could leave producers skipping their NOTIFY forever.
-        """
-        conn = self.connection
-        if conn is None or conn.is_closed():
-            self.marked = False
-            return None
+    async def _check_listen(self) -> None:
+        """Behind a pooler: prove that this LISTEN hears a notification sent over another
+        connection. A session pooler passes it; a transaction pooler cannot (between
+        statements the server session, and its notifications, belong to nobody)."""
+        if self._notify is None:
+            return
+        token = PROBE_PREFIX + secrets.token_hex(8)
+        echo: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._probes[token] = echo
         try:
-            with anyio.fail_after(self._settings.db_command_timeout):
-                return bool(await conn.fetchval(self._queries[name]))
-        except Exception as e:
-            # asyncpg also raises protocol-state errors when the server ended the session
-            # while it was idle: any failure means "this connection is done".
-            log.warning("listening connection failed a gate statement (%s); closing it", e)
-            self.marked = False
-            conn.terminate()
-            return None
-        except BaseException:  # cancellation mid-statement
-            self.marked = False
-            conn.terminate()
-            raise
+            with anyio.move_on_after(self._settings.listen_health_timeout):
+                await self._notify(self._settings.channel, token)
+                await echo
+        finally:
+            del self._probes[token]
+        # (Cancelling the wait cancels the future too: only a result counts.)
+        if echo.cancelled() or not echo.done():
+            raise ListenUnsupported(
+                "LISTEN does not work through the listening connection's DSN (a "
+                "transaction-pooling PgBouncer?): set NOTIFY_OUTBOX_LISTEN_DSN to a DSN of "
+                "PostgreSQL itself (or of a session-pooling pooler) for the one listening "
+                "connection, or NOTIFY_OUTBOX_POLL_ONLY=true"
+            )
+        if not self._pooled_noted:
+            self._pooled_noted = True
+            log.info(
+                "listening through a connection pooler (session pooling): the gated notify "
+                "is off for this relay and producers always NOTIFY; point "
+                "NOTIFY_OUTBOX_LISTEN_DSN at PostgreSQL itself to use it"
+            )
 
-    async def mark_awake(self) -> bool:
-        """Take the awake marker A (never blocks); True if this relay now holds it."""
-        # The check and the statement sit under one lock: advisory locks are re-entrant, and
-        # taking A twice would leave it held after the one release of the sleep protocol.
-        async with self._lock:
-            if self.marked:
-                return True
-            self.marked = bool(await self._gate_query("mark_awake"))
-        if self.marked:
-            self._events.emit("gate_awake")
-        return self.marked
+    async def session_statement(self, sql: str) -> tuple[asyncpg.Connection, bool] | None:
+        """Run one statement of the gated notify (``gate.py``) on the listening session: the
+        connection it ran on and its boolean result, or None without a healthy connection.
 
-    async def try_sleep(self) -> bool:
-        """Release A if no producer is in flight. True: A is released (or was never held, or
-        its connection is gone, which released it). False: producers are in flight that may
-        have skipped their NOTIFY; stay awake and claim again."""
+        A failure terminates the connection: that releases the awake marker for certain,
+        whereas a lock state we are unsure of could leave producers skipping their NOTIFY."""
         async with self._lock:
-            if not self.marked:
-                return True
-            released = await self._gate_query("try_sleep")
-            if released is False:
-                return False
-            self.marked = False
-        self._events.emit("gate_sleep")
-        return True
-
-    async def release(self) -> None:
-        """Let producers NOTIFY again now, whether or not producers are in flight (see the
-        ``release_awake`` query: the caller must then wait for ``gate_free``)."""
-        async with self._lock:
-            if not self.marked:
-                return
-            await self._gate_query("release_awake")
-            self.marked = False
-        self._events.emit("gate_sleep")
-
-    async def gate_free(self) -> bool | None:
-        """True when no producer is in flight; None without a healthy connection."""
-        async with self._lock:
-            return await self._gate_query("gate_free")
+            conn = self.connection
+            if conn is None or conn.is_closed():
+                return None
+            try:
+                with anyio.fail_after(self._settings.db_command_timeout):
+                    return conn, bool(await conn.fetchval(sql))
+            except DATABASE_ERRORS as e:
+                log.warning("listening connection failed a gate statement (%s); closing it", e)
+                await terminate(conn)
+                return None
+            except BaseException:  # cancellation mid-statement
+                await terminate(conn)
+                raise
 
     async def run(self) -> None:
         """Listen until cancelled, reconnecting with exponential backoff and jitter.
@@ -200,16 +210,29 @@ class Listener:
         The log says when a working session is lost and when listening works again; failed
         attempts in between are quiet (DEBUG)."""
         s = self._settings
+        dsn = (s.listen_dsn or s.dsn).get_secret_value()
         first = True
         while True:
             conn: asyncpg.Connection | None = None
+            wait: float | None = None
             try:
                 with anyio.fail_after(s.db_command_timeout):
+                    # No statement cache: a few statements a minute do not need one, and a
+                    # pooler in between would break it.
                     conn = await self._connect(
-                        s.dsn.get_secret_value(),
+                        dsn,
+                        statement_cache_size=0,
                         server_settings={"application_name": "notify-outbox-listener"},
                     )
                 await self._serve(conn, first)
+            except ListenUnsupported as e:
+                if first:
+                    raise  # at start: refuse, with the fix, rather than run half-deaf
+                # Found after a reconnect (the DSN now leads through another pooler): the
+                # fallback poll keeps delivering meanwhile.
+                self._events.emit("listener_lost")
+                log.error("%s; the fallback poll delivers meanwhile", e)
+                wait = _UNSUPPORTED_RETRY
             except _SESSION_ENDED as e:
                 reason = type(e).__name__ if not isinstance(e, ListenerLost) else str(e)
                 self._events.emit("listener_lost")
@@ -221,9 +244,11 @@ class Listener:
                 else:
                     log.debug("listener reconnect failed (%s)", reason)
             finally:
-                self.connection = None
-                self.marked = False  # a session-level lock dies with its session
+                self.connection = None  # a session-level lock (the awake marker) dies with it
                 if conn is not None:
-                    conn.terminate()
+                    await terminate(conn)
             first = False
-            await self._backoff.sleep()
+            if wait is not None:
+                await anyio.sleep(wait)
+            else:
+                await self._backoff.sleep()

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .db import DATABASE_ERRORS
+from .db import DATABASE_ERRORS, terminate
 from .settings import redact
 from .sqlfiles import Queries
 
@@ -242,7 +242,7 @@ class RelayMetrics:
                 await task
         self._tasks.clear()
         if self._conn is not None:
-            self._conn.terminate()
+            await terminate(self._conn)
             self._conn = None
 
     async def _heartbeat(self) -> None:
@@ -337,7 +337,7 @@ class RelayMetrics:
                 redact(str(e) or type(e).__name__, self.relay.settings),
             )
             if self._conn is not None:
-                self._conn.terminate()
+                await terminate(self._conn)
                 self._conn = None
             # Retry at the next scrape or interval, not at once.
             self._stats_at = time.monotonic()

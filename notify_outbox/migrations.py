@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import asyncpg
 
 from .names import OutboxNames
 from .sqlfiles import Migration, load_migrations, render
 
-__all__ = ["VerifyReport", "migrate", "render_migrations", "verify"]
+__all__ = [
+    "OUTBOX_TRACK",
+    "MigrationTrack",
+    "TrackNames",
+    "VerifyReport",
+    "migrate",
+    "migrate_track",
+    "render_migrations",
+    "render_track",
+    "verify",
+    "verify_track",
+]
 
 _TRACKING = """
 CREATE SCHEMA IF NOT EXISTS @schema@;
@@ -59,14 +73,80 @@ WHERE n.nspname = $1 AND p.proname LIKE $3
 """
 
 
+class TrackNames(Protocol):
+    """The names one migration track is rendered with (``OutboxNames``, ``InboxNames``)."""
+
+    @property
+    def schema(self) -> str:
+        """The schema holding the track's objects and its tracking table."""
+        ...
+
+    @property
+    def table(self) -> str:
+        """The track's main table, unqualified."""
+        ...
+
+    @property
+    def target(self) -> str:
+        """The track's key in the tracking table: unique per track and per table."""
+        ...
+
+    @property
+    def lock_namespace(self) -> int:
+        """The bigint advisory key that serializes concurrent ``migrate`` runs."""
+        ...
+
+    def substitutions(self) -> dict[str, str]:
+        """Tokens of the SQL files mapped to their rendered text."""
+        ...
+
+
+N = TypeVar("N", bound=TrackNames)
+
+
+@dataclass(frozen=True)
+class MigrationTrack(Generic[N]):
+    """An independent series of numbered migrations: the outbox's own, or the consumer-side
+    inbox's. Each track has its folder under ``sql/`` and its rows in the tracking table
+    (keyed by the names' ``target``), so tracks never see each other's versions."""
+
+    folder: str
+    # What to run when migrations are pending, for messages.
+    command: str
+    # The relations ``verify`` compares, from the main table's name.
+    relations: Callable[[str], list[str]]
+    # The same names in another schema: the scratch copy ``verify`` builds.
+    in_schema: Callable[[N, str], N]
+    # Tokens whose values must stay those of the real names in the scratch copy.
+    schema_independent: tuple[str, ...] = ()
+
+    def migrations(self) -> tuple[Migration, ...]:
+        """The track's shipped migrations, in version order."""
+        return load_migrations(self.folder)
+
+
+OUTBOX_TRACK = MigrationTrack[OutboxNames](
+    folder="migrations",
+    command="notify-outbox migrate",
+    relations=lambda t: [t, f"{t}_dead_letter", f"{t}_id_seq", f"{t}_config"],
+    in_schema=lambda names, schema: dataclasses.replace(names, schema=schema),
+    schema_independent=OutboxNames.SCHEMA_INDEPENDENT,
+)
+
+
 def _checksum(migration: Migration) -> str:
     return hashlib.sha256(migration.template.encode()).hexdigest()
 
 
 def render_migrations(names: OutboxNames, *, since: int = 0) -> str:
     """All migrations after version ``since`` as one SQL script, for psql, Alembic or Flyway."""
+    return render_track(OUTBOX_TRACK, names, since=since)
+
+
+def render_track(track: MigrationTrack[N], names: N, *, since: int = 0) -> str:
+    """``render_migrations`` for any track."""
     parts = []
-    for m in load_migrations():
+    for m in track.migrations():
         if m.version > since:
             parts.append(f"-- notify-outbox migration {m.version:04d}_{m.name}\n")
             parts.append(m.render(names).rstrip() + "\n\n")
@@ -79,6 +159,11 @@ async def migrate(conn: asyncpg.Connection, names: OutboxNames) -> list[int]:
     Safe to run from several processes at once: the whole run holds a transaction-scoped
     advisory lock, so the second process waits, then finds nothing left to do.
     """
+    return await migrate_track(conn, OUTBOX_TRACK, names)
+
+
+async def migrate_track(conn: asyncpg.Connection, track: MigrationTrack[N], names: N) -> list[int]:
+    """``migrate`` for any track."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1::bigint)", names.lock_namespace)
         await conn.execute(render(_TRACKING, names))
@@ -86,7 +171,7 @@ async def migrate(conn: asyncpg.Connection, names: OutboxNames) -> list[int]:
         rows = await conn.fetch(f"SELECT version FROM {table} WHERE target = $1", names.target)
         done = {r["version"] for r in rows}
         applied = []
-        for m in load_migrations():
+        for m in track.migrations():
             if m.version in done:
                 continue
             await conn.execute(m.render(names))
@@ -111,6 +196,8 @@ class VerifyReport:
     schema_differences: list[str] = field(default_factory=list)
     # Objects the migrations do not declare (an index a user added, say): reported, not failed.
     extras: list[str] = field(default_factory=list)
+    # The command that applies the pending migrations (named in ``describe``).
+    command: str = OUTBOX_TRACK.command
 
     @property
     def ok(self) -> bool:
@@ -124,20 +211,17 @@ class VerifyReport:
             lines.insert(0, f"up to date: migrations {self.applied} applied, schema matches")
             return "\n".join(lines)
         if self.pending:
-            lines.append(f"pending migrations: {self.pending} (run `notify-outbox migrate`)")
+            lines.append(f"pending migrations: {self.pending} (run `{self.command}`)")
         if self.changed:
             lines.append(f"applied migrations whose shipped SQL changed since: {self.changed}")
         lines.extend(f"schema differs: {d}" for d in self.schema_differences)
         return "\n".join(lines)
 
 
-async def _catalog(conn: asyncpg.Connection, schema: str, table: str) -> dict[str, str]:
-    rows = await conn.fetch(
-        _CATALOG,
-        schema,
-        [table, f"{table}_dead_letter", f"{table}_id_seq", f"{table}_config"],
-        f"{table}\\_%",
-    )
+async def _catalog(
+    conn: asyncpg.Connection, schema: str, table: str, relations: list[str]
+) -> dict[str, str]:
+    rows = await conn.fetch(_CATALOG, schema, relations, f"{table}\\_%")
     return {f"{r['kind']} {r['name']}": r["definition"] or "" for r in rows}
 
 
@@ -148,7 +232,14 @@ async def verify(conn: asyncpg.Connection, names: OutboxNames) -> VerifyReport:
     transaction that is always rolled back, so the comparison covers every column, index,
     constraint, trigger and function exactly as the migrations declare them.
     """
-    report = VerifyReport()
+    return await verify_track(conn, OUTBOX_TRACK, names)
+
+
+async def verify_track(
+    conn: asyncpg.Connection, track: MigrationTrack[N], names: N
+) -> VerifyReport:
+    """``verify`` for any track."""
+    report = VerifyReport(command=track.command)
     table = render("@migrations@", names)
     exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
     recorded: dict[int, str] = {}
@@ -157,7 +248,7 @@ async def verify(conn: asyncpg.Connection, names: OutboxNames) -> VerifyReport:
             f"SELECT version, checksum FROM {table} WHERE target = $1", names.target
         )
         recorded = {r["version"]: r["checksum"] for r in rows}
-    for m in load_migrations():
+    for m in track.migrations():
         if m.version not in recorded:
             report.pending.append(m.version)
         else:
@@ -167,25 +258,26 @@ async def verify(conn: asyncpg.Connection, names: OutboxNames) -> VerifyReport:
     if report.pending:
         return report
 
-    scratch = OutboxNames(f"notify_outbox_verify_{secrets.token_hex(6)}", names.table)
+    scratch = track.in_schema(names, f"notify_outbox_verify_{secrets.token_hex(6)}")
     subs = scratch.substitutions()
     # Keep what does not depend on the schema's name identical to the real outbox.
     real = names.substitutions()
-    for token in OutboxNames.SCHEMA_INDEPENDENT:
+    for token in track.schema_independent:
         subs[token] = real[token]
+    relations = track.relations(names.table)
     tx = conn.transaction()
     await tx.start()
     try:
         # With only pg_catalog on the search path every definition comes out schema-qualified,
         # so the real and the scratch schema print alike.
         await conn.execute("SET LOCAL search_path = pg_catalog")
-        actual = await _catalog(conn, names.schema, names.table)
-        for m in load_migrations():
+        actual = await _catalog(conn, names.schema, names.table, relations)
+        for m in track.migrations():
             text = m.template
             for token, value in subs.items():
                 text = text.replace(token, value)
             await conn.execute(text)
-        expected_raw = await _catalog(conn, scratch.schema, names.table)
+        expected_raw = await _catalog(conn, scratch.schema, names.table, relations)
     finally:
         await tx.rollback()
     # PostgreSQL prints the scratch name bare and the real one quoted when it must be (a

@@ -98,14 +98,12 @@ class OutboxNames:
         return {
             "@schema@": s,
             "@table@": self.qualified_table,
-            "@table_name@": _quote(t),
             "@dead_letter@": f"{s}.{_quote(t + '_dead_letter')}",
             "@migrations@": f"{s}.{_quote('notify_outbox_migrations')}",
             "@id_seq@": f"{s}.{_quote(t + '_id_seq')}",
             # Literal strings below are built from validated names only: no quote can occur.
             "@id_seq_literal@": f"'{s}.{_quote(t + '_id_seq')}'",
             "@channel_literal@": f"'{self.channel}'",
-            "@target_literal@": f"'{self.target}'",
             "@prefix@": t,
             "@config@": f"{s}.{_quote(t + '_config')}",
             "@lock_ns@": str(self.lock_namespace),
@@ -120,6 +118,5 @@ class OutboxNames:
         "@claim_ns@",
         "@gate_key@",
         "@awake_key@",
-        "@target_literal@",
         "@channel_literal@",
     )

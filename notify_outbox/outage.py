@@ -41,7 +41,12 @@ class Outage:
         self.started = self._reminded = time.monotonic()
         self.held = 0
         self.count += 1
-        self._log.warning("%s unavailable (%s); rows stay pending", self.what, reason)
+        self._log.warning(
+            "%s unavailable (%s); rows stay pending",
+            self.what,
+            reason,
+            extra={"dependency": self.what, "outage": "started", "reason": reason},
+        )
         return True
 
     def remind(self) -> None:
@@ -56,6 +61,12 @@ class Outage:
                 self.what,
                 now - self.started,
                 self.held,
+                extra={
+                    "dependency": self.what,
+                    "outage": "ongoing",
+                    "outage_seconds": round(now - self.started, 3),
+                    "rows_given_back": self.held,
+                },
             )
 
     def recovered(self, pending: int | None = None) -> float | None:
@@ -71,6 +82,13 @@ class Outage:
             duration,
             self.held,
             backlog,
+            extra={
+                "dependency": self.what,
+                "outage": "ended",
+                "outage_seconds": round(duration, 3),
+                "rows_given_back": self.held,
+                "rows_pending": pending,
+            },
         )
         return duration
 

@@ -26,6 +26,18 @@ def retry_delay(attempts: int, base: float, cap: float) -> float:
     return float(min(cap, base * 2.0**exponent))
 
 
+def _fields(row: OutboxRow, attempts: int, reason: str) -> dict[str, object]:
+    """Structured fields of a row's log line (JSON logs: notify_outbox/logs.py)."""
+    return {
+        "row_id": row.id,
+        "event_id": str(row.event_id),
+        "topic": row.topic,
+        "key": row.key,
+        "attempts": attempts,
+        "error": reason,
+    }
+
+
 def decide(
     rows: Sequence[OutboxRow], result: PublishResult, settings: OutboxSettings
 ) -> BatchOutcome:
@@ -53,7 +65,13 @@ def decide(
             stopped.add(row.key)
         if row.id in rejected:
             reason = rejected[row.id]
-            log.error("dead-lettering row %s (topic %s): %s", row.id, row.topic, reason)
+            log.error(
+                "dead-lettering row %s (topic %s): %s",
+                row.id,
+                row.topic,
+                reason,
+                extra=_fields(row, row.attempts + 1, reason),
+            )
             outcome.dead.append((row.id, reason))
         elif row.id in failed:
             reason = failed[row.id]
@@ -65,6 +83,7 @@ def decide(
                     row.topic,
                     attempts,
                     reason,
+                    extra=_fields(row, attempts, reason),
                 )
                 outcome.dead.append((row.id, f"{reason} (after {attempts} attempts)"))
                 continue
@@ -78,6 +97,7 @@ def decide(
                 s.max_attempts,
                 delay,
                 reason,
+                extra={**_fields(row, attempts, reason), "retry_in_seconds": round(delay, 3)},
             )
             outcome.retry.append((row.id, reason, delay))
         # Neither: not sent, or its ack did not come (Kafka unavailable): stays pending.

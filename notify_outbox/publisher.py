@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,9 +22,11 @@ from aiokafka import errors as kafka_errors
 from aiokafka.helpers import create_ssl_context
 
 from .backoff import Backoff
+from .debezium import debezium_headers
 from .enqueue import RESERVED_HEADERS
 from .settings import OutboxSettings
 from .store import OutboxRow
+from .tracing import record_send_spans
 
 __all__ = [
     "KafkaMessage",
@@ -82,12 +85,16 @@ class KafkaMessage:
     topic: str
     key: bytes | None
     value: bytes | None
-    headers: list[tuple[str, bytes]]
+    # A None value is a header with a null value (Debezium mode sends them for NULL columns).
+    headers: Sequence[tuple[str, bytes | None]]
 
 
-def to_message(row: OutboxRow) -> KafkaMessage:
+def to_message(row: OutboxRow, *, header_style: str = "native") -> KafkaMessage:
     """Map an outbox row to a Kafka message: ``payload`` JSON (or ``payload_bytes``) becomes
-    the value, ``key`` the key, ``headers`` plus the event metadata the headers."""
+    the value, ``key`` the key, ``headers`` plus the event metadata the headers.
+
+    ``header_style="debezium"``: the headers are the row's own, ``id`` first, and nothing of
+    the relay's (what Debezium's outbox event router sends; see ``debezium.py``)."""
     if row.payload_bytes is not None:
         value: bytes | None = row.payload_bytes
     elif row.payload is not None:
@@ -95,6 +102,9 @@ def to_message(row: OutboxRow) -> KafkaMessage:
     else:
         value = None
     key = row.key.encode() if row.key is not None else None
+    if header_style == "debezium":
+        # The router sends a null key with a null value too (not a tombstone to refuse).
+        return KafkaMessage(row.topic, key, value, debezium_headers(row.headers))
     if value is None and key is None:
         raise RowRejected("event has neither a payload nor a key")
     headers: list[tuple[str, bytes]] = []
@@ -299,6 +309,12 @@ class KafkaPublisher:
         return True
 
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
+        started = time.time_ns()
+        result = await self._publish(rows)
+        record_send_spans(rows, result, started)  # OpenTelemetry, if on (tracing.py)
+        return result
+
+    async def _publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         result = PublishResult()
         if not self.available:
             result.unavailable = self._down or "the Kafka producer must be replaced"
@@ -330,7 +346,7 @@ class KafkaPublisher:
                     fail(row, f"topic {row.topic!r} does not exist in Kafka", permanent=False)
                     continue
                 try:
-                    msg = to_message(row)
+                    msg = to_message(row, header_style=self._settings.header_style)
                 except (RowRejected, ValueError) as e:
                     fail(row, f"malformed event: {e}", permanent=True)
                     continue

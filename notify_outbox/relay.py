@@ -22,9 +22,17 @@ import anyio
 import asyncpg
 
 from .backoff import Backoff
-from .db import DATABASE_ERRORS, UNREACHABLE_ERRORS
-from .errors import MigrationError, PublisherUnavailable
+from .db import (
+    DATABASE_ERRORS,
+    UNREACHABLE_ERRORS,
+    behind_pooler,
+    never_heals,
+    statement_cache_size,
+)
+from .deadletters import expire_dead_letters
+from .errors import ConfigurationError, MigrationError, PublisherUnavailable
 from .events import RelayEvents
+from .gate import Gate
 from .listener import Listener
 from .outage import Outage, tame_third_party_logs
 from .policy import decide
@@ -43,13 +51,19 @@ log = logging.getLogger("notify_outbox.relay")
 _STATEMENT_RETRY_CAP = 30.0
 # The relay looks at most this many rows to say how many are pending (bounded work).
 _COUNT_LIMIT = 100_000
-# When try_sleep keeps failing (a producer's transaction stays open), the relay retries it this
-# many times, with doubling waits from gate_poll_interval, then lets producers notify again and
-# watches the gate with a backoff up to _GATE_WATCH_CAP seconds.
-_SLEEP_TRIES = 6
-_GATE_WATCH_CAP = 2.0
 # Points where a test can stop the process dead (see NOTIFY_OUTBOX_TEST_CRASH_AT in the CLI).
 FaultHook = Callable[[str], None]
+
+
+def _configuration_error(error: BaseException) -> ConfigurationError | None:
+    """The ConfigurationError in ``error``, however deep in exception groups."""
+    if isinstance(error, ConfigurationError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            if (found := _configuration_error(inner)) is not None:
+                return found
+    return None
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:
@@ -92,15 +106,18 @@ class Relay:
         self._task: asyncio.Task[None] | None = None
         self._pool: asyncpg.Pool | None = None
         self.listener: Listener | None = None
-        #: Whether this relay takes part in the gated notify (the database's notify_mode).
-        self.gated = False
+        #: The gated notify's relay side (enabled by the database's notify_mode).
+        self.gate = Gate(
+            settings, self.events, look=self._due, wake=self._wake, stopping=lambda: self._stopping
+        )
         self._busy_workers = 0
         self.kafka_outage = Outage("Kafka", log)
         self.db_outage = Outage("PostgreSQL", log)
         self._retry_wakes: dict[float, asyncio.TimerHandle] = {}
-        self._gate_watch: asyncio.Task[None] | None = None
         self._stop_deadline: float | None = None
         self._close_forced = False  # a graceful close had to abandon the producer or pool
+        #: Whether NOTIFY_OUTBOX_DSN goes through a connection pooler (found at start).
+        self.behind_pooler = False
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -169,9 +186,14 @@ class Relay:
         try:
             with self._abort_scope, tame_third_party_logs():
                 await self._run()
-        except BaseException:
+        except BaseException as e:
             if self.outcome == "running":
                 self.outcome = "failed"
+            # A setting that cannot work (found by the listener, inside the task groups)
+            # surfaces as itself, not wrapped in exception groups.
+            wrong = _configuration_error(e)
+            if wrong is not None and wrong is not e:
+                raise wrong from None
             raise
         if self.outcome == "running":
             self.outcome = "forced" if self._close_forced else "stopped"
@@ -184,7 +206,10 @@ class Relay:
                 return
             async with anyio.create_task_group() as services:
                 if not self.settings.poll_only:
-                    self.listener = Listener(self.settings, self._wake, self.events)
+                    self.listener = Listener(
+                        self.settings, self._wake, self.events, notify=self._notify
+                    )
+                    self.gate.listener = self.listener
                     services.start_soon(self.listener.run, name="listener")
                 services.start_soon(self._poller, name="poller")
                 services.start_soon(self._housekeeping, name="housekeeping")
@@ -204,8 +229,7 @@ class Relay:
         finally:
             for handle in self._retry_wakes.values():
                 handle.cancel()
-            if self._gate_watch is not None:
-                self._gate_watch.cancel()
+            self.gate.close()
             # Cancelled, aborted or failed: tear down at once (rows in flight stay pending).
             with anyio.CancelScope(shield=True):
                 await self._close(graceful=clean)
@@ -226,12 +250,15 @@ class Relay:
                     "run `notify-outbox migrate` first"
                 )
             mode = await self._pool.fetchval(queries["notify_mode"])
-            self.gated = mode == "gated" and not s.poll_only
+            self.gate.enabled = mode == "gated" and not s.poll_only
             self._store = PgOutboxStore(
                 self._pool,
                 queries,
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
+                # A worker holds its claim open while Kafka acknowledges; if the relay ever
+                # hangs, the server ends that transaction rather than keep rows locked.
+                idle_in_transaction_timeout=s.kafka_send_timeout + 2 * s.db_command_timeout,
             )
         if self._publisher is None:
             kafka = KafkaPublisher(s)
@@ -240,36 +267,62 @@ class Relay:
         return not self._stopping
 
     async def _connect_pool(self) -> asyncpg.Pool:
+        """The workers' pool. Retries while PostgreSQL is unreachable; raises
+        ConfigurationError at once for what no retry cures (a wrong password, a missing
+        database, a pooler that refuses the connection)."""
         s = self.settings
+        dsn = s.dsn.get_secret_value()
         backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
-        # A worker holds its transaction open while Kafka acknowledges; if the relay ever
-        # hangs, the server ends that transaction rather than keep rows locked forever.
-        idle_tx_ms = int((s.kafka_send_timeout + 2 * s.db_command_timeout) * 1000)
         while True:
             try:
                 with anyio.fail_after(s.db_command_timeout):
+                    # One throwaway connection first, without a statement cache, finds out
+                    # whether a pooler sits in between; the pool's settings depend on it.
+                    probe = await asyncpg.connect(dsn, statement_cache_size=0)
+                    try:
+                        self.behind_pooler = await behind_pooler(probe)
+                    finally:
+                        await probe.close()
+                    # No session settings: a pooler rejects start-up parameters it does not
+                    # know, and would not keep them for us anyway (the claim sets what it
+                    # needs with SET LOCAL). application_name passes PgBouncer.
                     pool: asyncpg.Pool = await asyncpg.create_pool(
-                        s.dsn.get_secret_value(),
+                        dsn,
                         min_size=1,
                         max_size=s.workers + 2,
                         command_timeout=s.db_command_timeout,
-                        server_settings={
-                            "application_name": "notify-outbox-worker",
-                            "idle_in_transaction_session_timeout": str(idle_tx_ms),
-                        },
+                        statement_cache_size=statement_cache_size(
+                            s.statement_cache_size, self.behind_pooler
+                        ),
+                        server_settings={"application_name": "notify-outbox-worker"},
                         reset=_keep_session,
+                    )
+                if self.behind_pooler:
+                    log.info(
+                        "NOTIFY_OUTBOX_DSN goes through a connection pooler: no prepared-"
+                        "statement cache, no session state on worker connections"
                     )
                 return pool
             except DATABASE_ERRORS as e:
+                message = redact(str(e) or type(e).__name__, s)
+                if (why := never_heals(e)) is not None:
+                    raise ConfigurationError(
+                        f"cannot connect to PostgreSQL with NOTIFY_OUTBOX_DSN: {why} ({message})"
+                    ) from None
                 delay = backoff.next_delay()
                 # The first failure and one in 64 as warnings; every attempt at DEBUG.
                 log.log(
                     logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
                     "PostgreSQL not reachable (%s); retrying every %.1fs or so",
-                    redact(str(e) or type(e).__name__, s),
+                    message,
                     backoff.cap,
                 )
                 await anyio.sleep(delay)
+
+    async def _notify(self, channel: str, payload: str) -> None:
+        """NOTIFY over a worker connection (the listener's check that LISTEN works)."""
+        assert self._pool is not None
+        await self._pool.execute("SELECT pg_notify($1, $2)", channel, payload)
 
     def _shutdown_left(self) -> float:
         """Seconds left of the graceful stop's deadline (all of it if no stop was asked)."""
@@ -378,15 +431,19 @@ class Relay:
     async def _housekeeping(self) -> None:
         s = self.settings
         assert self._store is not None
-        if s.delete_on_publish:
+        if s.delete_on_publish and s.dead_letter_retention is None:
             return
         while True:
             await anyio.sleep(s.cleanup_interval)
             try:
-                while n := await self._store.delete_expired(s.keep_published, s.cleanup_batch):
+                while not s.delete_on_publish and (
+                    n := await self._store.delete_expired(s.keep_published, s.cleanup_batch)
+                ):
                     self.events.emit("cleanup", n)
                     if n < s.cleanup_batch:
                         break
+                if s.dead_letter_retention is not None and self._pool is not None:
+                    await expire_dead_letters(self._pool, s, self.events)  # deadletters.py
             except DATABASE_ERRORS as e:
                 log.warning("retention cleanup failed: %s", redact(str(e), s))
 
@@ -406,19 +463,15 @@ class Relay:
                 await self._drain(backoffs)
             finally:
                 self._busy_workers -= 1
+            self.events.emit("idle")
 
     async def _drain(self, backoffs: tuple[Backoff, Backoff]) -> None:
         """Claim batches until nothing is due (a wake-up drains the table).
 
-        With the gated notify, a relay that has been draining without a break for
-        ``gate_awake_after`` marks itself awake, so producers stop notifying; the last busy
-        worker then lingers (looking every ``gate_poll_interval``) and only lets producers
-        notify again through the sleep protocol of migration 0002, followed by one more look.
-        At low load the relay never marks itself awake and producers simply notify.
+        With the gated notify (``gate.py``), unbroken draining marks the relay awake, and
+        the last busy worker runs the gate's sleep protocol before it idles.
         """
-        s = self.settings
         busy_since: float | None = None  # start of the current unbroken run of claims
-        sleep_tries = 0  # try_sleep refused in a row (producers in flight)
         while not self._stopping:
             done = await self._claim_once(backoffs)
             if done is None:
@@ -427,82 +480,16 @@ class Relay:
             if claimed:
                 now = anyio.current_time()
                 busy_since = now if busy_since is None else busy_since
-                if self.gated and now - busy_since >= s.gate_awake_after and self.listener:
-                    await self.listener.mark_awake()
-                if claimed >= s.batch_size:
+                await self.gate.busy_for(now - busy_since)
+                if claimed >= self.settings.batch_size:
                     # More is probably waiting: bring an idle sibling in to help.
                     self._wake("backlog")
                     continue
                 if more is not False:
                     continue
             busy_since = None
-            if not self._may_sleep():
+            if not await self.gate.settle(self._busy_workers):
                 return
-            if await self._linger():
-                continue
-            assert self.listener is not None
-            if not await self.listener.try_sleep():
-                self.events.emit("gate_busy")
-                # Producers in flight may have skipped their NOTIFY: stay awake a little,
-                # with doubling waits; a producer transaction that stays open must not make
-                # an idle relay spin.
-                if sleep_tries < _SLEEP_TRIES:
-                    await anyio.sleep(s.gate_poll_interval * 2**sleep_tries)
-                    sleep_tries += 1
-                    continue
-                # Let producers notify again now, and look once more when every producer
-                # that may have skipped its NOTIFY has finished.
-                await self.listener.release()
-                self._watch_gate()
-            sleep_tries = 0
-            # A is released: from now on producers notify. One more look, as a new statement,
-            # sees every row whose producer skipped its NOTIFY (they have all committed).
-            if await self._due():
-                continue
-            # A sibling woken meanwhile may have marked the relay awake again and gone idle
-            # while this worker was still busy: then this worker, the last one busy, must put
-            # it to sleep, or producers would skip their NOTIFY with nobody claiming.
-            if not self._may_sleep():
-                return
-
-    def _watch_gate(self) -> None:
-        """Wake a worker once no producer is in flight any more (in the background, so the
-        workers stay free to answer notifications meanwhile)."""
-        if self._gate_watch is not None and not self._gate_watch.done():
-            return
-
-        async def watch() -> None:
-            backoff = Backoff(self.settings.gate_poll_interval, _GATE_WATCH_CAP)
-            while not self._stopping:
-                await backoff.sleep()
-                assert self.listener is not None
-                if await self.listener.gate_free() is not False:
-                    self._wake("gate")
-                    return
-                self.events.emit("gate_busy")
-
-        self._gate_watch = asyncio.create_task(watch(), name="notify-outbox-gate-watch")
-
-    def _may_sleep(self) -> bool:
-        """Whether this worker must run the sleep protocol before it idles: only the last
-        busy worker of a relay that holds the awake marker."""
-        return (
-            self.listener is not None
-            and self.listener.marked
-            and self._busy_workers == 1
-            and not self._stopping
-        )
-
-    async def _linger(self) -> bool:
-        """Look for due rows every ``gate_poll_interval`` for ``gate_linger`` seconds; True as
-        soon as some are due. A look is one cheap statement, not a claim transaction."""
-        s = self.settings
-        deadline = anyio.current_time() + s.gate_linger
-        while anyio.current_time() < deadline and not self._stopping:
-            await anyio.sleep(s.gate_poll_interval)
-            if await self._due():
-                return True
-        return False
 
     async def _due(self) -> bool:
         """Whether a claim would get something; True after an error, so that the caller
@@ -586,6 +573,7 @@ class Relay:
             self._wake_for_retry(min(delay for _, _, delay in outcome.retry))
         if outcome.dead:
             self.events.emit("dead_lettered", len(outcome.dead))
+        self.events.report_batch(rows, outcome, result.unavailable)
         self.events.emit("batch_done")
         if result.unavailable is not None:
             self.kafka_outage.failed(result.unavailable)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import (
     Field,
@@ -17,8 +18,24 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigurationError
 from .names import OutboxNames, validate_identifier
+from .timespec import parse_duration
 
 __all__ = ["DatabaseSettings", "OutboxSettings", "load_settings", "redact"]
+
+
+def _valid_dsn(v: SecretStr) -> SecretStr:
+    value = v.get_secret_value()
+    if not value.startswith(("postgresql://", "postgres://")):
+        raise ValueError("must be a URL starting with postgresql:// (value not shown)")
+    # An unencoded / ? or # in the password ends the URL's authority part early: the rest of
+    # the password would then be parsed as the port, and echoed by the error.
+    userinfo = value.split("://", 1)[1].rpartition("@")[0]
+    if any(c in userinfo for c in "/?#"):
+        raise ValueError(
+            "has an unencoded /, ? or # before its @ (value not shown): percent-encode "
+            "the user name and password"
+        )
+    return v
 
 
 class DatabaseSettings(BaseSettings):
@@ -40,22 +57,17 @@ class DatabaseSettings(BaseSettings):
     db_schema: str = Field("public", description="Schema of the outbox table")
     table: str = Field("outbox", description="Name of the outbox table")
     channel: str = Field("notify_outbox", description="LISTEN/NOTIFY channel")
+    statement_cache_size: int | None = Field(
+        None,
+        ge=0,
+        description="asyncpg's prepared-statement cache per connection; unset: 100 on a direct "
+        "connection, 0 behind a connection pooler (PgBouncer), which is detected at connect",
+    )
 
     @field_validator("dsn")
     @classmethod
     def _dsn_scheme(cls, v: SecretStr) -> SecretStr:
-        value = v.get_secret_value()
-        if not value.startswith(("postgresql://", "postgres://")):
-            raise ValueError("must be a URL starting with postgresql:// (value not shown)")
-        # An unencoded / ? or # in the password ends the URL's authority part early: the
-        # rest of the password would then be parsed as the port, and echoed by the error.
-        userinfo = value.split("://", 1)[1].rpartition("@")[0]
-        if any(c in userinfo for c in "/?#"):
-            raise ValueError(
-                "has an unencoded /, ? or # before its @ (value not shown): percent-encode "
-                "the user name and password"
-            )
-        return v
+        return _valid_dsn(v)
 
     @field_validator("db_schema", "table", "channel")
     @classmethod
@@ -103,7 +115,15 @@ class OutboxSettings(DatabaseSettings):
     workers: int = Field(4, ge=1, le=256)
     batch_size: int = Field(200, ge=1, le=10_000)
     poll_interval: float = Field(5.0, gt=0, description="Fallback poll, seconds")
-    poll_only: bool = Field(False, description="Never LISTEN (e.g. behind PgBouncer)")
+    poll_only: bool = Field(
+        False, description="Never LISTEN: claim on the fallback poll only (poll_interval)"
+    )
+    listen_dsn: SecretStr | None = Field(
+        None,
+        description="DSN of the one listening connection, when NOTIFY_OUTBOX_DSN goes through "
+        "a transaction-pooling PgBouncer (LISTEN needs a session: point this at PostgreSQL "
+        "itself or at a session-pooling pooler); unset: NOTIFY_OUTBOX_DSN",
+    )
     listen_health_interval: float = Field(10.0, gt=0)
     listen_health_timeout: float = Field(5.0, gt=0)
     reconnect_min_delay: float = Field(0.05, gt=0)
@@ -132,6 +152,13 @@ class OutboxSettings(DatabaseSettings):
         "notify); 0 marks it at the first claim",
     )
 
+    header_style: Literal["native", "debezium"] = Field(
+        "native",
+        description="Kafka headers: native (outbox-event-id, ...) or debezium (the 'id' header "
+        "and the fields the Debezium capture put in the row's headers, as Debezium's outbox "
+        "event router; see notify_outbox/debezium.py)",
+    )
+
     # --- failures -----------------------------------------------------------------------------
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")
     retry_base_delay: float = Field(1.0, ge=0)
@@ -143,7 +170,32 @@ class OutboxSettings(DatabaseSettings):
     )
     cleanup_interval: float = Field(60.0, gt=0)
     cleanup_batch: int = Field(5000, ge=1)
+    dead_letter_retention: float | None = Field(
+        None,
+        gt=0,
+        description="How long dead letters are kept, from their dead-lettering: seconds or a "
+        "duration (30d, 12h, P7D); unset: forever. Applied by the relay's cleanup",
+    )
     shutdown_timeout: float = Field(30.0, gt=0)
+
+    # --- monitoring (notify_outbox/http.py) ---------------------------------------------------
+    http_host: str = Field("127.0.0.1", description="Address of /metrics, /livez and /readyz")
+    http_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of /metrics, /livez and /readyz; unset: no server"
+    )
+
+    @field_validator("listen_dsn")
+    @classmethod
+    def _listen_dsn_scheme(cls, v: SecretStr | None) -> SecretStr | None:
+        return None if v is None or not v.get_secret_value() else _valid_dsn(v)
+
+    @field_validator("dead_letter_retention", mode="before")
+    @classmethod
+    def _retention(cls, v: Any) -> Any:
+        # "30d" as well as a number of seconds; an empty variable means "keep forever".
+        if isinstance(v, str):
+            return parse_duration(v).total_seconds() if v.strip() else None
+        return v
 
     @field_validator("kafka_bootstrap_servers")
     @classmethod
@@ -218,20 +270,22 @@ def format_validation_error(error: ValidationError) -> str:
 def redact(text: str, settings: DatabaseSettings) -> str:
     """``text`` with every secret of ``settings`` replaced by ``***`` (defence in depth for
     messages that come from libraries, such as connection errors)."""
+    dsns = [settings.dsn, getattr(settings, "listen_dsn", None)]
     secrets = [
-        settings.dsn,
+        *dsns,
         getattr(settings, "kafka_sasl_password", None),
         getattr(settings, "kafka_ssl_password", None),
     ]
     for secret in secrets:
         if secret is not None and secret.get_secret_value():
             text = text.replace(secret.get_secret_value(), "***")
-    try:
-        from urllib.parse import urlsplit
-
-        password = urlsplit(settings.dsn.get_secret_value()).password
-    except ValueError:
-        password = None
-    if password:
-        text = text.replace(password, "***")
+    for dsn in dsns:
+        if dsn is None:
+            continue
+        try:
+            password = urlsplit(dsn.get_secret_value()).password
+        except ValueError:
+            password = None
+        if password:
+            text = text.replace(password, "***")
     return text

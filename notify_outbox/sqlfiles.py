@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 from .names import OutboxNames
 
-__all__ = ["Migration", "Queries", "load_migrations", "sql_dir"]
+__all__ = ["Migration", "Queries", "SqlNames", "load_migrations", "render_queries", "sql_dir"]
 
 _MIGRATION_FILE = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
 _QUERY_NAME = re.compile(r"^-- name: ([a-z_]+)\s*$", re.MULTILINE)
@@ -35,8 +36,16 @@ def sql_dir() -> Path:
     )
 
 
-def render(text: str, names: OutboxNames) -> str:
-    """Replace the name tokens of ``text`` by the quoted names of one outbox."""
+class SqlNames(Protocol):
+    """Names that SQL files are rendered with (``OutboxNames``, ``InboxNames``)."""
+
+    def substitutions(self) -> dict[str, str]:
+        """Tokens mapped to their rendered text."""
+        ...
+
+
+def render(text: str, names: SqlNames) -> str:
+    """Replace the name tokens of ``text`` by the quoted names of one outbox (or inbox)."""
     for token, value in names.substitutions().items():
         text = text.replace(token, value)
     leftover = re.search(r"@[a-z_]+@", text)
@@ -53,16 +62,16 @@ class Migration:
     name: str
     template: str
 
-    def render(self, names: OutboxNames) -> str:
-        """The migration's SQL for one outbox."""
+    def render(self, names: SqlNames) -> str:
+        """The migration's SQL for one outbox (or inbox)."""
         return render(self.template, names)
 
 
 @cache
-def load_migrations() -> tuple[Migration, ...]:
-    """Every shipped migration, in version order."""
+def load_migrations(folder: str = "migrations") -> tuple[Migration, ...]:
+    """Every shipped migration of one track (a folder of ``sql/``), in version order."""
     found = []
-    for path in sorted((sql_dir() / "migrations").glob("*.sql")):
+    for path in sorted((sql_dir() / folder).glob("*.sql")):
         m = _MIGRATION_FILE.fullmatch(path.name)
         if not m:
             raise ValueError(f"migration file {path.name} is not named NNNN_name.sql")
@@ -74,11 +83,16 @@ def load_migrations() -> tuple[Migration, ...]:
 
 
 @cache
-def _query_templates() -> dict[str, str]:
-    text = (sql_dir() / "queries.sql").read_text(encoding="utf-8")
+def _query_templates(file: str = "queries.sql") -> dict[str, str]:
+    text = (sql_dir() / file).read_text(encoding="utf-8")
     parts = _QUERY_NAME.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def render_queries(file: str, names: SqlNames) -> dict[str, str]:
+    """The named queries of one file of ``sql/`` (such as ``inbox_queries.sql``), rendered."""
+    return {k: render(v, names) for k, v in _query_templates(file).items()}
 
 
 class Queries:
@@ -86,7 +100,7 @@ class Queries:
 
     def __init__(self, names: OutboxNames) -> None:
         self.names = names
-        self._rendered = {k: render(v, names) for k, v in _query_templates().items()}
+        self._rendered = render_queries("queries.sql", names)
 
     def __getitem__(self, name: str) -> str:
         return self._rendered[name]

@@ -13,10 +13,12 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Protocol
 
 import asyncpg
 
+from .db import terminate
 from .sqlfiles import Queries
 
 __all__ = [
@@ -43,6 +45,9 @@ class OutboxRow:
     aggregate_type: str | None = None
     aggregate_id: str | None = None
     attempts: int = 0
+    # When the producer's transaction inserted it (for the commit-to-ack metric); None when
+    # unknown (the claim's look-up raced a commit, or a fake store).
+    created_at: datetime | None = None
 
 
 @dataclass
@@ -158,7 +163,7 @@ async def _rollback(conn: asyncpg.Connection) -> None:
     try:
         await conn.execute("ROLLBACK")
     except Exception:
-        conn.terminate()
+        await terminate(conn)
 
 
 class PgOutboxStore:
@@ -171,8 +176,15 @@ class PgOutboxStore:
         *,
         delete_on_publish: bool,
         command_timeout: float,
+        idle_in_transaction_timeout: float | None = None,
     ) -> None:
         self._pool = pool
+        # SET LOCAL, not a session setting: it must also hold behind a transaction pooler,
+        # and it rides in BEGIN's round trip (simple protocol, a number: no parameters).
+        self._begin = "BEGIN"
+        if idle_in_transaction_timeout is not None:
+            ms = int(idle_in_transaction_timeout * 1000)
+            self._begin += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
         self._q = queries
         self._delete = delete_on_publish
         self._timeout = command_timeout
@@ -185,7 +197,7 @@ class PgOutboxStore:
         # the outcome, the COMMIT and the look for more share one round trip (complete()).
         async with self._pool.acquire() as conn:
             try:
-                await conn.execute("BEGIN")
+                await conn.execute(self._begin)
                 records = await conn.fetch(
                     self._q["claim"], limit, limit * CLAIM_SCAN_FACTOR, timeout=self._timeout
                 )
@@ -204,13 +216,13 @@ class PgOutboxStore:
                 # reset query that would have caught it): never hand it out again. (When the
                 # server already ended it, the pool may have let go of it: nothing to end.)
                 with contextlib.suppress(asyncpg.InterfaceError):
-                    conn.terminate()
+                    await terminate(conn)
                 raise
             except BaseException:
                 # Cancelled (possibly mid-statement): ending the session is the one sure and
                 # immediate way to release the claim's locks; the pool opens a new one.
                 if not conn.is_closed() and conn.is_in_transaction():
-                    conn.terminate()
+                    await terminate(conn)
                 raise
 
     async def has_due(self) -> bool:

@@ -3,8 +3,11 @@
 
 -- name: claim
 -- Locks up to $1 rows in per-key commit order until the claiming transaction ends, looking at no
--- more than $2 candidates (migration 0003 explains how keys are owned).
-SELECT * FROM @schema@.@prefix@_claim($1, $2);
+-- more than $2 candidates (migration 0003 explains how keys are owned). created_at (for the
+-- commit-to-ack metric) is one primary-key probe per claimed row; it reads with the statement's
+-- snapshot, so a row committed after the statement began comes back with NULL, never missing.
+SELECT c.*, (SELECT o.created_at FROM @table@ AS o WHERE o.id = c.id) AS created_at
+FROM @schema@.@prefix@_claim($1, $2) AS c;
 
 -- name: due
 -- Whether a claim would get something: a fresh row not held back behind a failed row of its
@@ -95,26 +98,48 @@ SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]::jsonb[], $5
                      $6::text[]::jsonb[], $7::text[], $8::text[], $9::text[], $10::text[]);
 
 -- name: requeue_dead
--- Moves dead-lettered rows back into the outbox (same ids and event ids), attempts reset.
+-- Moves one dead letter ($1) back into the outbox as a new row at the end of its key's order: a
+-- new id, drawn by the ordering trigger under the key's lock (keyless rows: the identity), and
+-- the same event id, payload and headers, attempts reset. Returns the new id; no row when the
+-- dead letter is gone, or when its idempotency key is held by a row now in the outbox (it then
+-- stays a dead letter). notify_outbox/deadletters.py explains the order.
 WITH moved AS (
-    DELETE FROM @dead_letter@ WHERE id = ANY($1::bigint[])
-    RETURNING id, event_id, topic, key, payload, payload_bytes, headers, event_type,
-              aggregate_type, aggregate_id, idempotency_key, created_at
+    DELETE FROM @dead_letter@ AS d
+    WHERE d.id = $1
+      AND (d.idempotency_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM @table@ AS o WHERE o.idempotency_key = d.idempotency_key))
+    RETURNING d.event_id, d.topic, d.key, d.payload, d.payload_bytes, d.headers, d.event_type,
+              d.aggregate_type, d.aggregate_id, d.idempotency_key
 )
-INSERT INTO @table@ (id, event_id, topic, key, payload, payload_bytes, headers, event_type,
-                     aggregate_type, aggregate_id, idempotency_key, created_at)
-OVERRIDING SYSTEM VALUE
+INSERT INTO @table@ (event_id, topic, key, payload, payload_bytes, headers, event_type,
+                     aggregate_type, aggregate_id, idempotency_key)
 SELECT * FROM moved
 RETURNING id;
 
 -- name: stats
-SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending,
-       count(*) FILTER (WHERE published_at IS NULL AND attempts > 0) AS retrying,
-       extract(epoch FROM now() - min(created_at) FILTER (WHERE published_at IS NULL))::float8
-           AS oldest_pending_seconds,
-       count(*) FILTER (WHERE published_at IS NOT NULL) AS published_kept,
-       (SELECT count(*) FROM @dead_letter@) AS dead_lettered
-FROM @table@;
+-- `notify-outbox status`: bounded work at any table size (through the partial indexes of
+-- migration 0003 and the published index): every count stops at $1; the oldest pending row is
+-- the one with the smallest id (ids follow insert order; of the waiting rows, up to $1 are
+-- looked at).
+SELECT
+    (SELECT count(*) FROM (
+        (SELECT 1 FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NULL LIMIT $1)
+        UNION ALL
+        (SELECT 1 FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+         LIMIT $1)
+        LIMIT $1) AS p) AS pending,
+    (SELECT count(*) FROM (SELECT 1 FROM @table@
+                           WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+                           LIMIT $1) AS w) AS retrying,
+    (SELECT extract(epoch FROM now() - o.created_at)::float8 FROM @table@ AS o
+     WHERE o.id = LEAST(
+        (SELECT min(id) FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NULL),
+        (SELECT min(w.id) FROM (SELECT id FROM @table@
+                                WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+                                LIMIT $1) AS w))) AS oldest_pending_seconds,
+    (SELECT count(*) FROM (SELECT 1 FROM @table@ WHERE published_at IS NOT NULL LIMIT $1) AS k)
+        AS published_kept,
+    (SELECT count(*) FROM (SELECT 1 FROM @dead_letter@ LIMIT $1) AS d) AS dead_lettered;
 
 -- name: notify_mode
 SELECT notify_mode FROM @config@;
@@ -153,3 +178,105 @@ SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid();
 -- marker it may hold, before the catch-up claim (waits up to $3 ms for it to exit).
 SELECT pg_terminate_backend(pid, $3) FROM pg_stat_activity
 WHERE pid = $1 AND backend_start = $2;
+
+-- name: metrics_stats
+-- The gauges of /metrics (notify_outbox/metrics.py), bounded work at any table size, through
+-- the partial indexes of migration 0003: pending rows (fresh, and waiting for a retry) and
+-- dead-lettered rows counted up to $1 each; the age of the pending row with the smallest id (a
+-- cheap proxy for the oldest: ids follow insert order, created_at is its transaction's start;
+-- of the waiting rows, up to $1 are looked at).
+SELECT
+    (SELECT count(*) FROM (SELECT 1 FROM @table@
+                           WHERE published_at IS NULL AND next_attempt_at IS NULL LIMIT $1) AS f)
+    + (SELECT count(*) FROM (SELECT 1 FROM @table@
+                             WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+                             LIMIT $1) AS w)
+        AS pending,
+    (SELECT extract(epoch FROM now() - o.created_at)::float8 FROM @table@ AS o
+     WHERE o.id = LEAST(
+        (SELECT min(id) FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NULL),
+        (SELECT min(w.id) FROM (SELECT id FROM @table@
+                                WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+                                LIMIT $1) AS w)))
+        AS oldest_pending_seconds,
+    (SELECT count(*) FROM (SELECT 1 FROM @dead_letter@ LIMIT $1) AS d) AS dead_lettered;
+
+-- name: dead_letters_list
+-- Dead letters (notify_outbox/deadletters.py). Every dead_letters_* query takes the same filter
+-- as $1..$7, each NULL for "any": $1 ids, $2 topic, $3 key (exact), $4 text in the error (any
+-- case), $5 dead-lettered at or after, $6 dead-lettered before, $7 dead-lettered more than this
+-- many seconds ago.
+-- This one: matching dead letters with ids in ($8, $9], in id order, at most $10.
+SELECT id, event_id, topic, key, payload::text AS payload, payload_bytes,
+       headers::text AS headers, event_type, aggregate_type, aggregate_id, idempotency_key,
+       created_at, attempts, error, dead_lettered_at
+FROM @dead_letter@
+WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+  AND ($2::text IS NULL OR topic = $2::text)
+  AND ($3::text IS NULL OR key = $3::text)
+  AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
+  AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
+  AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
+  AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+  AND id > $8 AND id <= $9
+ORDER BY id
+LIMIT $10;
+
+-- name: dead_letters_count
+-- Matching dead letters, counted up to $8.
+SELECT count(*) FROM (
+    SELECT 1 FROM @dead_letter@
+    WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+      AND ($2::text IS NULL OR topic = $2::text)
+      AND ($3::text IS NULL OR key = $3::text)
+      AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
+      AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
+      AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
+      AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+    LIMIT $8
+) AS m;
+
+-- name: dead_letters_last_id
+-- The largest dead-letter id: a requeue by filter stops there, so that a row it requeued and
+-- that died again (with a new, larger id) is not requeued again by the same command.
+SELECT coalesce(max(id), 0) FROM @dead_letter@;
+
+-- name: dead_letters_purge
+-- Deletes up to $8 matching dead letters. (No FOR UPDATE SKIP LOCKED: it would need UPDATE on
+-- the table, which the relay role does not have; two purges at once just delete fewer each.)
+DELETE FROM @dead_letter@
+WHERE id IN (
+    SELECT id FROM @dead_letter@
+    WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+      AND ($2::text IS NULL OR topic = $2::text)
+      AND ($3::text IS NULL OR key = $3::text)
+      AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
+      AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
+      AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
+      AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+    LIMIT $8
+);
+
+-- name: replay_range
+-- Replay (notify_outbox/replay.py) sends published rows kept by keep_published again.
+-- This one: the kept rows of topic $1 published in [$2, $3): how many, and their id span.
+SELECT count(*) AS rows, min(id) AS first_id, max(id) AS last_id
+FROM @table@
+WHERE published_at >= $2 AND published_at < $3 AND topic = $1;
+
+-- name: replay_kept
+-- When the kept published rows (any topic) were published: the message when none match.
+-- Both ends of the published index, so instant at any size.
+SELECT min(published_at) AS earliest, max(published_at) AS latest
+FROM @table@ WHERE published_at IS NOT NULL;
+
+-- name: replay_rows
+-- Rows of replay_range with ids in ($4, $5], in id order (per-key order), at most $6, in
+-- OutboxRow's field order. The id span keeps every page a short primary-key range.
+SELECT id, event_id, topic, key, payload::text, payload_bytes, headers::text, event_type,
+       aggregate_type, aggregate_id, attempts
+FROM @table@
+WHERE id > $4 AND id <= $5
+  AND published_at >= $2 AND published_at < $3 AND topic = $1
+ORDER BY id
+LIMIT $6;

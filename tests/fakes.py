@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from notify_outbox.store import BatchOutcome, ClaimedBatch, OutboxRow
 from notify_outbox.publisher import PublishResult
+from notify_outbox.store import BatchOutcome, ClaimedBatch, OutboxRow
 
 
 @dataclass

@@ -7,11 +7,9 @@ logs, tracebacks or validation errors; 21 least-privilege roles.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from urllib.parse import quote
@@ -19,6 +17,7 @@ from urllib.parse import quote
 import anyio
 import pytest
 
+from devstack.relayproc import child_env, cli_argv
 from notify_outbox.cli import main as cli_main
 from notify_outbox.sqlfiles import load_migrations
 from tests.conftest import Services
@@ -29,17 +28,12 @@ from tests.support import ROOT, dsn_with_user
 pytestmark = pytest.mark.anyio
 
 
-def _env(extra: Mapping[str, str]) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
-    return {**clean, "PYTHONPATH": str(ROOT), **extra}
-
-
 async def cli(*args: str, env: Mapping[str, str] | None = None) -> tuple[int, str]:
     """A one-shot CLI command; returns its exit code and everything it printed."""
     result = await anyio.run_process(
-        [sys.executable, "-m", "notify_outbox", *args],
+        cli_argv(*args),
         cwd=ROOT,
-        env=_env(env or {}),
+        env=child_env(**(env or {})),
         check=False,
         stderr=subprocess.STDOUT,
     )
@@ -55,9 +49,9 @@ async def run_until(
     regex = re.compile(pattern)
     lines: list[str] = []
     async with await anyio.open_process(
-        [sys.executable, "-m", "notify_outbox", "run", *args],
+        cli_argv("run", *args),
         cwd=ROOT,
-        env=_env(env),
+        env=child_env(**env),
         stderr=subprocess.STDOUT,
     ) as proc:
         assert proc.stdout is not None
@@ -227,15 +221,7 @@ async def test_20_secrets_never_appear_in_logs_or_errors(db_dsn: str, services: 
     try:
         runs = [
             ("unreachable", debug, {**kafka, "NOTIFY_OUTBOX_DSN": unreachable}, not_reachable),
-            (
-                "wrong password",
-                debug,
-                {**kafka, "NOTIFY_OUTBOX_DSN": wrong_password},
-                not_reachable,
-            ),
-            ("unknown role", debug, {**kafka, "NOTIFY_OUTBOX_DSN": unknown_role}, not_reachable),
             ("encoded special", debug, {**kafka, "NOTIFY_OUTBOX_DSN": encoded}, not_reachable),
-            ("--dsn flag", (*debug, "--dsn", wrong_password), kafka, not_reachable),
             *(
                 (
                     f"SASL {mechanism}",
@@ -252,6 +238,13 @@ async def test_20_secrets_never_appear_in_logs_or_errors(db_dsn: str, services: 
                 )
                 for mechanism in ("PLAIN", "SCRAM-SHA-256")
             ),
+        ]
+        # Refusals that no retry cures stop `run` at once (exit 2) with the reason, instead
+        # of being retried as an outage.
+        refused = [
+            ("wrong password", debug, {**kafka, "NOTIFY_OUTBOX_DSN": wrong_password}),
+            ("unknown role", debug, {**kafka, "NOTIFY_OUTBOX_DSN": unknown_role}),
+            ("--dsn flag", (*debug, "--dsn", wrong_password), kafka),
         ]
         invalid = [
             {"NOTIFY_OUTBOX_DSN": f"mysql://app:{SECRET}@db/x"},
@@ -278,6 +271,14 @@ async def test_20_secrets_never_appear_in_logs_or_errors(db_dsn: str, services: 
             assert code == 0, f"{case}: exit {code}:\n{out[-3000:]}"
             _assert_no_secret(code, out, case)
 
+        async def refused_case(case: str, args: Sequence[str], env: dict[str, str]) -> None:
+            async with limiter:
+                code, out = await cli("run", *args, env=env)
+            assert code == 2, f"{case}: exit {code}:\n{out[-3000:]}"
+            assert "the password was refused" in out, f"{case}:\n{out[-3000:]}"
+            assert "Traceback" not in out, out
+            _assert_no_secret(code, out, case)
+
         async def command_case(command: str, dsn: str) -> None:
             extra = ("1",) if command == "requeue" else ()
             async with limiter:
@@ -296,6 +297,8 @@ async def test_20_secrets_never_appear_in_logs_or_errors(db_dsn: str, services: 
         async with task_group() as tg:
             for run in runs:
                 tg.start_soon(relay_case, *run)
+            for refusal in refused:
+                tg.start_soon(refused_case, *refusal)
             for command in ("migrate", "verify", "status", "requeue"):
                 for dsn in (unreachable, wrong_password, encoded):
                     tg.start_soon(command_case, command, dsn)

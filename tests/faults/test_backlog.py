@@ -89,8 +89,19 @@ async def _any_up(relays: list[FaultRelay]) -> bool:
     return any(r.matching("relay running") for r in relays)
 
 
+@pytest.fixture(params=["direct", "pgbouncer-transaction", "pgbouncer-session"])
+def relay_route(request: pytest.FixtureRequest, db_dsn: str) -> tuple[str, dict[str, str]]:
+    """How the relays reach PostgreSQL: directly, or through PgBouncer (their DSN, and extra
+    environment). Through transaction pooling, the one listening connection goes direct."""
+    if request.param == "direct":
+        return db_dsn, {}
+    mode = request.param.removeprefix("pgbouncer-")
+    pooled = request.getfixturevalue("poolers").dsn_through(mode, db_dsn)
+    return pooled, ({"NOTIFY_OUTBOX_LISTEN_DSN": db_dsn} if mode == "transaction" else {})
+
+
 async def test_23_kill_9_while_a_keyed_backlog_drains_with_three_relays(
-    db_dsn: str, services: Services, topic: str
+    db_dsn: str, services: Services, topic: str, relay_route: tuple[str, dict[str, str]]
 ) -> None:
     """15,000 committed rows (hot keys with ~840 rows each, 3,000 cold keys, 5% keyless) wait
     when three relays (3 workers, batch 50) start; three writers keep committing to the hot
@@ -98,7 +109,9 @@ async def test_23_kill_9_while_a_keyed_backlog_drains_with_three_relays(
     SIGKILLed and a new one started. Every kill must land while backlog rows are still
     pending; at the end nothing is lost or phantom, every key's events are in commit order,
     and duplicates stay within the killed relays' in-flight bound. Then an event on the idle
-    relays arrives within the I5 bound."""
+    relays arrives within the I5 bound. Run three times: relays connected directly, and
+    through PgBouncer in transaction and in session pooling (a killed relay's server
+    sessions, and with them its row and key locks, must be let go by the pooler)."""
     seed = _seed()
     rng = random.Random(seed)
     print(f"[23] seed {seed} (replay: {SEED_ENV}={seed})")
@@ -125,8 +138,12 @@ async def test_23_kill_9_while_a_keyed_backlog_drains_with_three_relays(
     live: list[FaultRelay] = []
 
     def spawn() -> FaultRelay:
+        dsn, route_env = relay_route
         relay = FaultRelay(
-            db_dsn, services.bootstrap, env=DRAIN_ENV, name=f"relay-{len(spawned) + 1}"
+            dsn,
+            services.bootstrap,
+            env={**DRAIN_ENV, **route_env},
+            name=f"relay-{len(spawned) + 1}",
         )
         spawned.append(relay)
         return relay

@@ -155,7 +155,7 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
             aborted += 1
 
     async with connections(db_dsn, 4) as (admin, *writers), Relay(settings) as relay:
-        assert relay.gated
+        assert relay.gate.enabled
         events = relay.events
         for n in range(rounds):
             cycles, listens = events.counts["gate_sleep"], events.counts["listening"]
@@ -181,7 +181,7 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
                 pending = await admin.fetchval("SELECT count(*) FROM outbox")
                 raise AssertionError(
                     f"round {n} stalled: committed {committed}, pending {pending}, "
-                    f"marked {relay.listener.marked if relay.listener else None}, "
+                    f"awake {relay.gate.awake}, "
                     f"counts {dict(events.counts)}"
                 )
         records, total = await consume(services.bootstrap, topic, expect=committed, within=60)

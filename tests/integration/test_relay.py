@@ -97,7 +97,12 @@ async def test_fallback_poll_delivers_when_the_trigger_is_disabled(
     conn = await asyncpg.connect(db_dsn)
     try:
         await conn.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify")
-        async with Relay(make_settings(db_dsn, services, poll_interval=0.3)) as relay:
+        settings = make_settings(db_dsn, services, poll_interval=0.3)
+        async with Relay(settings) as relay:
+            # The start wake-up sends every worker to look once: only after that look may
+            # the row be committed, or the start's claim (not the poll) could find it.
+            with anyio.fail_after(10):
+                await relay.events.wait_for("idle", at_least=settings.workers)
             await enqueue(conn, topic=topic, key="k", payload={"n": 1})
             await consume(services.bootstrap, topic, expect=1, within=30)
         assert relay.events.counts["wake:notification"] == 0

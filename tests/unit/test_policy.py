@@ -9,10 +9,10 @@ import pytest
 
 from notify_outbox import OutboxSettings
 from notify_outbox.backoff import Backoff
-from notify_outbox.store import OutboxRow
 from notify_outbox.outage import Outage, RateLimitFilter
 from notify_outbox.policy import decide, retry_delay
 from notify_outbox.publisher import PublishResult
+from notify_outbox.store import OutboxRow
 
 
 def settings(**kw: object) -> OutboxSettings:

@@ -39,3 +39,46 @@ def test_errors_across_fields_name_each_variable(
     for name in names:
         assert name in message
     assert "hunter2" not in message
+
+
+def test_listen_dsn_is_checked_and_its_password_redacted() -> None:
+    from notify_outbox.settings import redact
+
+    settings = OutboxSettings(
+        dsn="postgresql://app:pooled-secret@pgbouncer:6432/app",
+        listen_dsn="postgresql://app:direct-secret@postgres:5432/app",
+        kafka_bootstrap_servers="k:9092",
+    )
+    text = redact("failed: direct-secret / pooled-secret", settings)
+    assert "secret" not in text
+    with pytest.raises(ConfigurationError, match="NOTIFY_OUTBOX_LISTEN_DSN") as caught:
+        load_settings(
+            OutboxSettings,
+            dsn="postgresql://a@h/db",
+            listen_dsn="mysql://u:hunter2@h/db",
+            kafka_bootstrap_servers="k:9092",
+        )
+    assert "hunter2" not in str(caught.value)
+
+
+def test_connection_errors_that_no_retry_cures_are_told_apart() -> None:
+    import asyncpg
+
+    from notify_outbox.db import never_heals, statement_cache_size
+
+    def error(cls: type[Exception], message: str) -> Exception:
+        return cls(message)
+
+    assert never_heals(error(asyncpg.InvalidPasswordError, "password")) == (
+        "the password was refused"
+    )
+    assert never_heals(error(asyncpg.InvalidCatalogNameError, "no db")) is not None
+    # PgBouncer's own refusals come as protocol violations; its transient ones must not count.
+    refused = error(asyncpg.ProtocolViolationError, "unsupported startup parameter: x")
+    assert never_heals(refused) is not None
+    assert never_heals(error(asyncpg.ProtocolViolationError, "pgbouncer cannot connect")) is None
+    assert never_heals(error(asyncpg.CannotConnectNowError, "starting up")) is None
+    assert never_heals(ConnectionRefusedError(111, "refused")) is None
+    assert statement_cache_size(None, pooled=True) == 0
+    assert statement_cache_size(None, pooled=False) == 100
+    assert statement_cache_size(50, pooled=True) == 50
