@@ -8,11 +8,14 @@ import asyncio
 import anyio
 import asyncpg
 
+from .errors import ConfigurationError
+
 __all__ = [
     "DATABASE_ERRORS",
     "UNREACHABLE_ERRORS",
     "behind_pooler",
     "never_heals",
+    "require_supported_server",
     "statement_cache_size",
     "terminate",
 ]
@@ -112,3 +115,19 @@ async def terminate(conn: asyncpg.Connection) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_GRACE):
             await asyncio.wait(pending)
     conn.terminate()
+
+
+#: The oldest PostgreSQL major the relay runs on: the listener ends its stale session with
+#: pg_terminate_backend(pid, timeout), which PostgreSQL 14 introduced.
+MIN_SERVER_VERSION = 140000
+
+
+async def require_supported_server(conn: asyncpg.Connection) -> None:
+    """Raise ConfigurationError on a PostgreSQL older than 14, before anything fails later
+    in a less obvious way."""
+    version = int(await conn.fetchval("SELECT current_setting('server_version_num')"))
+    if version < MIN_SERVER_VERSION:
+        raise ConfigurationError(
+            f"PostgreSQL {version // 10000} is not supported: notify-outbox needs PostgreSQL 14 "
+            "or newer"
+        )

@@ -29,7 +29,8 @@ class RelayEvents:
     (producers were in flight when the relay tried to sleep, or while it watched the gate),
     ``idle`` (a worker found nothing more to claim and waits for the next wake-up),
     ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``batch_done``,
-    ``kafka_unavailable``, ``db_error``, ``cleanup`` (published rows deleted by retention),
+    ``kafka_unavailable``, ``kafka_back`` (the end of a Kafka outage), ``db_error``,
+    ``cleanup`` (published rows deleted by retention),
     ``cleanup_dead_letters`` (dead letters deleted by their retention).
     ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``cleanup`` and
     ``cleanup_dead_letters`` count rows; the others count occurrences.

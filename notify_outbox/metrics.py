@@ -404,7 +404,7 @@ class RelayMetrics:
         up = self.components()
         checks["database"] = "ok" if up["database"] else "unreachable"
         if relay.kafka_outage.active:
-            checks["kafka"] = "unavailable since the last publish"
+            checks["kafka"] = "unavailable (does not answer)"
         else:
             checks["kafka"] = "ok" if up["kafka"] else "not connected yet"
         if relay.settings.poll_only:

@@ -11,6 +11,7 @@ from typing import Generic, Protocol, TypeVar
 
 import asyncpg
 
+from .db import require_supported_server
 from .names import OutboxNames
 from .sqlfiles import Migration, load_migrations, render
 
@@ -164,6 +165,7 @@ async def migrate(conn: asyncpg.Connection, names: OutboxNames) -> list[int]:
 
 async def migrate_track(conn: asyncpg.Connection, track: MigrationTrack[N], names: N) -> list[int]:
     """``migrate`` for any track."""
+    await require_supported_server(conn)
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1::bigint)", names.lock_namespace)
         await conn.execute(render(_TRACKING, names))

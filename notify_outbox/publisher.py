@@ -157,6 +157,12 @@ class Publisher(Protocol):
         """Return once Kafka answers again and no earlier send is still in flight."""
         ...
 
+    async def check(self) -> bool:
+        """Ask Kafka whether it still answers (a relay with nothing to send would otherwise
+        learn of an outage only at its next publish). False: it counts as unavailable, as
+        after a failed publish, until ``wait_available`` returns."""
+        ...
+
 
 def _is_row_error(error: BaseException) -> bool:
     return isinstance(error, _ROW_ERRORS)
@@ -426,6 +432,14 @@ class KafkaPublisher:
             _abandon(old)
             with anyio.move_on_after(_PROBE_TIMEOUT, shield=True):
                 await old.stop()
+
+    async def check(self) -> bool:
+        if not self.available:
+            return False
+        if await self._reachable():
+            return True
+        self._down = self._down or "Kafka stopped answering"
+        return False
 
     async def wait_available(self) -> None:
         async with self._recovery_lock:  # one prober for all workers

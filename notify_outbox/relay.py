@@ -27,6 +27,7 @@ from .db import (
     UNREACHABLE_ERRORS,
     behind_pooler,
     never_heals,
+    require_supported_server,
     statement_cache_size,
 )
 from .deadletters import expire_dead_letters
@@ -215,6 +216,7 @@ class Relay:
                 services.start_soon(self._housekeeping, name="housekeeping")
                 services.start_soon(self._shutdown_watchdog, name="watchdog")
                 services.start_soon(self._remind_outages, name="outage-reminders")
+                services.start_soon(self._watch_kafka, name="kafka-watch")
                 async with anyio.create_task_group() as workers:
                     for n in range(self.settings.workers):
                         workers.start_soon(self._worker, name=f"worker-{n}")
@@ -280,6 +282,7 @@ class Relay:
                     # whether a pooler sits in between; the pool's settings depend on it.
                     probe = await asyncpg.connect(dsn, statement_cache_size=0)
                     try:
+                        await require_supported_server(probe)
                         self.behind_pooler = await behind_pooler(probe)
                     finally:
                         await probe.close()
@@ -422,6 +425,19 @@ class Relay:
             if due:
                 self._wake("poll")
 
+    async def _watch_kafka(self) -> None:
+        """While no worker is busy, ask Kafka now and then whether it still answers: an
+        outage is then logged (and seen by /readyz) when it starts, not at the next event,
+        and the next event waits for Kafka instead of being claimed into a failing send."""
+        assert self._publisher is not None
+        while True:
+            await anyio.sleep(self.settings.kafka_idle_check_interval)
+            if self._busy_workers or (self._publisher.available and await self._publisher.check()):
+                continue
+            self.events.emit("kafka_unavailable")
+            self.kafka_outage.failed("Kafka stopped answering")
+            await self._wait_for_kafka()
+
     async def _remind_outages(self) -> None:
         while True:
             await anyio.sleep(1.0)
@@ -542,6 +558,7 @@ class Relay:
         await self._until_stopped(self._publisher.wait_available())
         if self._publisher.available and self.kafka_outage.active:
             self.kafka_outage.recovered(await self._count_pending())
+            self.events.emit("kafka_back")
 
     async def _count_pending(self) -> int | None:
         assert self._store is not None

@@ -107,6 +107,12 @@ class OutboxSettings(DatabaseSettings):
     kafka_linger_ms: int = Field(0, ge=0, le=1000)
     kafka_max_request_size: int = Field(1_048_576, ge=1024)
     kafka_request_timeout_ms: int = Field(10_000, ge=100)
+    kafka_idle_check_interval: float = Field(
+        5.0,
+        gt=0,
+        description="How often a relay with nothing to send asks Kafka whether it still "
+        "answers (a metadata request), so that an outage is seen when it starts",
+    )
     kafka_send_timeout: float = Field(
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )

@@ -146,6 +146,9 @@ class FakePublisher:
         self.entered = anyio.Event()
         self.available_calls = 0
         self.available = True
+        self.answering = True  # False: Kafka went away (seen by check()); see back()
+        self._back = anyio.Event()
+        self.check_calls = 0
 
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         self.entered.set()
@@ -170,5 +173,18 @@ class FakePublisher:
                 blocked.add(row.key)
         return result
 
+    async def check(self) -> bool:
+        self.check_calls += 1
+        if not self.answering:
+            self.available = False
+        return self.available
+
+    def back(self) -> None:
+        """'Kafka' answers again."""
+        self.answering = self.available = True
+        self._back.set()
+
     async def wait_available(self) -> None:
         self.available_calls += 1
+        if not self.available:
+            await self._back.wait()

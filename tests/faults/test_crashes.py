@@ -150,6 +150,9 @@ class HeldPublisher:
     async def wait_available(self) -> None:
         await self.inner.wait_available()
 
+    async def check(self) -> bool:
+        return await self.inner.check()
+
 
 def _settings(db_dsn: str, services: Services, **kw: Any) -> OutboxSettings:
     base: dict[str, Any] = {

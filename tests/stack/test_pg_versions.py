@@ -21,6 +21,7 @@ import pytest
 
 from devstack import PostgresServer
 from devstack.pgbundles import PG_VERSION_ENV
+from devstack.relayproc import cli_argv, relay_env
 from notify_outbox import OutboxNames
 from notify_outbox.sqlfiles import Queries
 
@@ -112,3 +113,15 @@ def test_postgres_13_lacks_what_the_listener_needs(
     assert anyio.run(_server_version_num, server.dsn) // 10000 == 13
     with pytest.raises(asyncpg.UndefinedFunctionError, match="pg_terminate_backend"):
         anyio.run(_end_old_listener, server.dsn)
+    # So the relay and `migrate` refuse it at once, saying why (exit 2, one line).
+    for command in ("migrate", "run"):
+        result = subprocess.run(
+            cli_argv(command),
+            env=relay_env(server.dsn, "127.0.0.1:1"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "PostgreSQL 13 is not supported" in result.stderr, result.stderr

@@ -166,7 +166,7 @@ async def test_readiness_follows_the_relay() -> None:
         relay.kafka_outage.failed("test: broker gone")
         down = metrics.readiness()
         assert not down.ready
-        assert down.as_json()["reason"] == "kafka: unavailable since the last publish"
+        assert down.as_json()["reason"] == "kafka: unavailable (does not answer)"
         relay.kafka_outage.recovered()
         relay.db_outage.failed("test: connection refused")
         assert metrics.readiness().reason == "database: unreachable"

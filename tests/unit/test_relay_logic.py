@@ -216,3 +216,27 @@ async def test_a_retry_is_claimed_when_it_becomes_due_not_at_the_next_poll() -> 
     assert store.rows[failing].errors == ["not yet", "not yet"]
     assert relay.events.counts["wake:retry"] >= 2
     assert relay.events.counts["wake:poll"] == 0
+
+
+async def test_an_idle_relay_notices_kafka_going_away_and_claims_nothing_meanwhile() -> None:
+    """With nothing to send, the relay still asks Kafka now and then whether it answers: the
+    outage starts when Kafka goes, and a row committed meanwhile waits, unclaimed, for its
+    return (instead of being claimed into a failing send)."""
+    store, pub = FakeStore(), FakePublisher()
+    async with Relay(settings(kafka_idle_check_interval=0.02), store=store, publisher=pub) as relay:
+        with anyio.fail_after(5):
+            await relay.events.wait_for("idle")
+            pub.answering = False
+            await relay.events.wait_for("kafka_unavailable")
+        assert relay.kafka_outage.active
+        row = store.add(key="k")
+        with anyio.fail_after(5):
+            await relay.events.wait_for("poll", relay.events.counts["poll"] + 3)
+        assert pub.sent == []
+        assert store.pending()
+        pub.back()
+        with anyio.fail_after(5):
+            await relay.events.wait_for("kafka_back")
+        await wait_drained(store, relay)
+    assert [r.id for r in pub.sent] == [row]
+    assert not relay.kafka_outage.active
