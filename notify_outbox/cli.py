@@ -26,7 +26,7 @@ from .admin_cli import (
     run_admin_command,
     wants_admin,
 )
-from .db import DATABASE_ERRORS, never_heals, statement_cache_size
+from .db import DATABASE_ERRORS, never_heals, session_parameters, statement_cache_size
 from .deadletters import DeadLetterFilter
 from .debezium_cli import add_debezium_command, run_debezium_command, wants_debezium
 from .errors import ConfigurationError, MigrationError
@@ -161,6 +161,7 @@ async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
             settings.dsn.get_secret_value(),
             timeout=30,
             statement_cache_size=statement_cache_size(settings.statement_cache_size, True),
+            server_settings=session_parameters("notify-outbox-cli"),
         )
     except DATABASE_ERRORS as e:
         why = never_heals(e)

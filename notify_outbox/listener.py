@@ -21,7 +21,7 @@ import anyio
 import asyncpg
 
 from .backoff import Backoff
-from .db import DATABASE_ERRORS, terminate
+from .db import DATABASE_ERRORS, session_parameters, terminate
 from .errors import ConfigurationError
 from .events import RelayEvents
 from .settings import OutboxSettings
@@ -222,7 +222,7 @@ class Listener:
                     conn = await self._connect(
                         dsn,
                         statement_cache_size=0,
-                        server_settings={"application_name": "notify-outbox-listener"},
+                        server_settings=session_parameters("notify-outbox-listener"),
                     )
                 await self._serve(conn, first)
             except ListenUnsupported as e:

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .db import DATABASE_ERRORS, terminate
+from .db import DATABASE_ERRORS, session_parameters, terminate
 from .settings import redact
 from .sqlfiles import Queries
 
@@ -353,7 +353,7 @@ class RelayMetrics:
                 command_timeout=s.db_command_timeout,
                 # Works through a transaction-pooling PgBouncer too.
                 statement_cache_size=0,
-                server_settings={"application_name": "notify-outbox-metrics"},
+                server_settings=session_parameters("notify-outbox-metrics"),
             )
         row = await self._conn.fetchrow(self._queries["metrics_stats"], STATS_LIMIT)
         assert row is not None

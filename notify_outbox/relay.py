@@ -28,6 +28,7 @@ from .db import (
     behind_pooler,
     never_heals,
     require_supported_server,
+    session_parameters,
     statement_cache_size,
 )
 from .deadletters import expire_dead_letters
@@ -280,7 +281,11 @@ class Relay:
                 with anyio.fail_after(s.db_command_timeout):
                     # One throwaway connection first, without a statement cache, finds out
                     # whether a pooler sits in between; the pool's settings depend on it.
-                    probe = await asyncpg.connect(dsn, statement_cache_size=0)
+                    probe = await asyncpg.connect(
+                        dsn,
+                        statement_cache_size=0,
+                        server_settings=session_parameters("notify-outbox-worker"),
+                    )
                     try:
                         await require_supported_server(probe)
                         self.behind_pooler = await behind_pooler(probe)
@@ -297,7 +302,7 @@ class Relay:
                         statement_cache_size=statement_cache_size(
                             s.statement_cache_size, self.behind_pooler
                         ),
-                        server_settings={"application_name": "notify-outbox-worker"},
+                        server_settings=session_parameters("notify-outbox-worker"),
                         reset=_keep_session,
                     )
                 if self.behind_pooler:
