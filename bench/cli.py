@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         nargs="+",
-        help="relay-N (N relay processes), relay-N-alt (with --alt-relay), poller "
+        help="relay-N (N relay processes), relay-N-alt (with --alt-relay), "
+        "relay-N[-alt]-pgbouncer (through a transaction-pooling PgBouncer), poller "
         "(default: relay-1 relay-2 relay-4 poller)",
     )
     p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")

@@ -31,7 +31,9 @@ class Mode:
     bench's plain polling publisher. ``notify`` says what happens to the NOTIFY trigger in this
     mode's database: "shipped" (as migrated), "disabled" (``ALTER TABLE ... DISABLE TRIGGER``,
     as a plain polling outbox has none), or a ``notify_mode`` value of migration 0002
-    ("always", "gated"), which needs that migration.
+    ("always", "gated"), which needs that migration. ``pgbouncer`` modes run the relay through
+    the run's transaction-pooling PgBouncer (the bench starts one when a selected mode needs
+    it).
     """
 
     name: str
@@ -42,6 +44,10 @@ class Mode:
     notify: str = "shipped"
     interval: float = 0.0  # the poll interval, for the report
     cwd: str | None = None  # run from another source tree (``--alt-relay``) instead of ours
+    # The process's NOTIFY_OUTBOX_DSN goes through the run's transaction-pooling PgBouncer
+    # (bench/pooler.py); with ``listen_direct`` its NOTIFY_OUTBOX_LISTEN_DSN is the direct DSN.
+    pgbouncer: bool = False
+    listen_direct: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description."""
@@ -55,6 +61,15 @@ MODES: dict[str, Mode] = {
             "notify",
             "relay",
             "notify-outbox relay, default settings (LISTEN/NOTIFY, fallback poll 5 s)",
+        ),
+        Mode(
+            "notify-pgbouncer",
+            "relay",
+            "notify-outbox relay, default settings, workers through a transaction-pooling "
+            "PgBouncer (no statement cache), the listening connection direct "
+            "(NOTIFY_OUTBOX_LISTEN_DSN)",
+            pgbouncer=True,
+            listen_direct=True,
         ),
         Mode(
             "notify-tuned",
@@ -77,6 +92,16 @@ MODES: dict[str, Mode] = {
             args=("--poll-only", "--poll-interval", "0.1"),
             notify="off",
             interval=0.1,
+        ),
+        Mode(
+            "relay-poll-pgbouncer",
+            "relay",
+            "notify-outbox relay in poll-only mode, --poll-interval 0.1, notify_mode 'off', "
+            "through a transaction-pooling PgBouncer (no statement cache)",
+            args=("--poll-only", "--poll-interval", "0.1"),
+            notify="off",
+            interval=0.1,
+            pgbouncer=True,
         ),
         Mode(
             "relay-poll-fast",
@@ -123,6 +148,8 @@ def add_alt_modes(tree: str) -> list[str]:
             notify=mode.notify,
             interval=mode.interval,
             cwd=tree,
+            pgbouncer=mode.pgbouncer,
+            listen_direct=mode.listen_direct,
         )
         MODES[alt.name] = alt
         added.append(alt.name)
@@ -291,7 +318,8 @@ def smoke_config() -> RunConfig:
     """``smoke``: a few seconds per phase, to prove the bench works end to end."""
     return RunConfig(
         preset="smoke",
-        modes=list(DEFAULT_MODES),
+        # Plus the pooled modes (a few seconds each): proves the PgBouncer path works.
+        modes=[*DEFAULT_MODES, "notify-pgbouncer", "relay-poll-pgbouncer"],
         loads=[200],
         extend_loads=False,
         max_load=200,

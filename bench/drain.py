@@ -24,6 +24,7 @@ import asyncpg
 from bench import envinfo
 from bench.config import Mode
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
+from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.services import Services, open_services, prepare_poller, set_notify
 from devstack.relayproc import child_env, create_topics
@@ -65,7 +66,7 @@ _PAYLOAD_OVERHEAD = 23
 _QUERY_TIMEOUT = 300.0  # a 100,000-row chunked insert or VACUUM on a busy 2-core machine
 _READY_TIMEOUT = 60.0
 _EMPTY_TIMEOUT = 30.0
-_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?$")
+_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?$")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,9 @@ class DrainMode:
 
 def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
     """``relay-N`` (N relay processes, default settings), ``relay-N-alt`` (the same from the
-    ``--alt-relay`` tree) or ``poller`` (the outbox literature's plain poller)."""
+    ``--alt-relay`` tree), either with ``-pgbouncer`` (workers through the run's
+    transaction-pooling PgBouncer, the listening connection direct) or ``poller`` (the outbox
+    literature's plain poller)."""
     if name == "poller":
         mode = Mode(
             name,
@@ -98,16 +101,25 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
         return DrainMode(name, mode, 1)
     m = _MODE_RE.match(name)
     if m is None or int(m.group(1)) < 1:
-        raise BenchError(f"unknown drain mode {name!r}: relay-N, relay-N-alt or poller")
-    n, alt = int(m.group(1)), bool(m.group(2))
+        raise BenchError(
+            f"unknown drain mode {name!r}: relay-N, relay-N-alt, relay-N[-alt]-pgbouncer or poller"
+        )
+    n, alt, pooled = int(m.group(1)), bool(m.group(2)), bool(m.group(3))
     if alt and alt_tree is None:
         raise BenchError(f"mode {name} needs --alt-relay DIR")
     where = f"; relay code from {alt_tree}" if alt else ""
+    if pooled:
+        where += (
+            "; workers through a transaction-pooling PgBouncer (no statement cache), the "
+            "listening connection direct (NOTIFY_OUTBOX_LISTEN_DSN)"
+        )
     mode = Mode(
         name,
         "relay",
         f"{n} notify-outbox relay process(es), default settings, NOTIFY trigger as migrated{where}",
         cwd=alt_tree if alt else None,
+        pgbouncer=pooled,
+        listen_direct=pooled,
     )
     return DrainMode(name, mode, n)
 
@@ -123,7 +135,11 @@ def parse_relay_env(items: list[str]) -> dict[str, str]:
         key = key.strip().upper().replace("-", "_")
         if not key.startswith("NOTIFY_OUTBOX_"):
             key = f"NOTIFY_OUTBOX_{key}"
-        if key in ("NOTIFY_OUTBOX_DSN", "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"):
+        if key in (
+            "NOTIFY_OUTBOX_DSN",
+            "NOTIFY_OUTBOX_LISTEN_DSN",
+            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+        ):
             raise BenchError(f"--relay-env cannot set {key}: the bench sets it")
         out[key] = value
     return out
@@ -465,7 +481,7 @@ def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
         m = _MODE_RE.match(relay)
         if m is None or m.group(1) == "1":
             continue
-        one = f"relay-1{m.group(2) or ''}"
+        one = f"relay-1{m.group(2) or ''}{m.group(3) or ''}"
         for mix in result["config"]["mixes"]:
             r, base = by.get((mix, relay)), by.get((mix, one))
             if r is not None and base is not None:
@@ -486,4 +502,9 @@ async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
         f"drain: {cfg.rows} rows x {len(cfg.mixes)} mix(es) x {len(drain.modes)} mode(s) x "
         f"{cfg.repeat} round(s), cell timeout {cfg.timeout():.0f}s"
     )
-    return await run.run(open_services, drain.body, fsync_seconds=cfg.fsync_test_seconds)
+    return await run.run(
+        open_services,
+        drain.body,
+        fsync_seconds=cfg.fsync_test_seconds,
+        pgbouncer=needs_pgbouncer(m.mode for m in drain.modes),
+    )

@@ -21,6 +21,7 @@ import asyncpg
 
 from bench import envinfo
 from bench.config import Mode
+from bench.pooler import end_record, mode_dsns, start_pgbouncer
 from bench.procs import ROOT, BenchError, Child, python_argv
 from bench.progress import Progress
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
@@ -138,7 +139,13 @@ async def start_mode(
         argv = cli_argv("run", *mode.args)
     else:
         argv = python_argv("-m", "bench", "_poller", *mode.args)
-    env = relay_env(dsn, services.bootstrap, **{**dict(mode.env), **(extra_env or {})})
+    # A pooled mode's DSN is rewritten here, for its process only (bench/pooler.py).
+    dsns = mode_dsns(services, mode, dsn)
+    env = relay_env(
+        dsns.pop("NOTIFY_OUTBOX_DSN"),
+        services.bootstrap,
+        **{**dsns, **dict(mode.env), **(extra_env or {})},
+    )
     cwd = Path(mode.cwd) if mode.cwd else src
     if mode.cwd:
         # `python -m` puts the working directory first on sys.path: that tree's relay wins.
@@ -242,9 +249,11 @@ class PhaseRun:
         body: Callable[[Services], Awaitable[None]],
         *,
         fsync_seconds: int = 0,
+        pgbouncer: bool = False,
     ) -> Path:
-        """Open the services, record the environment, run ``body``; always write the JSON.
-        BenchError when the bench itself broke (``self.errors``)."""
+        """Open the services (and, with ``pgbouncer``, a transaction-pooling PgBouncer in
+        front of PostgreSQL, for the pooled modes), record the environment, run ``body``;
+        always write the JSON. BenchError when the bench itself broke (``self.errors``)."""
         self.result["load_average_start"] = loadavg()
         cpu0 = envinfo.cpu_times()
         t0 = time.monotonic()
@@ -268,6 +277,13 @@ class PhaseRun:
                 notes=self.notes,
                 load_average=self.result["load_average_start"],
             )
+            if pgbouncer:
+                self.progress.status("starting PgBouncer (transaction pooling)")
+                pooled = await start_pgbouncer(services)
+                self.result["environment"]["pgbouncer"] = pooled
+                self.progress.line(f"pgbouncer: {pooled['version']}, port {pooled['port']}")
+            else:
+                self.result["environment"]["pgbouncer"] = {"ran": False}
             await body(services)
             ok = not self.errors
         except BenchError as e:
@@ -283,6 +299,12 @@ class PhaseRun:
             self.result["finished_utc"] = utc()
             self.result["errors"] = self.errors
             if services is not None:
+                record = self.result.get("environment", {}).get("pgbouncer")
+                try:
+                    if record is not None:
+                        record.update(await end_record(services))
+                except Exception as e:  # optional; the services must still be stopped
+                    self.notes.append(f"PgBouncer end record: {type(e).__name__}: {e}")
                 try:
                     await close_services(services)
                 except Exception as e:

@@ -277,6 +277,16 @@ def environment_lines(result: dict[str, Any]) -> list[str]:
     git = env.get("git", {})
     fs = env.get("fdatasync_probe", {})
     ptf = env.get("pg_test_fsync", {})
+    pgb = env.get("pgbouncer", {})
+    pooler = (
+        [
+            f"- PgBouncer (pooled modes): {pgb.get('version')}, {pgb.get('pool_mode')} pooling, "
+            f"default_pool_size {pgb.get('settings', {}).get('default_pool_size')}"
+            + ("; it was NOT running at the end" if pgb.get("running_at_end") is False else "")
+        ]
+        if pgb.get("ran")
+        else []
+    )
     return [
         f"- machine: {host.get('cpu_model')} x{host.get('cores')} cores, "
         f"{host.get('memory_gib')} GiB, kernel {host.get('kernel')}, Python {host.get('python')}",
@@ -291,6 +301,7 @@ def environment_lines(result: dict[str, Any]) -> list[str]:
         f"shared_buffers={pg.get('shared_buffers')}, "
         f"wal_sync_method={pg.get('wal_sync_method')}; Kafka "
         f"{env.get('kafka', {}).get('version')} (one broker, acks=all, idempotent producers)",
+        *pooler,
         f"- git {str(git.get('revision'))[:12]} on {git.get('branch')}"
         + (" (uncommitted changes)" if git.get("dirty") else ""),
         f"- noise: load average {result.get('load_average_start')} at start, "

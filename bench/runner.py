@@ -24,6 +24,7 @@ from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, write
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun, loadavg, slug, utc
+from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.services import (
     Services,
@@ -77,8 +78,14 @@ class Runner:
     async def run(self) -> Path:
         """Run everything; returns the path of the JSON written. BenchError if the bench broke
         (the JSON is still written when there is something to write)."""
+        # The producer variants' draining modes count too (none is pooled today).
+        drains = [VARIANTS[v].drain_mode for v in self.cfg.variants]
+        used = [MODES[m] for m in [*self.cfg.modes, *filter(None, drains)]]
         return await self._run.run(
-            open_services, self._phases, fsync_seconds=self.cfg.fsync_test_seconds
+            open_services,
+            self._phases,
+            fsync_seconds=self.cfg.fsync_test_seconds,
+            pgbouncer=needs_pgbouncer(used),
         )
 
     async def _phases(self, services: Services) -> None:

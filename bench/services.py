@@ -74,6 +74,7 @@ class Services:
     kafka_version: str | None = None
     databases: list[str] = field(default_factory=list)
     src: Path | None = None  # the relay source snapshot: working directory of `migrate`
+    pgbouncer: Any = None  # devstack PgBouncer in front of `dsn` (bench/pooler.py)
 
     async def admin(self, *statements: str, database: str | None = None) -> None:
         """Run statements on a fresh superuser connection."""
@@ -233,7 +234,11 @@ async def open_services(work_dir: Path) -> Services:
 
 
 async def close_services(services: Services) -> None:
-    """Stop the own stack, or drop the databases created on external services."""
+    """Stop the run's PgBouncer, then the own stack, or drop the databases created on
+    external services."""
+    if services.pgbouncer is not None:
+        pooler, services.pgbouncer = services.pgbouncer, None
+        await asyncio.to_thread(pooler.stop)
     if services.own_stack is not None:
         await asyncio.to_thread(services.own_stack.stop)
     else:

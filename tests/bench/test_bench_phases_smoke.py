@@ -39,7 +39,9 @@ def test_drain_delivers_every_row_in_key_order(services: Services, tmp_path: Pat
     done = _bench(
         [
             "drain",
-            *("--rows", str(rows), "--mixes", "keys-1000", "--modes", "relay-1", "poller"),
+            *("--rows", str(rows), "--mixes", "keys-1000"),
+            # relay-1-pgbouncer: the relay's workers through the bench's own PgBouncer.
+            *("--modes", "relay-1", "relay-1-pgbouncer", "poller"),
             *("--out", str(tmp_path), "--cell-timeout", "60"),
         ],
         relay_env(services.dsn, services.bootstrap),
@@ -49,7 +51,8 @@ def test_drain_delivers_every_row_in_key_order(services: Services, tmp_path: Pat
     (path,) = tmp_path.glob("drain-*.json")
     result = json.loads(path.read_text())
     cells = result["cells"]
-    assert {c["mode"] for c in cells} == {"relay-1", "poller"}
+    assert {c["mode"] for c in cells} == {"relay-1", "relay-1-pgbouncer", "poller"}
+    assert result["environment"]["pgbouncer"]["ran"], result["environment"]["pgbouncer"]
     for c in cells:
         assert not c["timed_out"], c
         assert c["unique"] == rows, c

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.config import DEFAULT_MODES
+from bench.config import smoke_config
 from devstack.relayproc import relay_env
 from tests.conftest import Services
 from tests.support import ROOT
@@ -35,11 +35,34 @@ def test_smoke_run_writes_a_result_with_every_mode(services: Services, tmp_path:
     assert len(results) == 1, sorted(p.name for p in tmp_path.iterdir())
     result = json.loads(results[0].read_text())
     modes = set(result["config"]["modes"])
-    assert modes == set(DEFAULT_MODES)
+    assert modes == set(smoke_config().modes)
+    assert {"notify-pgbouncer", "relay-poll-pgbouncer"} <= modes
     assert {c["mode"] for c in result["latency_cells"]} == modes
     assert all(c["missing"] == 0 and c["events"] > 0 for c in result["latency_cells"])
     assert {i["mode"] for i in result["idle"]} == modes
     assert {p["variant"] for p in result["producer_cells"]} == set(result["config"]["variants"])
+    # The pooled modes ran through the bench's own PgBouncer, stopped at the end.
+    pgbouncer = result["environment"]["pgbouncer"]
+    assert pgbouncer["ran"], pgbouncer
+    assert pgbouncer["pool_mode"] == "transaction", pgbouncer
+    assert pgbouncer["version"].startswith("PgBouncer "), pgbouncer
+    assert pgbouncer["running_at_end"], pgbouncer
+    assert not _is_pgbouncer(pgbouncer["pid"]), "the bench left its PgBouncer running"
+    # The pooled modes' transactions went through it (its own counters), and only theirs.
+    prefix = f"bench_{result['run_id'].lower()}_"
+    through = {
+        db.removeprefix(prefix)
+        for db, stats in pgbouncer["stats"].items()
+        if db.startswith(prefix) and stats["transactions"] > 0
+    }
+    assert through == {"notify_pgbouncer", "relay_poll_pgbouncer"}, pgbouncer
     assert results[0].with_suffix(".md").is_file()
     # matplotlib is a dev dependency: the plots must be there.
     assert list(tmp_path.glob("*-latency-vs-load.png"))
+
+
+def _is_pgbouncer(pid: int) -> bool:
+    try:
+        return b"pgbouncer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
