@@ -173,6 +173,13 @@ class RequeueResult:
     skipped: str | None = None
 
 
+
+def _matching(names: OutboxNames, name: str) -> str:
+    """Query ``name`` with the shared dead-letter filter (``dead_letters_match``) in place of
+    its ``<match>``."""
+    q = Queries(names)
+    return q[name].replace("<match>", f"({q['dead_letters_match']})")
+
 async def list_dead_letters(
     conn: asyncpg.Connection | asyncpg.Pool,
     names: OutboxNames,
@@ -184,7 +191,7 @@ async def list_dead_letters(
 ) -> AsyncIterator[DeadLetter]:
     """The matching dead letters in id order, read a page at a time (any table size), with
     ids after ``after_id`` and at most ``up_to_id``; at most ``limit`` of them (None: all)."""
-    sql = Queries(names)["dead_letters_list"]
+    sql = _matching(names, "dead_letters_list")
     params = (where or DeadLetterFilter()).params()
     left = math.inf if limit is None else limit
     while left > 0:
@@ -217,7 +224,7 @@ async def count_dead_letters(
     limit: int = 100_000,
 ) -> int:
     """Matching dead letters, counted up to ``limit`` (bounded work at any table size)."""
-    sql = Queries(names)["dead_letters_count"]
+    sql = _matching(names, "dead_letters_count")
     return int(await conn.fetchval(sql, *(where or DeadLetterFilter()).params(), limit))
 
 
@@ -272,7 +279,7 @@ async def purge(
     returns how many. With ``dry_run``, only counts them (up to ``count_limit``)."""
     if dry_run:
         return await count_dead_letters(conn, names, where, limit=count_limit)
-    sql = Queries(names)["dead_letters_purge"]
+    sql = _matching(names, "dead_letters_purge")
     params = where.params()
     total = 0
     while True:

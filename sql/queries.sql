@@ -201,23 +201,26 @@ SELECT
         AS oldest_pending_seconds,
     (SELECT count(*) FROM (SELECT 1 FROM @dead_letter@ LIMIT $1) AS d) AS dead_lettered;
 
--- name: dead_letters_list
+-- name: dead_letters_match
 -- Dead letters (notify_outbox/deadletters.py). Every dead_letters_* query takes the same filter
 -- as $1..$7, each NULL for "any": $1 ids, $2 topic, $3 key (exact), $4 text in the error (any
 -- case), $5 dead-lettered at or after, $6 dead-lettered before, $7 dead-lettered more than this
--- many seconds ago.
--- This one: matching dead letters with ids in ($8, $9], in id order, at most $10.
+-- many seconds ago. (This condition replaces <match> in the queries below.)
+($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+AND ($2::text IS NULL OR topic = $2::text)
+AND ($3::text IS NULL OR key = $3::text)
+AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
+AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
+AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
+AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+
+-- name: dead_letters_list
+-- Matching dead letters with ids in ($8, $9], in id order, at most $10.
 SELECT id, event_id, topic, key, payload::text AS payload, payload_bytes,
        headers::text AS headers, event_type, aggregate_type, aggregate_id, idempotency_key,
        created_at, attempts, error, dead_lettered_at
 FROM @dead_letter@
-WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
-  AND ($2::text IS NULL OR topic = $2::text)
-  AND ($3::text IS NULL OR key = $3::text)
-  AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
-  AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
-  AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
-  AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+WHERE <match>
   AND id > $8 AND id <= $9
 ORDER BY id
 LIMIT $10;
@@ -226,13 +229,7 @@ LIMIT $10;
 -- Matching dead letters, counted up to $8.
 SELECT count(*) FROM (
     SELECT 1 FROM @dead_letter@
-    WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
-      AND ($2::text IS NULL OR topic = $2::text)
-      AND ($3::text IS NULL OR key = $3::text)
-      AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
-      AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
-      AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
-      AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+    WHERE <match>
     LIMIT $8
 ) AS m;
 
@@ -247,13 +244,7 @@ SELECT coalesce(max(id), 0) FROM @dead_letter@;
 DELETE FROM @dead_letter@
 WHERE id IN (
     SELECT id FROM @dead_letter@
-    WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
-      AND ($2::text IS NULL OR topic = $2::text)
-      AND ($3::text IS NULL OR key = $3::text)
-      AND ($4::text IS NULL OR strpos(lower(error), lower($4::text)) > 0)
-      AND ($5::timestamptz IS NULL OR dead_lettered_at >= $5::timestamptz)
-      AND ($6::timestamptz IS NULL OR dead_lettered_at < $6::timestamptz)
-      AND ($7::float8 IS NULL OR dead_lettered_at < now() - make_interval(secs => $7::float8))
+    WHERE <match>
     LIMIT $8
 );
 
