@@ -1,16 +1,19 @@
-"""Helpers shared by the PostgreSQL and Kafka service wrappers."""
+"""Helpers shared by devstack's service wrappers."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import pwd
 import socket
 import stat
-from collections.abc import Iterable
+import subprocess
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 CACHE_DIR_ENV = "NOTIFY_OUTBOX_CACHE_DIR"
 # PostgreSQL and PgBouncer both refuse to run as root, so as root they run as this account.
@@ -141,3 +144,93 @@ def grant_search(directory: Path, user: pwd.struct_passwd, target: Path) -> None
                 target,
             )
             os.chmod(path, stat.S_IMODE(st.st_mode) | needed)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (created with its parents if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_logged(
+    argv: Sequence[str],
+    log: IO[Any],
+    *,
+    timeout: float,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run a tool to completion, stdin closed, its output into the open file ``log``.
+
+    Its exit code is the caller's to check; ``subprocess.TimeoutExpired`` after ``timeout``.
+    """
+    return subprocess.run(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def apt_install(
+    package: str,
+    *,
+    find: Callable[[], Path | None],
+    stop_service: Callable[[], None],
+    timeout: float,
+) -> Path | None:
+    """Install Debian's ``package`` with apt-get (as root), stop the service it started,
+    and return ``find()``, the binary wanted from it.
+
+    Serialised by a lock in the cache (two test sessions must not both run dpkg), and
+    skipped if ``find()`` succeeds once the lock is held. Output goes to
+    ``apt-<package>.log`` in the cache; a failure is a StackError showing its last lines.
+    """
+    home = cache_root()
+    log_path = home / f"apt-{package}.log"
+    with locked(home / f"{package}-install.lock"):
+        found = find()
+        if found is not None:
+            return found
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        steps = [
+            ["apt-get", "update"],
+            [
+                "apt-get",
+                "install",
+                "-y",
+                "--no-install-recommends",
+                # Another apt run (unattended upgrades) holds the lock for a while at most.
+                "-o",
+                "DPkg::Lock::Timeout=300",
+                package,
+            ],
+        ]
+        _log.warning("%s is missing: installing Debian's package (log: %s)", package, log_path)
+        with log_path.open("w") as log:
+            for argv in steps:
+                try:
+                    result = run_logged(argv, log, env=env, timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    raise StackError(
+                        f"`{' '.join(argv)}` did not finish within {timeout:.0f}s, see {log_path}"
+                    ) from None
+                except OSError as exc:
+                    raise StackError(f"`{' '.join(argv)}` failed: {exc}") from exc
+                if result.returncode != 0:
+                    raise StackError(
+                        f"`{' '.join(argv)}` failed (exit {result.returncode}) while installing "
+                        f"{package}, see {log_path} (last lines:\n{tail(log_path)})"
+                    )
+        stop_service()
+        return find()

@@ -3,30 +3,29 @@
 from __future__ import annotations
 
 import base64
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
-import signal
 import socket
 import struct
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from devstack._common import (
     StackError,
     cache_root,
-    cmdline,
     free_ports,
-    pid_alive,
+    locked,
     read_json,
+    run_logged,
     tail,
     write_json,
 )
+from devstack._daemon import Daemon, NotReady, spawn
 
 __all__ = [
     "KAFKA_VERSION",
@@ -114,16 +113,6 @@ def _cached_jars(pom_digest: str) -> list[Path] | None:
     return jars if all(jar.is_file() for jar in jars) else None
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def kafka_classpath() -> list[Path]:
     """Resolve the broker jars with Maven once, cache them, and return them."""
     pom = _pom()
@@ -133,7 +122,7 @@ def kafka_classpath() -> list[Path]:
         return jars
     home = kafka_cache_dir()
     home.mkdir(parents=True, exist_ok=True)
-    with _locked(home / ".lock"):
+    with locked(home / ".lock"):
         # Another process may have finished the resolve while we waited.
         jars = _cached_jars(digest)
         if jars is None:
@@ -165,15 +154,7 @@ def _resolve(home: Path, pom: str, digest: str) -> list[Path]:
     ]
     try:
         with log_path.open("w") as log:
-            result = subprocess.run(
-                cmd,
-                cwd=home,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=_MAVEN_TIMEOUT_S,
-                check=False,
-            )
+            result = run_logged(cmd, log, cwd=home, timeout=_MAVEN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         shutil.rmtree(staging, ignore_errors=True)
         raise StackError(
@@ -312,7 +293,7 @@ def _escape_property(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n")
 
 
-class KafkaBroker:
+class KafkaBroker(Daemon):
     """One combined broker+controller KRaft node under ``base_dir``.
 
     ``base_dir`` holds ``data/`` (the log dirs and KRaft metadata),
@@ -338,9 +319,9 @@ class KafkaBroker:
         self.log4j_path = self.base_dir / "log4j.properties"
         self.extra_config: dict[str, str] = dict(extra_config or {})
         self.heap = heap
-        self._state_path = self.base_dir / _STATE_FILE
-        self._proc: subprocess.Popen[bytes] | None = None
-        state = read_json(self._state_path)
+        state_path = self._state_path = self.base_dir / _STATE_FILE
+        self._proc = None
+        state = read_json(state_path)
         saved_port = state.get("port")
         saved_cport = state.get("controller_port")
         if port is None and isinstance(saved_port, int):
@@ -366,21 +347,12 @@ class KafkaBroker:
         """The ``host:port`` clients connect to."""
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def pid(self) -> int | None:
-        """Pid of the running broker JVM (started by any process), or None."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                return self._proc.pid
-            self._proc = None
-        pid = read_json(self._state_path).get("pid")
-        if not isinstance(pid, int) or not pid_alive(pid):
-            return None
-        # The pid may have been reused since; only our JVM has our props path.
-        argv = cmdline(pid)
-        if "kafka.Kafka" not in argv or str(self.properties_path) not in argv:
-            return None
-        return pid
+    # A JVM stops slower than pgbouncer: no need to look as often.
+    _exit_poll_s = 0.1
+
+    def _owns(self, argv: list[str]) -> bool:
+        # Only our JVM has our properties path.
+        return "kafka.Kafka" in argv and str(self.properties_path) in argv
 
     def is_running(self) -> bool:
         """Tell whether the broker JVM is alive (not necessarily serving yet)."""
@@ -406,44 +378,19 @@ class KafkaBroker:
             self._format(jvm)
         started = time.monotonic()
         with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                [*jvm, "kafka.Kafka", str(self.properties_path)],
-                cwd=self.base_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Own session: a Ctrl-C or a signal to the test's process group
-                # must not kill the broker behind the fixture's back.
-                start_new_session=True,
+            self._proc = spawn(
+                [*jvm, "kafka.Kafka", str(self.properties_path)], cwd=self.base_dir, stdout=log
             )
         self._save_state(pid=self._proc.pid)
         try:
-            self._wait_ready(started + timeout, timeout)
+            self._wait_ready(started + timeout, timeout, interval=0.2)
         except BaseException:
             self.kill()
             raise
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the broker with SIGTERM, falling back to SIGKILL after ``timeout``."""
-        pid = self.pid
-        if pid is None:
-            return
-        self._signal(pid, signal.SIGTERM)
-        if not self._wait_exit(pid, timeout):
-            self._signal(pid, signal.SIGKILL)
-            self._wait_exit(pid, 10.0)
-        self._proc = None
-        self._save_state(pid=None)
-
-    def kill(self) -> None:
-        """Kill the broker with SIGKILL, as a crash would."""
-        pid = self.pid
-        if pid is None:
-            return
-        self._signal(pid, signal.SIGKILL)
-        self._wait_exit(pid, 10.0)
-        self._proc = None
-        self._save_state(pid=None)
+        self._terminate(timeout)
 
     def restart(self) -> None:
         """Stop and start again on the same ports with the same data."""
@@ -452,17 +399,12 @@ class KafkaBroker:
 
     # -- internals ---------------------------------------------------------
 
-    def _save_state(self, *, pid: int | None) -> None:
-        self.base_dir.mkdir(parents=True, exist_ok=True)
-        write_json(
-            self._state_path,
-            {
-                "port": self.port,
-                "controller_port": self.controller_port,
-                "cluster_id": self.cluster_id,
-                "pid": pid,
-            },
-        )
+    def _state(self) -> dict[str, Any]:
+        return {
+            "port": self.port,
+            "controller_port": self.controller_port,
+            "cluster_id": self.cluster_id,
+        }
 
     def _config(self) -> dict[str, str]:
         config = {
@@ -538,15 +480,7 @@ class KafkaBroker:
         ]
         with self.log_path.open("ab") as log:
             try:
-                result = subprocess.run(
-                    cmd,
-                    cwd=self.base_dir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=120,
-                    check=False,
-                )
+                result = run_logged(cmd, log, cwd=self.base_dir, timeout=120)
             except subprocess.TimeoutExpired:
                 raise StackError(
                     f"formatting Kafka storage timed out, see {self.log_path}"
@@ -557,48 +491,18 @@ class KafkaBroker:
                 f"see {self.log_path} (last lines:\n{tail(self.log_path)})"
             )
 
-    def _wait_ready(self, deadline: float, timeout: float) -> None:
-        assert self._proc is not None
-        last_error = "no answer yet"
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise StackError(
-                    f"kafka exited with code {code} while starting, see {self.log_path} "
-                    f"(last lines:\n{tail(self.log_path)})"
-                )
-            try:
-                cluster_id, brokers = probe_metadata(self.port, timeout=2.0)
-            except (OSError, struct.error, UnicodeDecodeError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-            else:
-                # Guards against another broker squatting on the port, and
-                # against a broker that answers before it has registered.
-                if cluster_id == self.cluster_id and any(b[0] == _NODE_ID for b in brokers):
-                    return
-                last_error = f"cluster {cluster_id!r} with brokers {brokers}"
-            if time.monotonic() >= deadline:
-                raise StackError(
-                    f"kafka did not answer within {timeout:.0f}s ({last_error}), see "
-                    f"{self.log_path} (last lines:\n{tail(self.log_path)})"
-                )
-            time.sleep(0.2)
+    def _not_started(self, failure: NotReady, timeout: float) -> str:
+        if failure.code is not None:
+            return f"kafka exited with code {failure.code} while starting"
+        return f"kafka did not answer within {timeout:.0f}s ({failure.last_error})"
 
-    def _signal(self, pid: int, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-    def _wait_exit(self, pid: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        if self._proc is not None and self._proc.pid == pid:
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-        # Not our child (started by another process): poll until it is gone.
-        while pid_alive(pid):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
-        return True
+    def _probe(self) -> str | None:
+        try:
+            cluster_id, brokers = probe_metadata(self.port, timeout=2.0)
+        except (OSError, struct.error, UnicodeDecodeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        # Guards against another broker squatting on the port, and against a
+        # broker that answers before it has registered.
+        if cluster_id == self.cluster_id and any(b[0] == _NODE_ID for b in brokers):
+            return None
+        return f"cluster {cluster_id!r} with brokers {brokers}"

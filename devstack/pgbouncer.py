@@ -10,33 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import fcntl
 import io
 import logging
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 from urllib.parse import quote
 
 from devstack._common import (
     StackError,
-    cache_root,
+    apt_install,
     cmdline,
     free_ports,
     grant_search,
-    pid_alive,
     read_json,
     service_user,
-    tail,
-    write_json,
 )
+from devstack._daemon import Daemon, NotReady, spawn
 
 __all__ = [
     "INSTALL_COMMAND",
@@ -72,17 +68,6 @@ def find_pgbouncer() -> Path | None:
     return sbin if sbin.is_file() and os.access(sbin, os.X_OK) else None
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_pgbouncer() -> Path:
     """Return the pgbouncer binary, installing Debian's package first if it is missing.
 
@@ -101,54 +86,12 @@ def ensure_pgbouncer() -> Path:
             "pgbouncer not found (looked on PATH and in /usr/sbin) and there is no apt-get "
             "to install Debian's package: install PgBouncer 1.18 or newer on PATH"
         )
-    home = cache_root()
-    # Two test sessions starting at once must not both run dpkg.
-    with _locked(home / "pgbouncer-install.lock"):
-        found = find_pgbouncer()
-        if found is None:
-            found = _apt_install(home / "apt-pgbouncer.log")
-    return found
-
-
-def _apt_install(log_path: Path) -> Path:
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    steps = [
-        ["apt-get", "update"],
-        [
-            "apt-get",
-            "install",
-            "-y",
-            "--no-install-recommends",
-            # Another apt run (unattended upgrades) holds the lock for a while at most.
-            "-o",
-            "DPkg::Lock::Timeout=300",
-            "pgbouncer",
-        ],
-    ]
-    _log.warning("pgbouncer is missing: installing Debian's package (log: %s)", log_path)
-    with log_path.open("w") as log:
-        for argv in steps:
-            try:
-                result = subprocess.run(
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=_APT_TIMEOUT_S,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired:
-                raise StackError(
-                    f"`{' '.join(argv)}` did not finish within {_APT_TIMEOUT_S}s, see {log_path}"
-                ) from None
-            if result.returncode != 0:
-                raise StackError(
-                    f"`{' '.join(argv)}` failed (exit {result.returncode}) while installing "
-                    f"pgbouncer, see {log_path} (last lines:\n{tail(log_path)})"
-                )
-    stop_packaged_service()
-    found = find_pgbouncer()
+    found = apt_install(
+        "pgbouncer",
+        find=find_pgbouncer,
+        stop_service=stop_packaged_service,
+        timeout=_APT_TIMEOUT_S,
+    )
     if found is None:
         raise StackError("apt-get installed pgbouncer but no binary is on PATH or in /usr/sbin")
     return found
@@ -214,7 +157,7 @@ def _check_value(name: str, value: str) -> str:
     return value
 
 
-class PgBouncer:
+class PgBouncer(Daemon):
     """One PgBouncer under ``base_dir`` on 127.0.0.1, pooling one PostgreSQL server.
 
     Every database is reachable through the ``*`` fallback entry, so the
@@ -258,9 +201,9 @@ class PgBouncer:
         if not self.users:
             raise ValueError("users must name at least one role")
         self.extra_config: dict[str, str] = dict(extra_config or {})
-        self._state_path = self.base_dir / _STATE_FILE
-        self._proc: subprocess.Popen[bytes] | None = None
-        saved = read_json(self._state_path).get("port")
+        state_path = self._state_path = self.base_dir / _STATE_FILE
+        self._proc = None
+        saved = read_json(state_path).get("port")
         if port is not None:
             self.port = port
         elif isinstance(saved, int):
@@ -291,21 +234,9 @@ class PgBouncer:
         """DSN of the admin console; it speaks the simple query protocol only (use psql)."""
         return self.dsn_for(_ADMIN_DB)
 
-    @property
-    def pid(self) -> int | None:
-        """Pid of the running pgbouncer (started by any process), or None."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                return self._proc.pid
-            self._proc = None
-        pid = read_json(self._state_path).get("pid")
-        if not isinstance(pid, int) or not pid_alive(pid):
-            return None
-        # The pid may have been reused since; only our pgbouncer has our config path.
-        argv = cmdline(pid)
-        if not argv or Path(argv[0]).name != "pgbouncer" or str(self.config_path) not in argv:
-            return None
-        return pid
+    def _owns(self, argv: list[str]) -> bool:
+        # Only our pgbouncer has our config path.
+        return bool(argv) and Path(argv[0]).name == "pgbouncer" and str(self.config_path) in argv
 
     @property
     def is_running(self) -> bool:
@@ -320,53 +251,23 @@ class PgBouncer:
         user = service_user("pgbouncer")
         self._write_files(user)
         started = time.monotonic()
+        # No logfile in the config: its log goes to stderr, which also catches
+        # errors from before its logging is set up.
         with self.log_path.open("ab") as log:
-            try:
-                self._proc = subprocess.Popen(
-                    [str(binary), str(self.config_path)],
-                    cwd=self.base_dir,
-                    stdin=subprocess.DEVNULL,
-                    # No logfile in the config: its log goes to stderr, which
-                    # also catches errors from before its logging is set up.
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    # Own session: a Ctrl-C aimed at the tests must not take it down.
-                    start_new_session=True,
-                    user=None if user is None else user.pw_uid,
-                    group=None if user is None else user.pw_gid,
-                    extra_groups=None if user is None else [],
-                )
-            except OSError as exc:
-                raise StackError(f"could not run {binary}: {exc}") from exc
+            self._proc = spawn(
+                [str(binary), str(self.config_path)], cwd=self.base_dir, stdout=log, user=user
+            )
         self._save_state(pid=self._proc.pid)
         try:
-            self._wait_ready(started + timeout, timeout)
+            self._wait_ready(started + timeout, timeout, interval=0.05)
         except BaseException:
             self.stop(timeout=5.0)
             raise
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop pgbouncer at once (SIGTERM: clients are cut), SIGKILL after ``timeout``."""
-        pid = self.pid
-        if pid is None:
-            return
         # SIGINT would wait for every client to leave; a test pooler must not.
-        self._signal(pid, signal.SIGTERM)
-        if not self._wait_exit(pid, timeout):
-            self._signal(pid, signal.SIGKILL)
-            self._wait_exit(pid, 10.0)
-        self._proc = None
-        self._save_state(pid=None)
-
-    def kill(self) -> None:
-        """Kill pgbouncer with SIGKILL, as a crash would."""
-        pid = self.pid
-        if pid is None:
-            return
-        self._signal(pid, signal.SIGKILL)
-        self._wait_exit(pid, 10.0)
-        self._proc = None
-        self._save_state(pid=None)
+        self._terminate(timeout)
 
     def add_user(self, name: str, password: str | None) -> None:
         """Let another role through (it logs in to PostgreSQL with ``password``)."""
@@ -461,61 +362,32 @@ class PgBouncer:
         # Atomic, so a SIGHUP reload never reads half a file.
         os.replace(tmp, path)
 
-    def _save_state(self, *, pid: int | None) -> None:
-        self.base_dir.mkdir(parents=True, exist_ok=True)
-        write_json(
-            self._state_path,
-            {"port": self.port, "pool_mode": self.pool_mode, "pid": pid},
+    def _state(self) -> dict[str, Any]:
+        return {"port": self.port, "pool_mode": self.pool_mode}
+
+    def _not_started(self, failure: NotReady, timeout: float) -> str:
+        if failure.code is not None:
+            return (
+                f"pgbouncer exited with code {failure.code} while starting on 127.0.0.1:{self.port}"
+            )
+        return (
+            f"pgbouncer did not accept connections on 127.0.0.1:{self.port} within "
+            f"{timeout:.0f}s ({failure.last_error})"
         )
 
-    def _wait_ready(self, deadline: float, timeout: float) -> None:
+    def _probe(self) -> str | None:
         assert self._proc is not None
-        last_error = "no answer yet"
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise StackError(
-                    f"pgbouncer exited with code {code} while starting on 127.0.0.1:{self.port}, "
-                    f"see {self.log_path} (last lines:\n{tail(self.log_path)})"
-                )
-            # Our own process must hold the listening socket: with the port
-            # taken, pgbouncer logs a warning first and exits a moment later,
-            # while the other listener would answer the probe.
-            if not _listens(self._proc.pid, self.port):
-                last_error = "not listening yet"
-            else:
-                try:
-                    if _answers_ssl_request(self.port):
-                        return
-                    last_error = "the port answers, but not as PgBouncer without TLS would"
-                except OSError as exc:
-                    last_error = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() >= deadline:
-                raise StackError(
-                    f"pgbouncer did not accept connections on 127.0.0.1:{self.port} within "
-                    f"{timeout:.0f}s ({last_error}), see {self.log_path} "
-                    f"(last lines:\n{tail(self.log_path)})"
-                )
-            time.sleep(0.05)
-
-    def _signal(self, pid: int, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-    def _wait_exit(self, pid: int, timeout: float) -> bool:
-        if self._proc is not None and self._proc.pid == pid:
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-        deadline = time.monotonic() + timeout
-        # Not our child (started by another process): poll until it is gone.
-        while _alive(pid):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        # Our own process must hold the listening socket: with the port taken,
+        # pgbouncer logs a warning first and exits a moment later, while the
+        # other listener would answer the probe.
+        if not _listens(self._proc.pid, self.port):
+            return "not listening yet"
+        try:
+            if _answers_ssl_request(self.port):
+                return None
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "the port answers, but not as PgBouncer without TLS would"
 
 
 def _answers_ssl_request(port: int, timeout: float = 2.0) -> bool:
@@ -550,25 +422,6 @@ def _listens(pid: int, port: int) -> bool:
         # fields: sl, local_address, rem_address, st (0A = LISTEN), ..., inode at 9
         if len(fields) > 9 and fields[1] == local and fields[3] == "0A" and fields[9] in inodes:
             return True
-    return False
-
-
-def _alive(pid: int) -> bool:
-    """Like pid_alive, but also true while any thread of the process still runs.
-
-    pgbouncer is multithreaded (c-ares): its main thread can be a zombie while
-    the process still holds its listening socket.
-    """
-    if pid_alive(pid):
-        return True
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return False
-    for task in tasks:
-        with contextlib.suppress(OSError):
-            if (task / "stat").read_text().rsplit(")", 1)[-1].split()[0] not in ("Z", "X"):
-                return True
     return False
 
 

@@ -10,8 +10,6 @@ and its own libraries). Maven fetches the jar once; it is unpacked into a cache.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import platform
 import re
@@ -19,7 +17,6 @@ import shutil
 import subprocess
 import tarfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from devstack._common import (
@@ -27,7 +24,9 @@ from devstack._common import (
     StackError,
     cache_root,
     grant_search,
+    locked,
     read_json,
+    run_logged,
     service_user,
     tail,
     write_json,
@@ -72,16 +71,6 @@ def _bundles_root() -> Path:
     return cache_root() / "postgres"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def bundle_bindir(version: str) -> Path:
     """Return the bin/ directory of PostgreSQL ``version``, fetching the bundle once."""
     exact = resolve_bundle_version(version)
@@ -95,7 +84,7 @@ def bundle_bindir(version: str) -> Path:
     bindir = home / "bin"
     home.parent.mkdir(parents=True, exist_ok=True)
     if read_json(home / "complete.json").get("version") != exact:
-        with _locked(home.parent / f".{exact}.lock"):
+        with locked(home.parent / f".{exact}.lock"):
             # Another process may have finished while we waited.
             if read_json(home / "complete.json").get("version") != exact:
                 _fetch(artifact, exact, home)
@@ -126,15 +115,7 @@ def _fetch(artifact: str, version: str, home: Path) -> None:
     ]
     try:
         with log_path.open("w") as log:
-            result = subprocess.run(
-                cmd,
-                cwd=staging,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=_MAVEN_TIMEOUT_S,
-                check=False,
-            )
+            result = run_logged(cmd, log, cwd=staging, timeout=_MAVEN_TIMEOUT_S)
         if result.returncode != 0:
             raise StackError(
                 f"Maven could not fetch the PostgreSQL {version} bundle "

@@ -21,6 +21,7 @@ from devstack._common import (
     tail,
     write_json,
 )
+from devstack._daemon import run_as
 from devstack.pgbundles import PG_VERSION_ENV, bundle_bindir
 
 __all__ = ["PostgresServer", "find_pg_bindir"]
@@ -336,9 +337,7 @@ class PostgresServer:
                 # aimed at the test run would take it down mid-test.
                 start_new_session=True,
                 check=False,
-                user=None if user is None else user.pw_uid,
-                group=None if user is None else user.pw_gid,
-                extra_groups=None if user is None else [],
+                **run_as(user),
             )
         except OSError as exc:
             raise StackError(f"could not run {argv[0]} from {self._bindir}: {exc}") from exc

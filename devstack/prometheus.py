@@ -10,7 +10,6 @@ rules files every second.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pwd
 import shutil
@@ -23,14 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from devstack._common import StackError, free_ports, grant_search, tail
+from devstack._common import StackError, apt_install, free_ports, grant_search, tail
+from devstack._daemon import Daemon, spawn, wait_ready
 
 __all__ = ["PrometheusServer", "find_tool"]
 
-_log = logging.getLogger(__name__)
-
 _PACKAGE = "prometheus"
 _START_TIMEOUT_S = 60
+_APT_TIMEOUT_S = 900
 _RUN_AS = ("prometheus", "nobody")  # as root: the package's user, else nobody
 
 
@@ -41,19 +40,13 @@ def _install() -> None:
             "prometheus/promtool not found: install the Debian package `prometheus` "
             "(sudo apt-get install --no-install-recommends prometheus) or put both on PATH"
         )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    _log.warning("installing the Debian package %s (prometheus, promtool)", _PACKAGE)
-    for argv in (
-        ["apt-get", "update"],
-        ["apt-get", "install", "-y", "--no-install-recommends", _PACKAGE],
-    ):
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise StackError(
-                f"{' '.join(argv)} failed ({done.returncode}): "
-                f"{(done.stderr or done.stdout).strip()[-500:]}"
-            )
-    _stop_package_service()
+    apt_install(
+        _PACKAGE,
+        # Both programs come from the package: one found means it is installed.
+        find=lambda: Path(found) if (found := shutil.which("promtool")) else None,
+        stop_service=_stop_package_service,
+        timeout=_APT_TIMEOUT_S,
+    )
 
 
 def _stop_package_service() -> None:
@@ -88,7 +81,7 @@ def _run_as() -> pwd.struct_passwd | None:
     raise StackError(f"running as root, and none of the users {_RUN_AS} exists to run Prometheus")
 
 
-class PrometheusServer:
+class PrometheusServer(Daemon):
     """A Prometheus server scraping ``targets`` (``host:port`` of ``/metrics``) every
     ``scrape_interval`` seconds as job ``job``, with ``rules`` evaluated every
     ``evaluation_interval`` seconds. Use as a context manager, or ``start()``/``stop()``."""
@@ -110,7 +103,7 @@ class PrometheusServer:
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
         self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc = None
         self.log_path = base_dir / "prometheus.log"
 
     @property
@@ -174,45 +167,30 @@ class PrometheusServer:
             "--log.level=warn",
         ]
         with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                argv,
-                cwd=self.base_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a Ctrl-C of the test run must not reach it first
-                user=None if user is None else user.pw_uid,
-                group=None if user is None else user.pw_gid,
-                extra_groups=None if user is None else [],
-            )
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise StackError(
-                    f"prometheus exited ({self._proc.returncode}) at start:\n{tail(self.log_path)}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:  # noqa: S310
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
+            self._proc = spawn(argv, cwd=self.base_dir, stdout=log, user=user)
+        failure = wait_ready(
+            self._proc,
+            self._probe,
+            deadline=time.monotonic() + _START_TIMEOUT_S,
+            interval=0.1,
+        )
+        if failure is None:
+            return
+        if failure.code is not None:
+            raise StackError(f"prometheus exited ({failure.code}) at start:\n{tail(self.log_path)}")
         self.stop()
         raise StackError(f"prometheus not ready within {_START_TIMEOUT_S}s:\n{tail(self.log_path)}")
 
+    def _probe(self) -> str | None:
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:  # noqa: S310
+                return None if r.status == 200 else f"HTTP {r.status}"
+        except (urllib.error.URLError, OSError) as exc:
+            return str(exc)
+
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
-        self._proc = None
+        self._terminate(10.0)
 
     # --- the HTTP API -------------------------------------------------------------------------
 

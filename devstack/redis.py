@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from devstack._common import StackError, free_ports, grant_search, service_user, tail
+from devstack._common import StackError, apt_install, free_ports, grant_search, service_user
+from devstack._daemon import Daemon, NotReady, spawn
 
 __all__ = ["RedisServer", "find_redis_server"]
 
@@ -38,47 +38,26 @@ def find_redis_server(*, install: bool = True) -> Path:
         if not Path(override).is_file():
             raise StackError(f"{REDIS_SERVER_ENV}={override} is not a file")
         return Path(override)
-    found = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").is_file() else None
-    )
-    if found:
-        return Path(found)
+    found = _installed()
+    if found is not None:
+        return found
     if install and os.geteuid() == 0 and shutil.which("apt-get"):
-        _apt_install()
-        found = shutil.which("redis-server")
-        if found:
-            return Path(found)
+        found = apt_install(
+            _PACKAGE, find=_installed, stop_service=_stop_packaged_service, timeout=_APT_TIMEOUT_S
+        )
+        if found is not None:
+            return found
     raise StackError(
         "redis-server not found: install Debian's package (apt-get install redis-server), "
         f"or set {REDIS_SERVER_ENV} to a redis-server binary"
     )
 
 
-def _apt_install() -> None:
-    _log.warning("installing the %s package with apt-get (once)", _PACKAGE)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (
-        ["apt-get", "update", "-q"],
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", _PACKAGE],
-    ):
-        try:
-            result = subprocess.run(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=_APT_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise StackError(f"`{' '.join(argv)}` failed: {exc}") from exc
-        if result.returncode != 0:
-            raise StackError(
-                f"`{' '.join(argv)}` failed (exit {result.returncode}):\n"
-                f"{(result.stderr or result.stdout).strip()[-2000:]}"
-            )
-    _stop_packaged_service()
+def _installed() -> Path | None:
+    found = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").is_file() else None
+    )
+    return Path(found) if found else None
 
 
 def _stop_packaged_service() -> None:
@@ -105,7 +84,7 @@ def _ping(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-class RedisServer:
+class RedisServer(Daemon):
     """One Redis instance on 127.0.0.1 under ``base_dir`` (log and working directory), without
     persistence: a restart starts empty, like a Redis that lost its data."""
 
@@ -113,7 +92,7 @@ class RedisServer:
         self.base_dir = Path(base_dir).resolve()
         self.port = port if port is not None else free_ports(1)[0]
         self.log_path = self.base_dir / "redis.log"
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc = None
 
     def __repr__(self) -> str:
         return f"RedisServer(base_dir={str(self.base_dir)!r}, port={self.port})"
@@ -125,7 +104,7 @@ class RedisServer:
 
     def is_running(self) -> bool:
         """Whether the server process is alive."""
-        return self._proc is not None and self._proc.poll() is None
+        return self.pid is not None
 
     def start(self) -> None:
         """Start the server and wait until it answers PING."""
@@ -149,49 +128,24 @@ class RedisServer:
             "--appendonly", "no",
             "--daemonize", "no",
         ]  # fmt: skip
+        # Its log goes to --logfile; stdout and stderr are not needed.
+        self._proc = spawn(argv, cwd=self.base_dir, stdout=subprocess.DEVNULL, user=user)
         try:
-            self._proc = subprocess.Popen(
-                argv,
-                cwd=self.base_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                # Not in our process group: a Ctrl-C aimed at the tests must not stop it.
-                start_new_session=True,
-                user=None if user is None else user.pw_uid,
-                group=None if user is None else user.pw_gid,
-                extra_groups=None if user is None else [],
-            )
-        except OSError as exc:
-            raise StackError(f"could not run {binary}: {exc}") from exc
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not _ping("127.0.0.1", self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise StackError(
-                    f"Redis did not start on 127.0.0.1:{self.port}, see {self.log_path} "
-                    f"(last lines:\n{tail(self.log_path)})"
-                )
-            time.sleep(0.02)
+            self._wait_ready(time.monotonic() + _START_TIMEOUT_S, _START_TIMEOUT_S, interval=0.02)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _probe(self) -> str | None:
+        return None if _ping("127.0.0.1", self.port) else "no PONG"
+
+    def _not_started(self, failure: NotReady, timeout: float) -> str:
+        return f"Redis did not start on 127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
-        self._proc = None
+        self._terminate(10.0)
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash: its data is gone."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(10)
-        self._proc = None
+        super().kill()
