@@ -18,10 +18,12 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 __all__ = [
     "READY",
     "ROOT",
+    "LoggedProcess",
     "RelayError",
     "RelayProcess",
     "child_env",
@@ -133,31 +135,21 @@ def _all_led(described: list[dict[str, object]], names: Sequence[str]) -> bool:
     return ok >= set(names)
 
 
-class RelayProcess:
-    """``python -m notify_outbox run ARGS`` as a child process.
-
-    A thread reads its stderr (the log) into ``lines`` as it comes, so waiting on a log line
-    is waiting on an event from the relay, with a deadline, never a sleep. ``env`` adds to
-    (or overrides) ``relay_env(dsn, bootstrap)``. As a context manager, the process is gone
-    on exit (SIGKILL if still running).
-    """
+class LoggedProcess:
+    """A child process whose stderr (its log) a thread reads into ``lines`` as it comes, so
+    that waiting on a log line is waiting on an event from the child, with a deadline, never
+    a sleep. As a context manager, the process is gone on exit (SIGKILL if still running)."""
 
     def __init__(
-        self,
-        dsn: str,
-        bootstrap: str,
-        *args: str,
-        env: Mapping[str, str] | None = None,
-        name: str = "relay",
-        cwd: Path = ROOT,
+        self, argv: Sequence[str], env: Mapping[str, str], *, name: str, cwd: Path = ROOT
     ) -> None:
         self.name = name
         self.lines: list[str] = []
         self._eof = False
         self._cond = threading.Condition()
         self.proc = subprocess.Popen(
-            cli_argv("run", *args),
-            env=relay_env(dsn, bootstrap, **(env or {})),
+            list(argv),
+            env=dict(env),
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -186,7 +178,7 @@ class RelayProcess:
 
     def wait_for_line(self, pattern: str, timeout: float = 60.0, *, count: int = 1) -> str:
         """Wait until ``count`` log lines matched ``pattern``; returns the last of them.
-        RelayError if the relay exits first or ``timeout`` seconds pass."""
+        RelayError if the process exits first or ``timeout`` seconds pass."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         hits: list[str] = []
@@ -210,12 +202,8 @@ class RelayProcess:
                     + self.output()
                 )
 
-    def wait_ready(self, timeout: float = 60.0) -> str:
-        """Wait until the relay logs that it runs; returns that line."""
-        return self.wait_for_line(READY, timeout)
-
     def signal(self, sig: int = signal.SIGTERM) -> None:
-        """Send ``sig`` to the relay."""
+        """Send ``sig`` to the process."""
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 60.0) -> int:
@@ -247,7 +235,7 @@ class RelayProcess:
         self._reader.join(10)
 
     def output(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the relay's log."""
+        """The last ``lines`` lines of the log."""
         with self._cond:
             return "\n".join(self.lines[-lines:])
 
@@ -257,7 +245,7 @@ class RelayProcess:
         except subprocess.TimeoutExpired:  # stderr closed, process still there
             return None
 
-    def __enter__(self) -> RelayProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -267,3 +255,25 @@ class RelayProcess:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class RelayProcess(LoggedProcess):
+    """``python -m notify_outbox run ARGS`` as a child process; ``env`` adds to (or
+    overrides) ``relay_env(dsn, bootstrap)``."""
+
+    def __init__(
+        self,
+        dsn: str,
+        bootstrap: str,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        name: str = "relay",
+        cwd: Path = ROOT,
+    ) -> None:
+        super().__init__(
+            cli_argv("run", *args), relay_env(dsn, bootstrap, **(env or {})), name=name, cwd=cwd
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        """Wait until the relay logs that it runs; returns that line."""
+        return self.wait_for_line(READY, timeout)

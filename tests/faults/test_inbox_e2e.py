@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import os
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -29,12 +26,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 import notify_outbox
+from devstack.relayproc import LoggedProcess, child_env
 from notify_outbox.inbox import migrate_inbox
 from tests.conftest import Services
 from tests.faults.checker import FIGURES
 from tests.faults.harness import FaultRelay, connect, eventually, partitions, relays, task_group
 from tests.faults.inbox_consumer import SETUP_SQL as CONSUMER_SQL
-from tests.support import ROOT, create_topics
+from tests.support import create_topics
 
 pytestmark = pytest.mark.anyio
 
@@ -50,65 +48,22 @@ CREATE TABLE orders (
 """
 
 
-class ConsumerProcess:
+class ConsumerProcess(LoggedProcess):
     """``python -m tests.faults.inbox_consumer`` as a subprocess, its log read by a thread."""
 
     def __init__(self, env: dict[str, str], name: str, *, crash_after: int = 0) -> None:
-        self.name = name
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "tests.faults.inbox_consumer"],
-            env={
-                **os.environ,
-                **env,
-                "PYTHONPATH": str(ROOT),
-                "INBOX_TEST_NAME": name,
-                "INBOX_TEST_CRASH_AFTER": str(crash_after),
-            },
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            child_env(**env, INBOX_TEST_NAME=name, INBOX_TEST_CRASH_AFTER=str(crash_after)),
+            name=name,
         )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def _wait_line(self, pattern: str, timeout: float) -> None:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not any(regex.search(line) for line in self.lines):
-                if self.proc.poll() is not None and not self._reader.is_alive():
-                    raise AssertionError(f"{self.name} exited before {pattern!r}:\n{self.output()}")
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    raise AssertionError(f"{self.name}: no {pattern!r} in {timeout}s")
 
     async def ready(self, within: float = 60.0) -> None:
-        await anyio.to_thread.run_sync(lambda: self._wait_line("consumer running", within))
+        await anyio.to_thread.run_sync(lambda: self.wait_for_line("consumer running", within))
 
     async def kill(self) -> None:
         self.proc.kill()
         await anyio.to_thread.run_sync(lambda: self.proc.wait(30))
-
-    def output(self) -> str:
-        with self._cond:
-            return f"--- {self.name} ---\n" + "\n".join(self.lines[-40:])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 async def produce(dsn: str, topic: str, rng: random.Random) -> int:
