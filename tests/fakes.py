@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
+from notify_outbox import OutboxSettings
 from notify_outbox.publisher import PublishResult
 from notify_outbox.store import BatchOutcome, ClaimedBatch, OutboxRow
 
@@ -188,3 +189,17 @@ class FakePublisher:
         self.available_calls += 1
         if not self.available:
             await self._back.wait()
+
+
+def fake_settings(**kw: object) -> OutboxSettings:
+    """Settings for a relay on the fakes: poll-only, fast polls, retries without delay."""
+    base: dict[str, object] = {
+        "dsn": "postgresql://u:secret@127.0.0.1:1/db",
+        "kafka_bootstrap_servers": "127.0.0.1:1",
+        "poll_only": True,
+        "poll_interval": 0.01,
+        "retry_base_delay": 0.0,
+        "retry_max_delay": 0.0,
+    }
+    base.update(kw)
+    return OutboxSettings(**base)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from notify_outbox import OutboxSettings, Relay
 from notify_outbox.errors import ConfigurationError
 from notify_outbox.http import MonitoringServer, healthcheck
 from notify_outbox.metrics import OTHER_TOPIC, OutboxStats, RelayMetrics, failure_class
-from tests.fakes import FakePublisher, FakeStore
+from tests.fakes import FakePublisher, FakeStore, fake_settings
 from tests.support import ROOT
 
 pytestmark = pytest.mark.anyio
@@ -29,17 +29,7 @@ TABLE = "public.outbox"
 
 
 def settings(**kw: object) -> OutboxSettings:
-    base: dict[str, object] = {
-        "dsn": "postgresql://u:secret@127.0.0.1:1/db",
-        "kafka_bootstrap_servers": "127.0.0.1:1",
-        "poll_only": True,
-        "poll_interval": 0.01,
-        "retry_base_delay": 0.0,
-        "retry_max_delay": 0.0,
-        "max_attempts": 2,
-    }
-    base.update(kw)
-    return OutboxSettings(**base)  # type: ignore[arg-type]
+    return fake_settings(**{"max_attempts": 2, **kw})
 
 
 def samples(metrics: RelayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

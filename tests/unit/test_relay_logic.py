@@ -11,22 +11,13 @@ import anyio
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
-from tests.fakes import FakePublisher, FakeStore
+from tests.fakes import FakePublisher, FakeStore, fake_settings
 
 pytestmark = pytest.mark.anyio
 
 
 def settings(**kw: object) -> OutboxSettings:
-    base: dict[str, object] = {
-        "dsn": "postgresql://u:secret@127.0.0.1:1/db",
-        "kafka_bootstrap_servers": "127.0.0.1:1",
-        "poll_only": True,
-        "poll_interval": 0.01,
-        "retry_base_delay": 0.0,
-        "retry_max_delay": 0.0,
-    }
-    base.update(kw)
-    return OutboxSettings(**base)  # type: ignore[arg-type]
+    return fake_settings(**kw)
 
 
 async def wait_drained(store: FakeStore, relay: Relay) -> None:
