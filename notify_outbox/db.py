@@ -17,6 +17,7 @@ __all__ = [
     "never_heals",
     "require_supported_server",
     "session_parameters",
+    "settle_pool",
     "statement_cache_size",
     "terminate",
 ]
@@ -107,15 +108,29 @@ async def terminate(conn: asyncpg.Connection) -> None:
     """End ``conn`` at once, but only after asyncpg's cancel requests still on their way (a
     statement that timed out or was cancelled) have been delivered, for up to a second.
 
-    ``Connection.terminate()`` alone abandons them mid-flight, and PgBouncer before 1.19.1
-    (Debian 12 ships 1.18) crashes, disconnecting every client it serves, when a cancel
-    request's connection closes before it forwarded the request (pgbouncer issue #801).
+    ``Connection.terminate()`` and ``close()`` alone abandon them mid-flight, and PgBouncer
+    before 1.19.1 (Debian 12 ships 1.18) crashes, disconnecting every client it serves, when a
+    cancel request's connection closes before it forwarded the request (pgbouncer issue #801).
     Shielded from cancellation: it runs on error and cancellation paths."""
-    pending = [t for t in getattr(conn, "_cancellations", ()) if not t.done()]
+    await _cancel_requests_sent([conn])
+    conn.terminate()
+
+
+async def settle_pool(pool: asyncpg.Pool) -> None:
+    """Before a pool is closed or terminated: let its connections' cancel requests go out
+    (see ``terminate``). A statement cancelled with its task (a relay that stops, or aborts)
+    leaves one in flight."""
+    # asyncpg keeps a pool's connections in its holders; no public accessor exists.
+    holders = getattr(pool, "_holders", ())
+    await _cancel_requests_sent([c for h in holders if (c := getattr(h, "_con", None))])
+
+
+async def _cancel_requests_sent(conns: list[asyncpg.Connection]) -> None:
+    # asyncpg tracks its in-flight cancel requests per connection in _cancellations.
+    pending = [t for c in conns for t in getattr(c, "_cancellations", ()) if not t.done()]
     if pending:
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_GRACE):
             await asyncio.wait(pending)
-    conn.terminate()
 
 
 #: The oldest PostgreSQL major the relay runs on: the listener ends its stale session with

@@ -173,12 +173,12 @@ class RequeueResult:
     skipped: str | None = None
 
 
-
 def _matching(names: OutboxNames, name: str) -> str:
     """Query ``name`` with the shared dead-letter filter (``dead_letters_match``) in place of
     its ``<match>``."""
     q = Queries(names)
     return q[name].replace("<match>", f"({q['dead_letters_match']})")
+
 
 async def list_dead_letters(
     conn: asyncpg.Connection | asyncpg.Pool,

@@ -29,6 +29,7 @@ from .db import (
     never_heals,
     require_supported_server,
     session_parameters,
+    settle_pool,
     statement_cache_size,
 )
 from .deadletters import expire_dead_letters
@@ -339,6 +340,8 @@ class Relay:
         return max(0.0, self._stop_deadline - time.monotonic())
 
     async def _close(self, *, graceful: bool) -> None:
+        if self._pool is not None:
+            await settle_pool(self._pool)  # cancelled statements: their cancel requests first
         # Runs shielded from the run's cancellation; only abort() cancels _close_scope.
         with self._close_scope:
             if isinstance(self._publisher, KafkaPublisher):

@@ -17,7 +17,7 @@ import anyio
 import asyncpg
 import pytest
 
-from devstack.relayproc import child_env, cli_argv
+from devstack.relayproc import RelayProcess, child_env, cli_argv
 from notify_outbox import ConfigurationError, OutboxSettings, Relay, enqueue
 from tests.conftest import Services
 from tests.pooling import Poolers
@@ -186,3 +186,42 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         cli_argv(*args), capture_output=True, text=True, env=child_env(**env), timeout=60
     )
+
+
+async def test_a_relay_aborted_mid_statement_leaves_the_pooler_alive(
+    poolers: Poolers, db_dsn: str, services: Services
+) -> None:
+    """A relay aborted while its statements run sends cancel requests; ending its connections
+    (or the process) before those went out kills PgBouncer < 1.19.1, and every client with it
+    (pgbouncer#801). Here the relay's statements wait on a lock the test holds, so a cancel is
+    certain; two SIGTERMs abort the relay process. The conftest guard fails the test if the
+    pooler died; the last statement proves it still serves."""
+    dsn = poolers.dsn_through("transaction", db_dsn)
+    env = {"NOTIFY_OUTBOX_POLL_ONLY": "true", "NOTIFY_OUTBOX_POLL_INTERVAL": "0.05"}
+    locker = await asyncpg.connect(db_dsn)
+    try:
+        for _ in range(3):
+            await locker.execute("BEGIN; LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+            with RelayProcess(dsn, services.bootstrap, env=env, name="aborted") as relay:
+                # No event says "a statement waits for the lock": the server's lock table does,
+                # asked every 20 ms within a deadline.
+                with anyio.fail_after(30):
+                    while not await locker.fetchval(  # noqa: ASYNC110
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted "
+                        "AND relation = 'outbox'::regclass"
+                    ):
+                        await anyio.sleep(0.02)
+                relay.signal()
+                # The second signal only after the first was handled (signals do not queue).
+                await anyio.to_thread.run_sync(relay.wait_for_line, "stopping", 10.0)
+                relay.signal()
+                code = await anyio.to_thread.run_sync(relay.wait, 30.0)
+                assert code == 130, relay.output()
+            await locker.execute("ROLLBACK")
+    finally:
+        await locker.close()
+    conn = await asyncpg.connect(dsn, statement_cache_size=0)
+    try:
+        assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await conn.close()
