@@ -141,7 +141,10 @@ async def test_listen_through_transaction_pooling_is_refused_with_the_fix(
     assert "NOTIFY_OUTBOX_LISTEN_DSN" in message
     assert "NOTIFY_OUTBOX_POLL_ONLY=true" in message
 
-    result = _cli("run", env={"NOTIFY_OUTBOX_DSN": dsn, **_kafka(services)})
+    # The poll interval as in _settings: this test is about the refusal, and a poll ending
+    # mid-statement is the subject of test_a_relay_aborted_mid_statement_leaves_the_pooler_alive.
+    env = {"NOTIFY_OUTBOX_DSN": dsn, "NOTIFY_OUTBOX_POLL_INTERVAL": "30", **_kafka(services)}
+    result = _cli("run", env=env)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "notify-outbox:" in line]
     assert len(errors) == 1, result.stderr
