@@ -3,11 +3,8 @@
 
 -- name: claim
 -- Locks up to $1 rows in per-key commit order until the claiming transaction ends, looking at no
--- more than $2 candidates (migration 0003 explains how keys are owned). created_at (for the
--- commit-to-ack metric) is one primary-key probe per claimed row; it reads with the statement's
--- snapshot, so a row committed after the statement began comes back with NULL, never missing.
-SELECT c.*, (SELECT o.created_at FROM @table@ AS o WHERE o.id = c.id) AS created_at
-FROM @schema@.@prefix@_claim($1, $2) AS c;
+-- more than $2 candidates (migration 0003 explains how keys are owned; 0004 adds created_at).
+SELECT * FROM @schema@.@prefix@_claim($1, $2);
 
 -- name: due
 -- Whether a claim would get something: a fresh row not held back behind a failed row of its
