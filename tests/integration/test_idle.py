@@ -42,12 +42,15 @@ async def test_rows_waiting_for_their_retry_keep_the_relay_idle(
             with anyio.fail_after(30):
                 await events.wait_for("retried")
                 await events.wait_for("published")
+            # From here on nothing is due. (Before, a poll may find the rows still pending
+            # while the first claim waits for Kafka to refuse the missing topic: not idle yet.)
             claimed, batches = events.counts["claimed"], events.counts["batch_done"]
+            woken = events.counts["wake:poll"]
             with anyio.fail_after(30):
                 await events.wait_for("poll", events.counts["poll"] + 40)
             assert events.counts["claimed"] == claimed
             assert events.counts["batch_done"] == batches
-            assert events.counts["wake:poll"] == 0
+            assert events.counts["wake:poll"] == woken
             pending = await conn.fetch("SELECT key, attempts FROM outbox ORDER BY id")
         assert [tuple(r) for r in pending] == [("k", 1), ("k", 0)]
         records, _ = await consume(services.bootstrap, topic, expect=1, within=30)
