@@ -101,9 +101,10 @@ class OutboxStore(Protocol):
         ...
 
 
-# A claim looks at up to this many candidate rows per row it may take: enough to pass the rows
-# of keys that sibling claims own while a backlog drains, and a bound on the walk when they
-# own everything in reach (the claim then comes back short, and the worker rests).
+# A claim chooses its key buckets among this many rows per row it may take at the head of the
+# queue (migration 0005): enough to reach buckets that no sibling claim owns while a backlog
+# drains, and a bound on that look when they own everything in reach (the claim then comes
+# back short, and the worker rests).
 CLAIM_SCAN_FACTOR = 10
 
 

@@ -3,7 +3,8 @@
 
 -- name: claim
 -- Locks up to $1 rows in per-key commit order until the claiming transaction ends, looking at no
--- more than $2 candidates (migration 0003 explains how keys are owned; 0004 adds created_at).
+-- more than $2 rows at the head of the queue to choose key buckets (migration 0005 explains how
+-- buckets are owned).
 SELECT * FROM @schema@.@prefix@_claim($1, $2);
 
 -- name: due
