@@ -4,7 +4,7 @@
 -- While a keyed backlog drained, a claim walked past every row that sibling claims held, and
 -- with 1,000 keys and batches of 200 only five claims could find a free key at all: the others
 -- walked up to their scan bound for nothing. More workers or relay processes made the drain
--- slower (issue 10: 4 relays drained 1,000 keys at 0.70x of one relay).
+-- slower (issue 10: 4 relays drained 100,000 keys at 0.70x of one relay).
 --
 -- Now every row belongs to one of 256 buckets: its key's hash (rows without a key: their id),
 -- so all rows of a key share a bucket. A claim takes a transaction-scoped advisory lock per
