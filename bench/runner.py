@@ -34,6 +34,7 @@ from bench.services import (
 )
 from devstack.relayproc import child_env, create_topics
 from notify_outbox.names import OutboxNames
+from notify_outbox.sqlfiles import Queries
 
 __all__ = ["Runner"]
 
@@ -514,16 +515,12 @@ class Runner:
                 self.progress.line(f"producer {variant.name}: skipped ({e})")
             return
         drain: Child | None = None
-        awake: asyncpg.Connection | None = None
+        awake: asyncio.Task[None] | None = None
         try:
             if variant.drain_mode is not None:
                 drain = await self._start_mode(services, MODES[variant.drain_mode], dsn)
             if variant.hold_awake:
-                awake = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
-                if not await awake.fetchval(
-                    "SELECT pg_try_advisory_lock($1)", OutboxNames().awake_key
-                ):
-                    raise BenchError("could not take the awake marker: is a relay running?")
+                awake = await _hold_awake(dsn)
             for writers in self.cfg.producer_writers:
                 await conn.execute("SET lock_timeout = '10s'")
                 await conn.execute("TRUNCATE outbox")
@@ -552,7 +549,9 @@ class Runner:
                 )
         finally:
             if awake is not None:
-                await awake.close(timeout=5)
+                awake.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await awake
             if drain is not None:
                 await self._run.stop(drain)
             await conn.execute("TRUNCATE outbox")
@@ -687,3 +686,27 @@ def _ms(v: float) -> str:
 
 def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
+
+
+async def _hold_awake(dsn: str) -> asyncio.Task[None]:
+    """Hold the gated notify's awake marker from a side connection, as an awake relay does
+    (migration 0006: the current and the next epoch, renewed every half epoch), until the
+    task is cancelled. Raises BenchError when it cannot be taken (a relay holds it)."""
+    conn = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
+    queries = Queries(OutboxNames())
+    epoch_ms: int = await conn.fetchval("SELECT awake_epoch_ms FROM outbox_config")
+    held: list[int] = await conn.fetchval(queries["hold_awake"], [], epoch_ms)
+    if not held:
+        await conn.close(timeout=5)
+        raise BenchError("could not take the awake marker: is a relay running?")
+
+    async def renew() -> None:
+        nonlocal held
+        try:
+            while True:
+                await asyncio.sleep(epoch_ms / 2000)
+                held = await conn.fetchval(queries["hold_awake"], held, epoch_ms)
+        finally:
+            await conn.close(timeout=5)
+
+    return asyncio.create_task(renew(), name="bench-awake-marker")

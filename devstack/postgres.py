@@ -295,6 +295,8 @@ class PostgresServer:
             "port": str(self.port),
             "unix_socket_directories": str(self.socket_dir),
             "max_connections": "400",
+            # Tests prove that an event of a PREPAREd transaction waits for COMMIT PREPARED.
+            "max_prepared_transactions": "20",
             "shared_preload_libraries": "pg_stat_statements",
             "password_encryption": "scram-sha-256",
             "logging_collector": "off",

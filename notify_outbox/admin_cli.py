@@ -207,7 +207,7 @@ async def print_status(conn: asyncpg.Connection, names: OutboxNames, limit: int)
     any table); ``capped`` names the counts that reached it (there are at least that many)."""
     row = await conn.fetchrow(Queries(names)["stats"], limit)
     doc: dict[str, object] = dict(row) if row is not None else {}
-    counts = ("pending", "retrying", "published_kept", "dead_lettered")
+    counts = ("pending", "retrying", "held_back", "published_kept", "dead_lettered")
     doc["count_limit"] = limit
     doc["capped"] = [k for k in counts if isinstance(doc.get(k), int) and doc[k] == limit]
     print(json.dumps(doc))

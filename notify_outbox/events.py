@@ -28,7 +28,8 @@ class RelayEvents:
     ran), ``gate_awake`` / ``gate_sleep`` (the awake marker taken / let go), ``gate_busy``
     (producers were in flight when the relay tried to sleep, or while it watched the gate),
     ``idle`` (a worker found nothing more to claim and waits for the next wake-up),
-    ``claimed``, ``published``, ``retried``, ``dead_lettered``, ``batch_done``,
+    ``claimed``, ``claimed_none`` (a claim that got no row), ``published``, ``retried``,
+    ``dead_lettered``, ``batch_done``,
     ``kafka_unavailable``, ``kafka_back`` (the end of a Kafka outage), ``db_error``,
     ``cleanup`` (published rows deleted by retention),
     ``cleanup_dead_letters`` (dead letters deleted by their retention).

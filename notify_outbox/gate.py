@@ -1,25 +1,28 @@
 """The gated notify, relay side: when producers may skip their NOTIFY, and how the relay lets
 them notify again without missing a row.
 
-Migration 0002 holds the producers' side and the protocol's proof. In short, with two advisory
-keys per outbox:
+Migrations 0002 and 0006 hold the producers' side and the protocol's proof. In short:
 
-- A (awake) is held, at session level, on the relay's listening connection while the relay is
-  busy draining: producers then skip their NOTIFY (a NOTIFY takes a cluster-wide lock at
-  commit), since an awake relay looks for rows anyway;
+- the awake marker: while the relay is busy draining, and only while it makes progress, it
+  holds the advisory locks of the current and the next epoch of ``awake_epoch_ms`` (renewed
+  every half epoch), on its listening connection; producers probe the current epoch's lock and
+  skip their NOTIFY (a NOTIFY takes a cluster-wide lock at commit) when it is held, since an
+  awake relay looks for rows anyway. A relay that stops claiming (frozen, cut off from Kafka)
+  stops renewing, and within two epochs producers notify again, waking the other relays;
 - G (gate) is held shared by every inserting statement until its transaction ends;
-- the relay releases A only in a statement that got G exclusively (no producer in flight),
-  then looks once more: every producer that skipped its NOTIFY has committed by then.
+- the relay lets go of its epochs only in a statement that got G exclusively (no producer in
+  flight), then looks once more: every producer that skipped its NOTIFY has committed by then.
 
-A is a session-level lock, so it is only taken on a connection that is PostgreSQL's own
-session (not one lent by a pooler, which could outlive the relay). The statements run on the
-listener's connection (``Listener.session_statement``); everything else lives here.
+The marker is a session-level lock, so it is only taken on a connection that is PostgreSQL's
+own session (not one lent by a pooler, which could outlive the relay). The statements run on
+the listener's connection (``Listener.session_statement``); everything else lives here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -68,48 +71,86 @@ class Gate:
         self._wake = wake
         self._stopping = stopping
         self.enabled = False
-        # The connection on which A was taken: A is held while that session lives.
+        #: Length of an epoch of the awake marker, from the outbox's config (migration 0006).
+        self.epoch_ms = 25
+        # The connection on which the marker was taken: the relay is awake (producers may have
+        # skipped their NOTIFY on its account) until the sleep protocol ran or that session is
+        # gone. The epochs whose locks it holds there now (none once they lapsed unrenewed).
         self._marked_on: asyncpg.Connection | None = None
+        self._held: list[int] = []
+        self._renewed_at = -1e9  # monotonic time of the last renewal (or try)
         self._sleep_tries = 0  # try_sleep refused in a row (producers in flight)
-        self._lock = asyncio.Lock()  # A's state changes one at a time
+        self._lock = asyncio.Lock()  # the marker's state changes one at a time
         self._watch: asyncio.Task[None] | None = None
 
     @property
     def awake(self) -> bool:
-        """Whether this relay holds A (producers skip their NOTIFY)."""
+        """Whether this relay marked itself awake (producers may skip their NOTIFY) and has
+        not run the sleep protocol since."""
         marked_on = self._marked_on
         if marked_on is None or self.listener is None:
             return False
         return not marked_on.is_closed() and self.listener.connection is marked_on
 
-    async def _statement(self, name: str) -> bool | None:
+    async def _statement(self, name: str, *args: object) -> bool | None:
         """One gate statement on the listening connection; None without a healthy one."""
         if self.listener is None:
             return None
-        result = await self.listener.session_statement(self._queries[name])
-        return None if result is None else result[1]
+        result = await self.listener.session_statement(self._queries[name], *args)
+        return None if result is None else bool(result[1])
 
     async def busy_for(self, seconds: float) -> None:
-        """A worker has been claiming without a break for ``seconds``: after
-        ``gate_awake_after`` of it, take A, so producers stop notifying."""
-        if not self.enabled or seconds < self._settings.gate_awake_after:
+        """A worker has been claiming without a break for ``seconds`` and just made progress:
+        after ``gate_awake_after`` of it, hold the awake marker, and renew it every half epoch
+        (a relay that stops making progress lets it lapse, and producers notify again)."""
+        if not self.enabled or self._renewed_lately():
+            return
+        if not self.awake and seconds < self._settings.gate_awake_after:
             return
         listener = self.listener
         if listener is None or not listener.direct:
-            return  # through a pooler A could outlive this relay: producers keep notifying
-        # The check and the statement under one lock: advisory locks are re-entrant, and A
-        # taken twice would stay held after the sleep protocol's one release.
+            return  # through a pooler the marker could outlive this relay: producers notify
+        # The check and the statement under one lock: advisory locks are re-entrant, and an
+        # epoch taken twice would stay held after the sleep protocol's one release.
         async with self._lock:
-            if self.awake:
+            if self._renewed_lately():
+                return  # a sibling worker did it meanwhile
+            if self._marked_on is not None and not self.awake:
+                self._asleep()  # that session is gone, and its locks with it
+            held = self._held if self.awake else []
+            result = await listener.session_statement(
+                self._queries["hold_awake"], held, self.epoch_ms
+            )
+            self._renewed_at = time.monotonic()
+            if result is None:
+                self._asleep()
                 return
-            result = await listener.session_statement(self._queries["mark_awake"])
-            if result is None or not result[1]:
+            conn, now_held = result
+            self._held = list(now_held)
+            if self._marked_on is None and self._held:
+                self._marked_on = conn
+                self._events.emit("gate_awake")
+
+    def _renewed_lately(self) -> bool:
+        """Whether the marker was renewed (or tried: other relays may hold the epochs)
+        less than half an epoch ago."""
+        return time.monotonic() - self._renewed_at < self.epoch_ms / 2000
+
+    async def release(self) -> None:
+        """Let producers notify again at once (Kafka is away: this relay claims nothing, and
+        the others must be woken), and look once more when no producer that may have
+        skipped its NOTIFY is in flight."""
+        async with self._lock:
+            if not self.awake:
                 return
-            self._marked_on = result[0]
-        self._events.emit("gate_awake")
+            await self._statement("release_awake", self._held)
+            self._asleep()
+        self._start_watch()
 
     def _asleep(self) -> None:
-        """A is released (or its session is gone, which released it)."""
+        """The marker is let go (or its session is gone, which let it go)."""
+        self._held = []
+        self._renewed_at = -1e9  # the next busy run may take it at once
         if self._marked_on is not None:
             self._marked_on = None
             self._events.emit("gate_sleep")
@@ -127,7 +168,7 @@ class Gate:
         if await self._linger():
             return True
         async with self._lock:
-            released = await self._statement("try_sleep") if self.awake else True
+            released = await self._statement("try_sleep", self._held) if self.awake else True
             if released is not False:
                 self._asleep()
         if released is False:
@@ -141,11 +182,7 @@ class Gate:
                 return True
             # Let producers notify again now, and look once more when every producer that
             # may have skipped its NOTIFY has finished.
-            async with self._lock:
-                if self.awake:
-                    await self._statement("release_awake")
-                self._asleep()
-            self._start_watch()
+            await self.release()
         # Producers notify again.
         self._sleep_tries = 0
         # One more look, as a new statement, sees every row whose producer skipped its

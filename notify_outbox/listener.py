@@ -183,9 +183,12 @@ class Listener:
                 "NOTIFY_OUTBOX_LISTEN_DSN at PostgreSQL itself to use it"
             )
 
-    async def session_statement(self, sql: str) -> tuple[asyncpg.Connection, bool] | None:
+    async def session_statement(
+        self, sql: str, *args: object
+    ) -> tuple[asyncpg.Connection, Any] | None:
         """Run one statement of the gated notify (``gate.py``) on the listening session: the
-        connection it ran on and its boolean result, or None without a healthy connection.
+        connection it ran on and its result (first column), or None without a healthy
+        connection.
 
         A failure terminates the connection: that releases the awake marker for certain,
         whereas a lock state we are unsure of could leave producers skipping their NOTIFY."""
@@ -195,7 +198,7 @@ class Listener:
                 return None
             try:
                 with anyio.fail_after(self._settings.db_command_timeout):
-                    return conn, bool(await conn.fetchval(sql))
+                    return conn, await conn.fetchval(sql, *args)
             except DATABASE_ERRORS as e:
                 log.warning("listening connection failed a gate statement (%s); closing it", e)
                 await terminate(conn)

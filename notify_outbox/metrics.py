@@ -355,7 +355,9 @@ class RelayMetrics:
                 statement_cache_size=0,
                 server_settings=session_parameters("notify-outbox-metrics"),
             )
-        row = await self._conn.fetchrow(self._queries["metrics_stats"], STATS_LIMIT)
+        row = await self._conn.fetchrow(
+            self._queries["metrics_stats"], STATS_LIMIT, *self.relay.low_water_mark.args()
+        )
         assert row is not None
         return OutboxStats(
             pending=min(int(row["pending"]), STATS_LIMIT),

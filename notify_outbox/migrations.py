@@ -68,7 +68,8 @@ UNION ALL
 SELECT 'reloptions', r.relname, array_to_string(c.reloptions, ',')
 FROM rels r JOIN pg_class c ON c.oid = r.oid
 UNION ALL
-SELECT 'function', p.proname, p.prosrc
+SELECT 'function', p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')',
+       p.prosrc || coalesce(' SET ' || array_to_string(p.proconfig, ', '), '')
 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
 WHERE n.nspname = $1 AND p.proname LIKE $3
 """
@@ -154,16 +155,21 @@ def render_track(track: MigrationTrack[N], names: N, *, since: int = 0) -> str:
     return "".join(parts)
 
 
-async def migrate(conn: asyncpg.Connection, names: OutboxNames) -> list[int]:
-    """Apply the pending migrations for one outbox and return the versions applied.
+async def migrate(
+    conn: asyncpg.Connection, names: OutboxNames, *, up_to: int | None = None
+) -> list[int]:
+    """Apply the pending migrations for one outbox (up to version ``up_to``, if given) and
+    return the versions applied.
 
     Safe to run from several processes at once: the whole run holds a transaction-scoped
     advisory lock, so the second process waits, then finds nothing left to do.
     """
-    return await migrate_track(conn, OUTBOX_TRACK, names)
+    return await migrate_track(conn, OUTBOX_TRACK, names, up_to=up_to)
 
 
-async def migrate_track(conn: asyncpg.Connection, track: MigrationTrack[N], names: N) -> list[int]:
+async def migrate_track(
+    conn: asyncpg.Connection, track: MigrationTrack[N], names: N, *, up_to: int | None = None
+) -> list[int]:
     """``migrate`` for any track."""
     await require_supported_server(conn)
     async with conn.transaction():
@@ -174,7 +180,7 @@ async def migrate_track(conn: asyncpg.Connection, track: MigrationTrack[N], name
         done = {r["version"] for r in rows}
         applied = []
         for m in track.migrations():
-            if m.version in done:
+            if m.version in done or (up_to is not None and m.version > up_to):
                 continue
             await conn.execute(m.render(names))
             await conn.execute(

@@ -83,13 +83,21 @@ class OutboxNames:
         return n - (1 << 32) if n >= (1 << 31) else n
 
     @property
+    def awake_namespace(self) -> int:
+        """First key of the two-key advisory locks of the awake marker (migration 0006): the
+        second key is an epoch number, so a relay that stops renewing the marker loses it."""
+        n = zlib.crc32(f"notify_outbox_awake:{self.target}".encode())
+        return n - (1 << 32) if n >= (1 << 31) else n
+
+    @property
     def gate_key(self) -> int:
         """Bigint advisory key G of the gated notify: producers hold it shared until commit."""
         return (1 << 33) + self.lock_namespace
 
     @property
     def awake_key(self) -> int:
-        """Bigint advisory key A of the gated notify: held by an awake relay."""
+        """Bigint advisory key A of the gated notify of migrations 0002-0005 (held by an awake
+        relay of that time; since 0006 the marker is ``awake_namespace`` with an epoch)."""
         return (2 << 33) + self.lock_namespace
 
     def substitutions(self) -> dict[str, str]:
@@ -110,6 +118,7 @@ class OutboxNames:
             "@claim_ns@": str(self.claim_namespace),
             "@gate_key@": str(self.gate_key),
             "@awake_key@": str(self.awake_key),
+            "@awake_ns@": str(self.awake_namespace),
         }
 
     # Tokens whose values do not depend on the schema's name (see migrations.verify).
@@ -118,5 +127,6 @@ class OutboxNames:
         "@claim_ns@",
         "@gate_key@",
         "@awake_key@",
+        "@awake_ns@",
         "@channel_literal@",
     )

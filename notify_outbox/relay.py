@@ -42,7 +42,7 @@ from .policy import decide
 from .publisher import KafkaPublisher, Publisher
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
-from .store import OutboxStore, PgOutboxStore
+from .store import LowWaterMark, OutboxStore, PgOutboxStore
 from .wakeup import Doorbell
 
 __all__ = ["Relay"]
@@ -67,6 +67,31 @@ def _configuration_error(error: BaseException) -> ConfigurationError | None:
             if (found := _configuration_error(inner)) is not None:
                 return found
     return None
+
+
+async def _require_schema(pool: asyncpg.Pool, settings: OutboxSettings) -> None:
+    """Raise MigrationError when the outbox is missing or older than this relay, and
+    ConfigurationError when its id sequence caches values (the claim's low-water mark needs
+    ids handed out one at a time: migration 0006)."""
+    names = settings.names
+    # The newest migration's claim function: older schemas lack it.
+    claim_fn = render(
+        "@schema@.@prefix@_claim(integer, integer, bigint, bigint[], bigint[])", names
+    )
+    if not await pool.fetchval("SELECT to_regprocedure($1) IS NOT NULL", claim_fn):
+        raise MigrationError(
+            f"outbox {names.target} is missing or not up to date: run `notify-outbox migrate` first"
+        )
+    sequence = render("@id_seq@", names)
+    cache = await pool.fetchval(
+        "SELECT seqcache FROM pg_sequence WHERE seqrelid = to_regclass($1)", sequence
+    )
+    if cache is not None and cache != 1:
+        raise ConfigurationError(
+            f"the id sequence {sequence} caches {cache} values per session; notify-outbox "
+            f"needs ALTER SEQUENCE {sequence} CACHE 1 (ids must be handed out one at a time "
+            "for the claim to know where fresh rows start)"
+        )
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:
@@ -121,6 +146,13 @@ class Relay:
         self._close_forced = False  # a graceful close had to abandon the producer or pool
         #: Whether NOTIFY_OUTBOX_DSN goes through a connection pooler (found at start).
         self.behind_pooler = False
+
+    @property
+    def low_water_mark(self) -> LowWaterMark:
+        """Where this relay's claims start (migration 0006); the start of the table until the
+        first claim (or with a store other than PostgreSQL's)."""
+        store = self._store
+        return store.marks.mark if isinstance(store, PgOutboxStore) else LowWaterMark()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -246,15 +278,11 @@ class Relay:
             if self._pool is None:
                 return False
             queries = Queries(s.names)
-            # The newest migration's claim function: older schemas lack it.
-            claim_fn = render("@schema@.@prefix@_claim(integer, integer)", s.names)
-            if not await self._pool.fetchval("SELECT to_regprocedure($1) IS NOT NULL", claim_fn):
-                raise MigrationError(
-                    f"outbox {s.names.target} is missing or not up to date: "
-                    "run `notify-outbox migrate` first"
-                )
-            mode = await self._pool.fetchval(queries["notify_mode"])
-            self.gate.enabled = mode == "gated" and not s.poll_only
+            await _require_schema(self._pool, s)
+            config = await self._pool.fetchrow(queries["notify_mode"])
+            assert config is not None
+            self.gate.enabled = config["notify_mode"] == "gated" and not s.poll_only
+            self.gate.epoch_ms = config["awake_epoch_ms"]
             self._store = PgOutboxStore(
                 self._pool,
                 queries,
@@ -563,6 +591,8 @@ class Relay:
         """Wait until Kafka answers again (one prober for all workers), then log the end of
         the outage once."""
         assert self._publisher is not None
+        # This relay claims nothing meanwhile: let producers wake the other relays.
+        await self.gate.release()
         await self._until_stopped(self._publisher.wait_available())
         if self._publisher.available and self.kafka_outage.active:
             self.kafka_outage.recovered(await self._count_pending())
@@ -581,6 +611,7 @@ class Relay:
         async with self._store.claim(self.settings.batch_size) as batch:
             rows = batch.rows
             if not rows:
+                self.events.emit("claimed_none")
                 return 0, False
             self.events.emit("claimed", len(rows))
             log.debug("claimed %d rows", len(rows))

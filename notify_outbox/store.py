@@ -24,6 +24,8 @@ from .sqlfiles import Queries
 __all__ = [
     "BatchOutcome",
     "ClaimedBatch",
+    "LowWaterMark",
+    "MarkKeeper",
     "OutboxRow",
     "OutboxStore",
     "PgOutboxStore",
@@ -104,8 +106,52 @@ class OutboxStore(Protocol):
 # A claim chooses its key buckets among this many rows per row it may take at the head of the
 # queue (migration 0005): enough to reach buckets that no sibling claim owns while a backlog
 # drains, and a bound on that look when they own everything in reach (the claim then comes
-# back short, and the worker rests).
+# back short, and the worker rests). It also bounds the rows a claim parks per bucket (0006).
 CLAIM_SCAN_FACTOR = 10
+
+
+@dataclass(frozen=True, slots=True)
+class LowWaterMark:
+    """Where a claim's scans start (migration 0006): every fresh row has an id >= ``low``, or
+    was written by one of ``xids``, transactions that were still running when the mark was
+    set, with ids >= its entry in ``lows``. The database turns it into a floor at each
+    statement's own snapshot. The first mark, 0, makes the first claim read from the start."""
+
+    low: int = 0
+    xids: tuple[int, ...] = ()
+    lows: tuple[int, ...] = ()
+
+    def args(self) -> tuple[int, list[int], list[int]]:
+        """The mark as query parameters."""
+        return self.low, list(self.xids), list(self.lows)
+
+    def literal(self) -> str:
+        """The mark as SQL literals, for statements sent in the simple protocol: built from
+        integers only (``int()`` guards it), never from text."""
+        xids = ",".join(str(int(x)) for x in self.xids)
+        lows = ",".join(str(int(x)) for x in self.lows)
+        return f"{int(self.low)}, '{{{xids}}}'::bigint[], '{{{lows}}}'::bigint[]"
+
+
+class MarkKeeper:
+    """One relay's low-water mark, shared by its workers. Each claim starts from the current
+    mark and returns the next; the next is installed only if no other claim installed one
+    meanwhile (every mark a claim returns is valid on its own, but a claim that started from
+    an older one may know less, so it is simply dropped)."""
+
+    def __init__(self) -> None:
+        self.mark = LowWaterMark()
+        self._version = 0
+
+    def take(self) -> tuple[LowWaterMark, int]:
+        """The mark to start a claim from, and a token for ``offer``."""
+        return self.mark, self._version
+
+    def offer(self, mark: LowWaterMark, token: int) -> None:
+        """Install the mark a claim returned, unless another claim did since ``take``."""
+        if token == self._version:
+            self.mark = mark
+            self._version += 1
 
 
 class _PgBatch:
@@ -117,12 +163,14 @@ class _PgBatch:
         *,
         delete: bool,
         full: bool,
+        marks: MarkKeeper,
     ) -> None:
         self._conn = conn
         self._q = queries
         self._rows = rows
         self._delete = delete
         self._full = full  # the claim got all it asked for: more is likely due
+        self._marks = marks
         self.committed = False
         self._more_due: bool | None = None
 
@@ -143,11 +191,17 @@ class _PgBatch:
         if outcome.dead:
             ids, errors = zip(*outcome.dead, strict=True)
             await self._conn.execute(self._q["dead_letter"], list(ids), list(errors))
+            # A dead-lettered row no longer holds its key's later rows back (migration 0006).
+            dead = set(ids)
+            keys = {r.key for r in self._rows if r.id in dead and r.key is not None}
+            if keys:
+                await self._conn.execute(self._q["promote_after_dead"], sorted(keys))
         # The common path is one round trip: mark, COMMIT and a look for more, sent together
         # in the simple protocol (which takes no parameters: the ids are rendered as an
         # integer literal; int() guards that they are nothing else). After a full claim the
         # look is skipped: the worker claims again anyway, and the claim finds out.
-        sql = "COMMIT" if self._full else self._q["commit_and_look"] + "\n" + self._q["due"]
+        look = self._q["commit_and_look"].replace("<horizon>", self._marks.mark.literal())
+        sql = "COMMIT" if self._full else look
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
             literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
@@ -182,15 +236,17 @@ class PgOutboxStore:
         self._pool = pool
         # SET LOCAL, not a session setting: it must also hold behind a transaction pooler,
         # and it rides in BEGIN's round trip (simple protocol, a number: no parameters).
-        self._begin = "BEGIN"
+        # READ COMMITTED whatever the database's default: the claim needs a new snapshot per
+        # statement (migrations 0005 and 0006).
+        self._begin = "BEGIN ISOLATION LEVEL READ COMMITTED"
         if idle_in_transaction_timeout is not None:
             ms = int(idle_in_transaction_timeout * 1000)
             self._begin += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
         self._q = queries
         self._delete = delete_on_publish
         self._timeout = command_timeout
-        self._has_due = "SELECT\n" + queries["due"]
-        self._poll = f"SELECT\n{queries['due']},\n({queries['next_retry']})"
+        #: The relay's low-water mark (migration 0006), advanced by every claim.
+        self.marks = MarkKeeper()
 
     @asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
@@ -199,19 +255,36 @@ class PgOutboxStore:
         async with self._pool.acquire() as conn:
             try:
                 await conn.execute(self._begin)
+                start, token = self.marks.take()
                 records = await conn.fetch(
-                    self._q["claim"], limit, limit * CLAIM_SCAN_FACTOR, timeout=self._timeout
+                    self._q["claim"],
+                    limit,
+                    limit * CLAIM_SCAN_FACTOR,
+                    *start.args(),
+                    timeout=self._timeout,
                 )
-                # Positional: the claim's columns are in OutboxRow's field order.
-                rows = [OutboxRow(*r) for r in records]
-                batch = _PgBatch(conn, self._q, rows, delete=self._delete, full=len(rows) >= limit)
+                # The last row carries the next mark, and whether the claim parked or promoted
+                # rows (to keep even if it claimed none); the others are rows, their columns in
+                # OutboxRow's field order.
+                last = records[-1]
+                self.marks.offer(LowWaterMark(last[12], tuple(last[13]), tuple(last[14])), token)
+                changed = bool(last[15])
+                rows = [OutboxRow(*r[:12]) for r in records[:-1]]
+                batch = _PgBatch(
+                    conn,
+                    self._q,
+                    rows,
+                    delete=self._delete,
+                    full=len(rows) >= limit,
+                    marks=self.marks,
+                )
                 try:
                     yield batch
                 except Exception:
                     await _rollback(conn)
                     raise
-                if not batch.committed:  # the caller did not complete it: nothing changes
-                    await conn.execute("ROLLBACK")
+                if not batch.committed:  # the caller did not complete it: rows unchanged
+                    await conn.execute("COMMIT" if changed else "ROLLBACK")
             except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
                 # The connection may be left mid-protocol (the pool's release no longer runs a
                 # reset query that would have caught it): never hand it out again. (When the
@@ -227,16 +300,27 @@ class PgOutboxStore:
                 raise
 
     async def has_due(self) -> bool:
-        return bool(await self._pool.fetchval(self._has_due, timeout=self._timeout))
+        mark = self.marks.mark
+        return bool(
+            await self._pool.fetchval(self._q["has_due"], *mark.args(), timeout=self._timeout)
+        )
 
     async def poll(self) -> tuple[bool, float | None]:
-        row = await self._pool.fetchrow(self._poll, timeout=self._timeout)
+        row = await self._pool.fetchrow(
+            self._q["poll"], *self.marks.mark.args(), timeout=self._timeout
+        )
         assert row is not None
+        if row[2]:
+            # A key waits with a parked row first: what released it promoted nothing (its
+            # earlier row was deleted by hand, or published by a relay of migration 0005).
+            await self._pool.execute(self._q["promote_stuck"], timeout=self._timeout)
         return bool(row[0]), None if row[1] is None else float(row[1])
 
     async def count_pending(self, limit: int) -> int:
         return int(
-            await self._pool.fetchval(self._q["count_pending"], limit, timeout=self._timeout)
+            await self._pool.fetchval(
+                self._q["count_pending"], limit, *self.marks.mark.args(), timeout=self._timeout
+            )
         )
 
     async def delete_expired(self, older_than: float, limit: int) -> int:

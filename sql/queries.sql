@@ -3,39 +3,68 @@
 
 -- name: claim
 -- Locks up to $1 rows in per-key commit order until the claiming transaction ends, looking at no
--- more than $2 rows at the head of the queue to choose key buckets (migration 0005 explains how
--- buckets are owned).
-SELECT * FROM @schema@.@prefix@_claim($1, $2);
+-- more than $2 rows at the head of the queue to choose key buckets; $3..$5 are the relay's
+-- low-water mark (low, running transactions, their marks), and the last row returned (id NULL)
+-- is the next one. Migrations 0005 (buckets) and 0006 (the mark, parking) explain it.
+SELECT * FROM @schema@.@prefix@_claim($1, $2, $3, $4, $5);
 
--- name: due
--- Whether a claim would get something: a fresh row not held back behind a failed row of its
--- key, or a retry that is due and first of its key. Rows waiting for their retry time, and
--- the rows queued behind them, do not count: they must not keep a relay awake. (A condition,
--- used by has_due and commit_and_look.)
-EXISTS (
-    SELECT 1 FROM @table@ AS o
-    WHERE o.published_at IS NULL AND o.next_attempt_at IS NULL
-      AND (o.key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM @table@ AS w
-            WHERE w.key = o.key AND w.published_at IS NULL
-              AND w.next_attempt_at IS NOT NULL AND w.id < o.id)))
-OR EXISTS (
-    SELECT 1 FROM @table@ AS o
-    WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
-      AND NOT EXISTS (
-            SELECT 1 FROM @table@ AS w
-            WHERE w.key = o.key AND w.published_at IS NULL
-              AND w.next_attempt_at IS NOT NULL AND w.id < o.id))
+-- name: has_due
+-- Whether a claim would get something ($1..$3: the low-water mark); see migration 0006.
+SELECT @schema@.@prefix@_due($1, $2, $3);
 
--- name: next_retry
--- Seconds until the earliest retry that is not due yet (NULL: none), to wake the relay then.
--- (A scalar subquery, asked together with "due" by the fallback poll.)
-SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 FROM @table@
-WHERE published_at IS NULL AND next_attempt_at > now()
+-- name: poll
+-- The fallback poll's look, in one statement: has_due; seconds until the earliest retry that is
+-- not due yet (NULL: none), to wake the relay then; and whether a key waits with a parked row
+-- first, which only promote_stuck can release (its earlier row was deleted by hand, say).
+SELECT @schema@.@prefix@_due($1, $2, $3),
+       (SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 FROM @table@
+        WHERE published_at IS NULL AND next_attempt_at > now()
+          AND next_attempt_at < 'infinity'),
+       EXISTS (SELECT 1 FROM @table@
+               WHERE published_at IS NULL AND next_attempt_at = 'infinity');
+
+-- name: promote_stuck
+-- Promotes the parked rows that are first of their key (migration 0006): the earliest waiting
+-- row of each key, found one key at a time through the key index (cost: the keys that wait,
+-- not their rows). A row some claim holds is skipped: that claim promotes what follows it.
+WITH RECURSIVE k AS (
+    (SELECT w.key, w.id, w.next_attempt_at FROM @table@ AS w
+     WHERE w.key IS NOT NULL AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+     ORDER BY w.key, w.id LIMIT 1)
+    UNION ALL
+    SELECT n.key, n.id, n.next_attempt_at
+    FROM k, LATERAL (
+        SELECT w.key, w.id, w.next_attempt_at FROM @table@ AS w
+        WHERE w.key > k.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+        ORDER BY w.key, w.id LIMIT 1) AS n
+)
+UPDATE @table@ AS o SET next_attempt_at = now()
+WHERE o.id = ANY(ARRAY(
+        SELECT t.id FROM @table@ AS t
+        WHERE t.id = ANY(ARRAY(SELECT k.id FROM k WHERE k.next_attempt_at = 'infinity'))
+          AND t.next_attempt_at = 'infinity'
+        FOR UPDATE SKIP LOCKED));
+
+-- name: promote_after_dead
+-- After rows of the keys $1 were dead-lettered (same transaction): each key's earliest waiting
+-- row, if parked, is due now, so the key's later rows follow (migration 0006).
+UPDATE @table@ AS o SET next_attempt_at = now()
+WHERE o.id = ANY(ARRAY(
+        SELECT (SELECT w.id FROM @table@ AS w
+                WHERE w.key = k.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+                ORDER BY w.key, w.id LIMIT 1)
+        FROM unnest($1::text[]) AS k(key)))
+  AND o.next_attempt_at = 'infinity';
 
 -- name: count_pending
--- Pending rows, counted up to $1 (bounded work at any table size).
-SELECT count(*) FROM (SELECT 1 FROM @table@ WHERE published_at IS NULL LIMIT $1) AS p;
+-- Pending rows, counted up to $1 (bounded work at any table size): fresh rows at or above the
+-- floor of the low-water mark $2..$4, and waiting ones.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM @table@
+                              WHERE published_at IS NULL AND next_attempt_at IS NULL
+                                AND id >= @schema@.@prefix@_floor($2, $3, $4) LIMIT $1) AS f)
+     + (SELECT count(*) FROM (SELECT 1 FROM @table@
+                              WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+                              LIMIT $1) AS w);
 
 -- name: mark_published
 -- <ids> is an integer array literal built by the relay from the claimed ids, never from user
@@ -48,9 +77,10 @@ DELETE FROM @table@ WHERE id = ANY('<ids>'::bigint[]);
 
 -- name: commit_and_look
 -- The end of a claim: commit, then look, as a new statement after the commit, whether more
--- is due (the command tag "SELECT 1" or "SELECT 0" says it; "due" is appended).
+-- is due (the command tag "SELECT 1" or "SELECT 0" says it). <horizon> is the low-water mark
+-- as literals rendered by the relay from integers (simple protocol: no parameters).
 COMMIT;
-SELECT 1 WHERE
+SELECT 1 WHERE @schema@.@prefix@_due(<horizon>);
 
 -- name: record_failures
 -- $1 ids, $2 errors, $3 seconds until the next attempt.
@@ -128,7 +158,12 @@ SELECT
         LIMIT $1) AS p) AS pending,
     (SELECT count(*) FROM (SELECT 1 FROM @table@
                            WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
+                             AND next_attempt_at < 'infinity'
                            LIMIT $1) AS w) AS retrying,
+    -- Rows parked behind a failed row of their key (migration 0006).
+    (SELECT count(*) FROM (SELECT 1 FROM @table@
+                           WHERE published_at IS NULL AND next_attempt_at = 'infinity'
+                           LIMIT $1) AS h) AS held_back,
     (SELECT extract(epoch FROM now() - o.created_at)::float8 FROM @table@ AS o
      WHERE o.id = LEAST(
         (SELECT min(id) FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NULL),
@@ -140,27 +175,48 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM @dead_letter@ LIMIT $1) AS d) AS dead_lettered;
 
 -- name: notify_mode
-SELECT notify_mode FROM @config@;
+SELECT notify_mode, awake_epoch_ms FROM @config@;
 
 -- name: set_notify_mode
 UPDATE @config@ SET notify_mode = $1 RETURNING notify_mode;
 
--- name: mark_awake
--- The relay says "I am awake and draining": producers may skip their NOTIFY. Never blocks.
-SELECT pg_try_advisory_lock(@awake_key@);
+-- name: hold_awake
+-- The awake marker (migration 0006): an awake relay that is making progress holds the locks of
+-- the current and the next epoch of $2 ms. $1: the epochs held now; the older ones are let go.
+-- Returns the epochs held after. Never blocks (a try; another relay may hold an epoch already,
+-- which marks it awake just as well). The CASEs fix the order of evaluation: a lock call must
+-- only run for the epochs it is meant for (the planner may reorder ANDed conditions).
+WITH c AS MATERIALIZED (SELECT @schema@.@prefix@_awake_epoch($2) AS cur),
+took AS MATERIALIZED (
+    SELECT e FROM c, generate_series(c.cur, c.cur + 1) AS e
+    WHERE CASE WHEN e = ANY($1::integer[]) THEN false
+               ELSE pg_try_advisory_lock(@awake_ns@, e) END
+),
+freed AS MATERIALIZED (
+    SELECT e FROM c, unnest($1::integer[]) AS e
+    WHERE CASE WHEN e < c.cur THEN pg_advisory_unlock(@awake_ns@, e) ELSE false END
+)
+SELECT ARRAY(SELECT e FROM c, unnest($1::integer[]) AS e WHERE e >= c.cur
+             UNION ALL SELECT e FROM took ORDER BY 1)
+FROM (SELECT count(*) FROM freed) AS f;
 
 -- name: try_sleep
--- Releases A only while no producer is in flight (G free), in one statement so that nothing
--- can land between the check and the release. Never blocks: a relay waiting on G would queue
--- every new producer behind it. False means "producers in flight: stay awake, claim again".
-SELECT CASE WHEN pg_try_advisory_xact_lock(@gate_key@) THEN pg_advisory_unlock(@awake_key@)
+-- Releases the marker's locks $1 only while no producer is in flight (G free), in one statement
+-- so that nothing can land between the check and the release. Never blocks: a relay waiting on
+-- G would queue every new producer behind it. False means "producers in flight: stay awake,
+-- claim again". (The release, in the THEN branch, runs only when G was taken.)
+SELECT CASE WHEN pg_try_advisory_xact_lock(@gate_key@)
+            THEN (SELECT count(*) FROM unnest($1::integer[]) AS e
+                  WHERE pg_advisory_unlock(@awake_ns@, e)) >= 0
             ELSE false END;
 
 -- name: release_awake
--- Lets producers NOTIFY again at once, while some producer transaction stays open (so
--- try_sleep keeps failing). Producers that skipped their NOTIFY before this are still in
--- flight: the relay watches gate_free and looks once more when it is.
-SELECT pg_advisory_unlock(@awake_key@);
+-- Lets producers NOTIFY again at once ($1: the epochs held), while some producer transaction
+-- stays open (so try_sleep keeps failing), or while Kafka is away. Producers that skipped their
+-- NOTIFY before this are still in flight: the relay watches gate_free and looks once more when
+-- it is.
+SELECT (SELECT count(*) FROM unnest($1::integer[]) AS e
+        WHERE pg_advisory_unlock(@awake_ns@, e)) >= 0;
 
 -- name: gate_free
 -- True when no producer is in flight (G taken and, the statement being its own transaction,
@@ -179,20 +235,23 @@ WHERE pid = $1 AND backend_start = $2;
 
 -- name: metrics_stats
 -- The gauges of /metrics (notify_outbox/metrics.py), bounded work at any table size, through
--- the partial indexes of migration 0003: pending rows (fresh, and waiting for a retry) and
--- dead-lettered rows counted up to $1 each; the age of the pending row with the smallest id (a
--- cheap proxy for the oldest: ids follow insert order, created_at is its transaction's start;
--- of the waiting rows, up to $1 are looked at).
+-- the partial indexes of migrations 0003 and 0006: pending rows (fresh, from the floor of the
+-- relay's low-water mark $2..$4, and waiting for a retry or parked) and dead-lettered rows
+-- counted up to $1 each; the age of the pending row with the smallest id (a cheap proxy for
+-- the oldest: ids follow insert order, created_at is its transaction's start; of the waiting
+-- rows, up to $1 are looked at).
 SELECT
     (SELECT count(*) FROM (SELECT 1 FROM @table@
-                           WHERE published_at IS NULL AND next_attempt_at IS NULL LIMIT $1) AS f)
+                           WHERE published_at IS NULL AND next_attempt_at IS NULL
+                             AND id >= @schema@.@prefix@_floor($2, $3, $4) LIMIT $1) AS f)
     + (SELECT count(*) FROM (SELECT 1 FROM @table@
                              WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
                              LIMIT $1) AS w)
         AS pending,
     (SELECT extract(epoch FROM now() - o.created_at)::float8 FROM @table@ AS o
      WHERE o.id = LEAST(
-        (SELECT min(id) FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NULL),
+        (SELECT min(id) FROM @table@ WHERE published_at IS NULL AND next_attempt_at IS NULL
+                                       AND id >= @schema@.@prefix@_floor($2, $3, $4)),
         (SELECT min(w.id) FROM (SELECT id FROM @table@
                                 WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
                                 LIMIT $1) AS w)))

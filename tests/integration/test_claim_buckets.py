@@ -12,7 +12,7 @@ import pytest
 
 from notify_outbox import OutboxNames
 from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import CLAIM_SCAN_FACTOR
+from notify_outbox.store import CLAIM_SCAN_FACTOR, LowWaterMark
 
 pytestmark = pytest.mark.anyio
 
@@ -20,7 +20,12 @@ BATCH = 50
 
 
 async def _claim(conn: asyncpg.Connection, batch: int = BATCH) -> list[Any]:
-    return list(await conn.fetch(Queries(OutboxNames())["claim"], batch, batch * CLAIM_SCAN_FACTOR))
+    """The claimed rows, without the last row (the next low-water mark)."""
+    rows = await conn.fetch(
+        Queries(OutboxNames())["claim"], batch, batch * CLAIM_SCAN_FACTOR, *LowWaterMark().args()
+    )
+    assert rows[-1]["id"] is None
+    return list(rows[:-1])
 
 
 async def test_sixteen_open_claims_split_a_keyed_backlog_without_sharing_a_key(

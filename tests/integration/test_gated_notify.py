@@ -1,6 +1,6 @@
-"""The gated notify (migration 0002) against a real PostgreSQL: producers NOTIFY only while no
-relay is awake, and no committed event ever waits for the fallback poll because a producer
-skipped its NOTIFY."""
+"""The gated notify (migrations 0002 and 0006) against a real PostgreSQL: producers NOTIFY only
+while no relay is awake, the awake marker lapses when a relay stops renewing it, and no
+committed event ever waits for the fallback poll because a producer skipped its NOTIFY."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from notify_outbox import OutboxNames, OutboxSettings, Relay
 from notify_outbox.sqlfiles import Queries
 from tests.conftest import Services
+from tests.faults.harness import eventually
 from tests.support import RelayProcess, consume
 
 pytestmark = pytest.mark.anyio
@@ -46,6 +47,21 @@ class Notifications:
         return seen
 
 
+# Epochs long enough that a marker taken once stays held for the whole of a test's steps.
+LONG_EPOCH_MS = 60_000
+
+
+async def mark_awake(relay: asyncpg.Connection, epoch_ms: int = LONG_EPOCH_MS) -> list[int]:
+    """Take the awake marker as a relay does (migration 0006): the epochs held."""
+    held: list[int] = await relay.fetchval(Q["hold_awake"], [], epoch_ms)
+    assert held
+    return held
+
+
+async def use_epochs(conn: asyncpg.Connection, epoch_ms: int) -> None:
+    await conn.execute("UPDATE outbox_config SET awake_epoch_ms = $1", epoch_ms)
+
+
 @asynccontextmanager
 async def connections(dsn: str, n: int) -> AsyncIterator[list[asyncpg.Connection]]:
     conns = [await asyncpg.connect(dsn) for _ in range(n)]
@@ -58,12 +74,13 @@ async def connections(dsn: str, n: int) -> AsyncIterator[list[asyncpg.Connection
 
 async def test_producers_skip_notify_only_while_a_relay_is_awake(db_dsn: str) -> None:
     async with connections(db_dsn, 4) as (relay, producer, other, listen_conn):
+        await use_epochs(other, LONG_EPOCH_MS)
         heard = Notifications(listen_conn)
         await heard.start()
         await producer.execute(INSERT, "k")
         assert await heard.notified_before_sentinel(other)  # asleep: producers notify
 
-        assert await relay.fetchval(Q["mark_awake"])
+        held = await mark_awake(relay)
         await producer.execute(INSERT, "k")
         assert not await heard.notified_before_sentinel(other)  # awake: no NOTIFY lock
         # Any isolation level, several statements, one transaction: still skipped.
@@ -76,35 +93,71 @@ async def test_producers_skip_notify_only_while_a_relay_is_awake(db_dsn: str) ->
         tx = producer.transaction(isolation="serializable")
         await tx.start()
         await producer.execute(INSERT, "k")
-        assert await relay.fetchval(Q["try_sleep"]) is False
+        assert await relay.fetchval(Q["try_sleep"], held) is False
+        await producer.execute(INSERT, "k")  # the failed try let go of nothing
         await tx.commit()
-        assert await relay.fetchval(Q["try_sleep"]) is True
+        assert not await heard.notified_before_sentinel(other)
+        assert await relay.fetchval(Q["try_sleep"], held) is True
         await producer.execute(INSERT, "k")
         assert await heard.notified_before_sentinel(other)  # asleep again: producers notify
 
         # 'always' ignores the marker; 'off' never notifies.
-        assert await relay.fetchval(Q["mark_awake"])
+        held = await mark_awake(relay)
         await other.execute(Q["set_notify_mode"], "always")
         await producer.execute(INSERT, "k")
         assert await heard.notified_before_sentinel(other)
-        await relay.fetchval(Q["try_sleep"])
+        await relay.fetchval(Q["try_sleep"], held)
         await other.execute(Q["set_notify_mode"], "off")
         await producer.execute(INSERT, "k")
         assert not await heard.notified_before_sentinel(other)
+
+
+async def test_the_marker_lapses_unless_renewed(db_dsn: str) -> None:
+    """A relay that stops renewing the marker (frozen, or cut off from Kafka) stops holding
+    producers' NOTIFYs back within two epochs; one that renews it keeps it (migration 0006)."""
+    epoch_ms = 200
+    async with connections(db_dsn, 4) as (relay, producer, other, listen_conn):
+        await use_epochs(other, epoch_ms)
+        heard = Notifications(listen_conn)
+        await heard.start()
+        held = await mark_awake(relay, epoch_ms)
+        assert held == [held[0], held[0] + 1]  # this epoch and the next
+        await producer.execute(INSERT, "k")
+        assert not await heard.notified_before_sentinel(other)
+
+        # Renewed in a later epoch: the older epoch is let go, the new ones are taken.
+        async def epoch_past(last: int) -> bool:
+            return bool(await other.fetchval("SELECT outbox_awake_epoch($1)", epoch_ms) > last)
+
+        await eventually(lambda: epoch_past(held[0]), within=10, what="the next epoch")
+        renewed: list[int] = await relay.fetchval(Q["hold_awake"], held, epoch_ms)
+        assert held[0] not in renewed
+        assert held[1] in renewed
+        await producer.execute(INSERT, "k")
+        assert not await heard.notified_before_sentinel(other)
+
+        # Not renewed: once the database's clock is past the last epoch held, producers notify.
+        await eventually(lambda: epoch_past(max(renewed)), within=10, what="epochs past")
+        await producer.execute(INSERT, "k")
+        assert await heard.notified_before_sentinel(other)
+        # The sleep protocol still lets go of whatever is held.
+        assert await relay.fetchval(Q["try_sleep"], renewed) is True
+        assert await relay.fetchval(Q["hold_awake"], [], epoch_ms)  # nothing was left held
 
 
 async def test_producers_never_queue_behind_a_relay_going_to_sleep(db_dsn: str) -> None:
     """The relay only ever tries G: a producer holding G shared makes try_sleep answer False
     at once, and new producers get G shared meanwhile (nothing waits)."""
     async with connections(db_dsn, 3) as (relay, p1, p2):
-        assert await relay.fetchval(Q["mark_awake"])
+        await use_epochs(p1, LONG_EPOCH_MS)
+        held = await mark_awake(relay)
         await p1.execute("SET lock_timeout = '100ms'")
         await p2.execute("SET lock_timeout = '100ms'")
         tx = p1.transaction()
         await tx.start()
         await p1.execute(INSERT, "a")
         with anyio.fail_after(1):
-            assert await relay.fetchval(Q["try_sleep"]) is False
+            assert await relay.fetchval(Q["try_sleep"], held) is False
         await p2.execute(INSERT, "b")  # would hit lock_timeout if it queued behind the relay
         await tx.commit()
 
@@ -178,7 +231,8 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
                 elif committed > before:
                     await events.wait_for("gate_sleep", cycles + 1)
             if scope.cancelled_caught:
-                pending = await admin.fetchval("SELECT count(*) FROM outbox")
+                pending = await admin.fetch("SELECT id, next_attempt_at, xmin FROM outbox")
+                print("DEBUG", pending, relay._store.marks.mark)
                 raise AssertionError(
                     f"round {n} stalled: committed {committed}, pending {pending}, "
                     f"awake {relay.gate.awake}, "
@@ -204,10 +258,10 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
 async def test_the_awake_marker_dies_with_a_killed_relay(
     db_dsn: str, services: Services, topic: str
 ) -> None:
-    awake = OutboxNames().awake_key
+    awake = OutboxNames().awake_namespace & 0xFFFFFFFF  # pg_locks shows it as an oid
     held = (
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-        "AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1"
+        "AND objsubid = 2 AND classid::bigint = $1"
     )
     async with connections(db_dsn, 2) as (conn, listen_conn):
         with RelayProcess(
@@ -225,12 +279,12 @@ async def test_the_awake_marker_dies_with_a_killed_relay(
                     await conn.execute(INSERT.replace("'t'", "$2"), "k", topic)
             relay.signal(signal.SIGKILL)
             relay.wait(30)
-        # Waiting for A is an event from the server: it is granted once the dead session is
-        # gone (at once, for a killed process), never while a live relay holds it.
-        await conn.execute("SET lock_timeout = '30s'")
-        await conn.execute("SELECT pg_advisory_lock($1)", awake)
-        await conn.execute("SELECT pg_advisory_unlock($1)", awake)
-        assert await conn.fetchval(held, awake) == 0
+
+        # The marker's locks go with the dead session (whatever their epochs).
+        async def released() -> bool:
+            return not await conn.fetchval(held, awake)
+
+        await eventually(released, within=30, what="the dead relay's marker is released")
         heard = Notifications(listen_conn)
         await heard.start()
         await conn.execute(INSERT, "k")

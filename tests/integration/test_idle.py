@@ -79,6 +79,10 @@ async def test_an_open_producer_transaction_does_not_make_an_awake_relay_spin(
     gate_key = OutboxNames().gate_key
     holder, producer, other = [await asyncpg.connect(db_dsn) for _ in range(3)]
     try:
+        # Epochs long enough that the awake marker outlasts the test: what is tested here is the
+        # sleep protocol while producers are in flight, not the marker's lapse (migration 0006;
+        # tests/integration/test_gated_notify.py).
+        await other.execute("UPDATE outbox_config SET awake_epoch_ms = 60000")
         async with Relay(settings) as relay:
             events = relay.events
             # A producer transaction that stays open holds the gate (as the trigger does).

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from notify_outbox import OutboxNames, OutboxSettings, Relay
 from notify_outbox.metrics import RelayMetrics
 from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import PgOutboxStore
+from notify_outbox.store import LowWaterMark, PgOutboxStore
 from tests.conftest import Services
 from tests.faults.harness import eventually
 
@@ -35,7 +35,8 @@ async def test_stats_query_counts_pending_waiting_and_dead_within_its_limit(db_d
     q = Queries(OutboxNames())
     conn = await asyncpg.connect(db_dsn)
     try:
-        empty = await conn.fetchrow(q["metrics_stats"], 100)
+        start = LowWaterMark().args()  # a relay's mark before its first claim
+        empty = await conn.fetchrow(q["metrics_stats"], 100, *start)
         assert dict(empty) == {"pending": 0, "oldest_pending_seconds": None, "dead_lettered": 0}
         # The oldest (smallest id) row is one waiting for a retry: it must be found too.
         await conn.execute(
@@ -51,12 +52,12 @@ async def test_stats_query_counts_pending_waiting_and_dead_within_its_limit(db_d
             "INSERT INTO outbox_dead_letter (id, event_id, topic, created_at, attempts, error) "
             "SELECT g, gen_random_uuid(), 't', now(), 1, 'x' FROM generate_series(1000, 1002) g"
         )
-        row = await conn.fetchrow(q["metrics_stats"], 100)
+        row = await conn.fetchrow(q["metrics_stats"], 100, *start)
         assert row["pending"] == 6
         assert 89 < row["oldest_pending_seconds"] < 120
         assert row["dead_lettered"] == 3
         # Bounded: each count stops at the limit.
-        bounded = await conn.fetchrow(q["metrics_stats"], 2)
+        bounded = await conn.fetchrow(q["metrics_stats"], 2, *start)
         assert bounded["pending"] == 2 + 1  # fresh rows up to 2, plus the waiting one
         assert bounded["dead_lettered"] == 2
     finally:

@@ -4,6 +4,7 @@ poison rows, listener loss, retention, embedding and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -272,5 +273,49 @@ async def test_topic_created_after_the_first_failure_is_used_on_retry(
             await create_topics(services.bootstrap, [late], partitions=1)
             await consume(services.bootstrap, late, expect=1, within=30)
         assert await conn.fetchval("SELECT count(*) FROM outbox_dead_letter") == 0
+    finally:
+        await conn.close()
+
+
+async def test_claims_read_committed_whatever_the_database_default(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A claim needs a new snapshot per statement (migrations 0005 and 0006), so it pins READ
+    COMMITTED. With SERIALIZABLE as the database's default, four workers drain a keyed
+    backlog without a single database error (under one snapshot, a claim would meet rows a
+    sibling published meanwhile and fail to serialize), each key in commit order."""
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        database = await conn.fetchval("SELECT current_database()")
+        await conn.execute(
+            f"ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'serializable'"
+        )
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'k' || (g % 50), jsonb_build_object('n', g) "
+            "FROM generate_series(1, 3000) g",
+            topic,
+        )
+        settings = make_settings(db_dsn, services, workers=4, batch_size=50)
+        async with Relay(settings) as relay:
+            isolation = await relay_isolation(db_dsn)
+            records, total = await consume(services.bootstrap, topic, expect=3000, within=60)
+    finally:
+        await conn.close()
+    assert isolation == "serializable"  # the relay's sessions did get the default
+    assert total == 3000
+    assert relay.events.counts["db_error"] == 0
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:  # per partition in offset order: a key's order
+        assert record.value is not None
+        by_key.setdefault(record.key, []).append(json.loads(record.value)["n"])
+    assert all(ns == sorted(ns) for ns in by_key.values())
+
+
+async def relay_isolation(dsn: str) -> str:
+    """The default isolation of a new session of this database (what the relay's get)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return str(await conn.fetchval("SHOW default_transaction_isolation"))
     finally:
         await conn.close()

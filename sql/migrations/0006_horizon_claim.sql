@@ -1,0 +1,340 @@
+-- notify-outbox migration 0006: a claim that starts where the queue starts, a failing key that
+-- steps aside, and an awake marker that expires.
+--
+-- 1. The claim's low-water mark (issue 17: a held MVCC horizon).
+--    Every published row leaves a dead tuple, and while any session keeps an old snapshot
+--    (pg_dump, a long report, an idle transaction, a replica with hot_standby_feedback) no index
+--    entry of those tuples can be removed. 0005's claim scanned its indexes from the lowest
+--    pending id, so every claim walked every row published since the snapshot was taken: at
+--    800 ev/s, a snapshot held for 10 minutes took p99 from 7 to 400 ms and producers to 34 % of
+--    their rate, while a plain poller kept up.
+--
+--    Now each relay keeps a low-water mark in memory and passes it to every claim: every fresh
+--    row (never tried, not held back) has an id >= `low`, or was written by one of the
+--    transactions in `wait_xids` that was still running when the mark was set (with the mark of
+--    that time in `wait_lows`). Scans start at the floor: `low`, lowered to the mark of any of
+--    those transactions that has ended since (its rows are visible now). A claim returns the
+--    next mark in a last row with a NULL id: the first fresh row it saw, or one past the last id
+--    drawn when there is none, and the transactions still running at its snapshot. So a claim
+--    walks only what was published since the previous claim, however long a snapshot is held.
+--
+--    Why it is exact: ids are drawn from the sequence, not at commit, so a row can become
+--    visible below a mark (a late commit). The ordering trigger below now makes every inserting
+--    transaction take its transaction id *before* it draws a row's id. A claim reads `v`, the
+--    sequence's last value, then takes its own transaction id, then its snapshot. Every row with
+--    an id <= v belongs to a transaction with a smaller id than the claim's, which at the
+--    snapshot had ended (its rows visible, or rolled back and gone), or is running: listed in
+--    the snapshot, or with an id from the snapshot's xmax up (xmax is one past the latest
+--    transaction to end, and PostgreSQL lists no id above it). The next mark carries all of
+--    those; rows with larger ids are above it. Every statement computes the floor with its own
+--    snapshot, so a transaction that ends between two statements of one claim is seen by the
+--    second. (A claim therefore always has a transaction id; an empty one rolls back.)
+--    Long transactions that insert nothing cost nothing: they wait in the list, and when they
+--    end the floor drops once to the mark of their start, and rises again at the next claim.
+--    This needs the sequence to hand out values one at a time (CACHE 1, the default; set below):
+--    a backend's cached values would be drawn after the mark passed them. A relay refuses to
+--    start otherwise.
+--
+--    Why not the alternatives: a watermark on xmin (watermill's xid8 column read below
+--    pg_snapshot_xmin) stops at the oldest running transaction of the whole cluster, so one long
+--    writer anywhere would stall it, and it needs a column and an index on every row; PgQ's
+--    rotated tables emptied by TRUNCATE wait behind pg_dump's lock and lose the per-row retry
+--    state. The mark needs no new column, no new index and no write, and works through a
+--    transaction-pooling PgBouncer (it lives in the relay and travels as parameters).
+--
+-- 2. A failing key steps aside (issue 17: a failing head).
+--    When a key's row fails, the key's later rows must wait, and 0005 left them where they were:
+--    at the head of the queue, where the claim chose its buckets. 5,000 rows of five failing
+--    keys hid every healthy row behind them until the failures were dead-lettered. Now a claim
+--    that meets a fresh row held back behind a failed row of its key parks it: next_attempt_at
+--    = 'infinity', which moves it to the small indexes of waiting rows, out of the claim's way.
+--    When the key's earliest waiting row is due again (its retry time came, or it was promoted),
+--    a claim takes it and the key's following waiting rows in order, as one run, up to the next
+--    row that waits for a retry time, and promotes the row after the run (next_attempt_at =
+--    now()), so the rest follows in the next claim. A dead-lettered row promotes its key's next
+--    parked row; the fallback poll promotes a parked row left first of its key by anything else
+--    (a row deleted by hand, a relay of 0005). Rows are never moved back to fresh, so the mark
+--    of part 1 never has to go back for them.
+--
+-- 3. The awake marker expires (issue 17: a stalled relay).
+--    The marker of the gated notify (0002) was one lock held by an awake relay's listening
+--    session: a relay frozen (SIGSTOP, a VM stall) or cut off from Kafka kept it, producers kept
+--    skipping their NOTIFY, and the other relays found the rows only at their fallback poll
+--    (p50 1.2 s). Now the marker is a lock on the current epoch of `awake_epoch_ms` milliseconds
+--    (two-key advisory lock: awake namespace, epoch number by the database's clock). An awake
+--    relay that is making progress takes the current and the next epoch every half epoch; a
+--    relay that stops claiming stops taking them, and producers notify again within two epochs.
+--    Producers probe only the current epoch, as they probed A before: still one try and one
+--    release. The gate G and the sleep protocol are unchanged (the relay releases every epoch
+--    lock it holds in the statement that took G).
+--
+-- Upgrading: apply this migration while relays of 0005 run, then restart them one by one. The
+-- claim of 0005 stays (same name, two arguments) and keeps working: claims of both kinds own
+-- the same key buckets, an old claim treats a parked row as a failed one (its key waits), and
+-- the fallback poll of a new relay promotes what an old one left. Old relays' awake marker is
+-- no longer seen by producers, which then simply notify.
+
+-- Producers may have to wait a moment here: the table lock makes sure every row from now on is
+-- drawn by the new trigger (no transaction that drew an id the old way is still running when
+-- the first relay of this version starts). It comes first: a producer in a transaction holds
+-- the table and then draws from the sequence, so locking the sequence first could deadlock.
+LOCK TABLE @table@ IN SHARE ROW EXCLUSIVE MODE;
+
+-- The sequence hands out one value at a time (see 1).
+ALTER SEQUENCE @id_seq@ CACHE 1;
+
+-- Per-key commit order (0001), and now for every row: the transaction's id before the row's.
+-- A value the insert gave, or the identity default drawn before this trigger ran, is replaced.
+CREATE OR REPLACE FUNCTION @schema@.@prefix@_order_key() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF NEW.key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(@lock_ns@, hashtext(NEW.key));
+    END IF;
+    PERFORM pg_current_xact_id();
+    NEW.id := nextval(@id_seq_literal@);
+    RETURN NEW;
+END
+$fn$;
+
+ALTER TABLE @config@ ADD COLUMN awake_epoch_ms integer NOT NULL DEFAULT 25
+    CHECK (awake_epoch_ms BETWEEN 5 AND 60000);
+
+-- The epoch of the awake marker at this moment, by the database's clock (see 3).
+CREATE FUNCTION @schema@.@prefix@_awake_epoch(epoch_ms integer) RETURNS integer
+LANGUAGE sql VOLATILE AS $fn$
+    SELECT (floor(date_part('epoch', clock_timestamp()) * 1000 / epoch_ms)::bigint
+            % 2147483648)::integer
+$fn$;
+
+CREATE OR REPLACE FUNCTION @schema@.@prefix@_notify() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    mode text;
+    epoch_ms integer;
+    e integer;
+BEGIN
+    SELECT c.notify_mode, c.awake_epoch_ms INTO mode, epoch_ms FROM @config@ AS c;
+    IF mode = 'off' THEN
+        RETURN NULL;
+    END IF;
+    IF mode IS DISTINCT FROM 'always' THEN
+        PERFORM pg_advisory_xact_lock_shared(@gate_key@);
+        e := @schema@.@prefix@_awake_epoch(epoch_ms);
+        -- Probe the current epoch's marker shared and release it in one expression (0002).
+        IF NOT (CASE WHEN pg_try_advisory_lock_shared(@awake_ns@, e)
+                     THEN pg_advisory_unlock_shared(@awake_ns@, e) ELSE false END) THEN
+            RETURN NULL;  -- a relay claimed moments ago, and will re-check before it sleeps
+        END IF;
+    END IF;
+    PERFORM pg_notify(@channel_literal@, '');
+    RETURN NULL;
+END
+$fn$;
+
+-- The floor of a low-water mark at the calling statement's snapshot (see 1): `low`, or lower,
+-- the mark of a transaction of `xids` that has ended since.
+CREATE FUNCTION @schema@.@prefix@_floor(low bigint, xids bigint[], lows bigint[]) RETURNS bigint
+LANGUAGE sql STABLE AS $fn$
+    SELECT least(low, min(u.lo)) FROM unnest(xids, lows) AS u(x, lo)
+    WHERE pg_visible_in_snapshot(u.x::text::xid8, pg_current_snapshot())
+$fn$;
+
+-- Claims up to `batch` rows for the calling transaction (READ COMMITTED: every statement below
+-- takes its own snapshot, which the protocol needs), looking at no more than `scan` fresh rows
+-- from the floor to choose key buckets. Per key, the rows returned are the key's earliest
+-- pending rows with no gap; the final SELECT re-reads every row under a row lock, so a row
+-- published by a claim that committed meanwhile is left out. The last row has a NULL id and
+-- carries the next low-water mark (see 1).
+CREATE FUNCTION @schema@.@prefix@_claim(batch integer, scan integer, low bigint,
+                                        wait_xids bigint[], wait_lows bigint[])
+RETURNS TABLE (id bigint, event_id uuid, topic text, key text, payload text, payload_bytes bytea,
+               headers text, event_type text, aggregate_type text, aggregate_id text,
+               attempts integer, created_at timestamptz,
+               next_low bigint, next_xids bigint[], next_lows bigint[], changed boolean)
+-- No JIT: the scans' estimated cost covers the whole table (they stop early, the planner cannot
+-- know), which would make PostgreSQL compile them at every call. No sequential scan: a queue
+-- table's statistics say it is small while it is full of dead tuples, and a generic plan with
+-- a sequential scan would read every one of them at every call. Generic plans: planning a
+-- statement for its values looks up the column's actual extremes in the index (when a value is
+-- beyond the statistics), and under a held snapshot that look-up walks every dead entry.
+LANGUAGE plpgsql SET jit = off SET enable_seqscan = off SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    r record;
+    b integer;
+    v bigint;
+    own bigint;
+    changed boolean := false;
+    taken bigint[] := '{}';
+    run bigint[];
+    run_keys text[] := '{}';
+    heads integer[];
+    mark bigint;
+    xids bigint[];
+    lows bigint[];
+BEGIN
+    -- The last id drawn so far, then this transaction's own id, then (next statement) the
+    -- snapshot: every row with an id <= v was drawn by a transaction whose id is below ours,
+    -- and at the snapshot that transaction had ended, or is in its list of running ones, or
+    -- its id is at or above the snapshot's xmax (PostgreSQL does not list those: xmax is one
+    -- past the latest transaction to end). So the next mark carries the listed ones and every
+    -- id from xmax up to ours (see 1).
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION 'the claim must come before any write of its transaction';
+    END IF;
+    v := coalesce(pg_sequence_last_value(@id_seq_literal@::regclass), 0);
+    own := pg_current_xact_id()::text::bigint;
+
+    -- One snapshot: the next mark, and the buckets of the freshest rows at the head of the
+    -- queue, in order of their oldest row.
+    WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS snap),
+    waiting AS (
+        SELECT u.x, u.lo, pg_visible_in_snapshot(u.x::text::xid8, s.snap) AS ended
+        FROM s, unnest(wait_xids, wait_lows) AS u(x, lo)
+    ),
+    head AS (
+        SELECT o.id,
+               CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                    ELSE hashtext(o.key) & 255 END AS b
+        FROM @table@ AS o
+        WHERE o.published_at IS NULL AND o.next_attempt_at IS NULL
+          AND o.id >= least(low, (SELECT min(w.lo) FROM waiting AS w WHERE w.ended))
+        ORDER BY o.id
+        LIMIT scan
+    ),
+    running AS (
+        SELECT w.x, w.lo FROM waiting AS w WHERE NOT w.ended
+        UNION ALL
+        SELECT r.x, low FROM (
+            SELECT x.x::text::bigint AS x FROM s, pg_snapshot_xip(s.snap) AS x(x)
+            UNION ALL
+            SELECT generate_series(pg_snapshot_xmax(s.snap)::text::bigint, own - 1) FROM s
+        ) AS r
+        WHERE r.x <> ALL(wait_xids)
+    )
+    SELECT least(v + 1, (SELECT min(h.id) FROM head AS h)),
+           ARRAY(SELECT ru.x FROM running AS ru ORDER BY ru.x),
+           ARRAY(SELECT ru.lo FROM running AS ru ORDER BY ru.x),
+           ARRAY(SELECT h.b FROM head AS h GROUP BY h.b ORDER BY min(h.id))
+    INTO mark, xids, lows, heads;
+
+    -- Due rows, each the earliest waiting row of its key (so each key once): a retry whose time
+    -- came, or a parked row promoted. Few. A try on a bucket this transaction owns already
+    -- succeeds (the lock is re-entrant).
+    FOR r IN
+        SELECT o.id, o.key,
+               CASE WHEN o.key IS NULL THEN (o.id & 255)::integer ELSE hashtext(o.key) & 255 END AS b
+        FROM @table@ AS o
+        WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM @table@ AS w
+                          WHERE w.key = o.key AND w.published_at IS NULL
+                            AND w.next_attempt_at IS NOT NULL AND w.id < o.id)
+        ORDER BY o.id
+    LOOP
+        EXIT WHEN cardinality(taken) >= batch;
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, r.b);
+        taken := taken || r.id;
+        CONTINUE WHEN r.key IS NULL;
+        -- The run: the key's following waiting rows in order, up to one that waits for its
+        -- retry time (parked rows wait for 'infinity', promoted and due ones are <= now()).
+        run := ARRAY(
+            SELECT x.id FROM (
+                SELECT w.id,
+                       bool_or(w.next_attempt_at > now() AND w.next_attempt_at < 'infinity')
+                           OVER (ORDER BY w.id) AS stop
+                FROM @table@ AS w
+                WHERE w.key = r.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+                  AND w.id > r.id
+                ORDER BY w.key, w.id  -- the key index's order
+                LIMIT batch - cardinality(taken)
+            ) AS x
+            WHERE NOT x.stop ORDER BY x.id);
+        taken := taken || run;
+        run_keys := run_keys || r.key;
+        -- Promote the row after the run, if it is parked, so the rest follows next time.
+        UPDATE @table@ AS o SET next_attempt_at = now()
+        WHERE o.id = (SELECT w.id FROM @table@ AS w
+                      WHERE w.key = r.key AND w.published_at IS NULL
+                        AND w.next_attempt_at IS NOT NULL
+                        AND w.id > coalesce(run[cardinality(run)], r.id)
+                      ORDER BY w.key, w.id LIMIT 1)
+          AND o.next_attempt_at = 'infinity';
+        changed := changed OR FOUND;
+    END LOOP;
+
+    FOREACH b IN ARRAY heads LOOP
+        EXIT WHEN cardinality(taken) >= batch;
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, b);
+        -- A new statement, so a new snapshot taken after the lock: rows the bucket's previous
+        -- owner published before it committed are seen as published. Rows held back behind a
+        -- failed row of their key are parked on the way (see 2), up to `scan` of them; not
+        -- those of a key whose run this claim took: they are next once the run is published,
+        -- and nothing would promote them.
+        WITH range AS MATERIALIZED (
+            SELECT o.id, o.key,
+                   (o.key IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM @table@ AS w
+                        WHERE w.key = o.key AND w.published_at IS NULL
+                          AND w.next_attempt_at IS NOT NULL AND w.id < o.id)) AS held
+            FROM @table@ AS o
+            WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                        ELSE hashtext(o.key) & 255 END) = b
+              AND o.published_at IS NULL AND o.next_attempt_at IS NULL
+              AND o.id >= @schema@.@prefix@_floor(mark, xids, lows)
+            -- The bucket index's own order (the bucket is fixed): whatever the statistics say,
+            -- no other index can return the rows in this order without reading them all.
+            ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                           ELSE hashtext(o.key) & 255 END), o.id
+            LIMIT batch - cardinality(taken) + scan
+        ),
+        parked AS (
+            -- By primary key: the re-check is written so that no partial index's predicate
+            -- matches it (a full scan of one would read every dead entry).
+            UPDATE @table@ AS o SET next_attempt_at = 'infinity'
+            WHERE o.id = ANY(ARRAY(SELECT range.id FROM range
+                                   WHERE range.held AND range.key <> ALL(run_keys)))
+              AND coalesce(o.published_at, o.next_attempt_at) IS NULL
+            RETURNING o.id
+        )
+        SELECT taken || ARRAY(SELECT range.id FROM range WHERE NOT range.held
+                              ORDER BY range.id LIMIT batch - cardinality(taken)),
+               changed OR EXISTS (SELECT FROM parked)
+        INTO taken, changed;
+    END LOOP;
+
+    RETURN QUERY
+        SELECT o.id, o.event_id, o.topic, o.key, o.payload::text, o.payload_bytes,
+               o.headers::text, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts,
+               o.created_at, NULL::bigint, NULL::bigint[], NULL::bigint[], NULL::boolean
+        FROM @table@ AS o
+        WHERE o.id = ANY(taken) AND o.published_at IS NULL
+        ORDER BY o.id
+        FOR UPDATE OF o;
+    RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::text,
+                        NULL::bytea, NULL::text, NULL::text, NULL::text, NULL::text,
+                        NULL::integer, NULL::timestamptz, mark, xids, lows, changed;
+END
+$fn$;
+
+-- Whether a claim would get something (the relay's look between claims, after a commit and at
+-- the fallback poll): a fresh row at or above the floor (one held back behind a failed row
+-- counts: a claim parks it), or a due row first of its key. Rows waiting for their retry time,
+-- and those parked behind them, do not: they must not keep a relay awake.
+CREATE FUNCTION @schema@.@prefix@_due(low bigint, xids bigint[], lows bigint[]) RETURNS boolean
+LANGUAGE plpgsql STABLE SET enable_seqscan = off SET plan_cache_mode = force_generic_plan
+AS $fn$
+BEGIN
+    RETURN EXISTS (
+            SELECT 1 FROM @table@ AS o
+            WHERE o.published_at IS NULL AND o.next_attempt_at IS NULL
+              AND o.id >= @schema@.@prefix@_floor(low, xids, lows))
+        OR EXISTS (
+            SELECT 1 FROM @table@ AS o
+            WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
+              AND NOT EXISTS (SELECT 1 FROM @table@ AS w
+                              WHERE w.key = o.key AND w.published_at IS NULL
+                                AND w.next_attempt_at IS NOT NULL AND w.id < o.id));
+END
+$fn$;

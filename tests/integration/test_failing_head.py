@@ -1,0 +1,84 @@
+"""A failing head (migration 0006) against real PostgreSQL and Kafka: thousands of rows of a
+few keys that cannot be published sit at the head of the queue, and the rows of other keys
+still flow; the failing keys keep their order and their retry schedule, and the relay does not
+spin on empty claims meanwhile."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+
+import anyio
+import asyncpg
+import pytest
+
+from notify_outbox import Relay
+from tests.conftest import Services
+from tests.integration.test_relay import make_settings
+from tests.support import consume, create_topics, header
+
+pytestmark = pytest.mark.anyio
+
+FAILING_KEYS = 5
+
+
+async def test_healthy_keys_flow_past_thousands_of_failing_rows(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    missing = f"missing-{uuid.uuid4().hex[:12]}"  # auto-creation is off on the test broker
+    settings = make_settings(
+        db_dsn, services, workers=4, retry_base_delay=1.0, retry_max_delay=4.0, max_attempts=100
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        # 5,000 rows of 5 keys at the head of the queue, to a topic that does not exist.
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'f' || (g % $2), jsonb_build_object('n', g) "
+            "FROM generate_series(1, 5000) g",
+            missing,
+            FAILING_KEYS,
+        )
+        async with Relay(settings) as relay:
+            events = relay.events
+            with anyio.fail_after(60):
+                await events.wait_for("retried", FAILING_KEYS)  # each key's first row failed
+            # Then rows of other keys, to a healthy topic: none waits for the failing ones.
+            await conn.execute(
+                "INSERT INTO outbox (topic, key, payload) "
+                "SELECT $1, 'h' || (g % 30), jsonb_build_object('n', g) "
+                "FROM generate_series(1, 300) g",
+                topic,
+            )
+            healthy, total = await consume(services.bootstrap, topic, expect=300, within=60)
+            assert total == 300
+            # The failing keys' later rows stepped aside: parked behind their first row.
+            held_back = await conn.fetchval(
+                "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+            )
+            assert held_back == 5000 - FAILING_KEYS
+            with anyio.fail_after(30):
+                await events.wait_for("published", 300)
+
+            # The topic appears: at their next retry the failing keys drain, each in order.
+            await create_topics(services.bootstrap, [missing], partitions=3)
+            drained, total = await consume(services.bootstrap, missing, expect=5000, within=120)
+            assert total == 5000
+            with anyio.fail_after(30):
+                await events.wait_for("published", 5300)
+            # Retries came on their schedule, not in a loop: a few per key. And no claim spun
+            # empty while the failing rows waited (a loop would make thousands).
+            assert events.counts["retried"] < FAILING_KEYS * 12
+            assert events.counts["claimed_none"] < 50, dict(events.counts)
+    finally:
+        await conn.close()
+
+    by_key: dict[bytes | None, list[int]] = defaultdict(list)
+    for record in sorted(drained, key=lambda r: (r.partition, r.offset)):
+        by_key[record.key].append(json.loads(record.value)["n"])
+    assert len(by_key) == FAILING_KEYS
+    for key, numbers in by_key.items():
+        assert numbers == sorted(numbers), f"key {key!r} out of order"
+        assert len(numbers) == len(set(numbers)) == 1000
+    assert all(header(r, "outbox-event-id") for r in healthy)
