@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +61,10 @@ _SESSION_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.InvalidProducerEpoch,
     kafka_errors.ProducerFenced,
 )
+
+
+class _Abandoned(kafka_errors.KafkaError):  # type: ignore[misc]  # aiokafka has no type hints
+    """What the records an abandoned producer still held fail with: they were never sent."""
 
 
 # While acks are awaited (the claim's transaction is open), Kafka is asked this often whether it
@@ -325,6 +329,10 @@ class KafkaPublisher:
         if not self.available:
             result.unavailable = self._down or "the Kafka producer must be replaced"
             return result
+        # One producer for the whole claim: records of one key must not be split between an
+        # abandoned producer (which sends nothing more) and its replacement.
+        producer = self.producer
+        on_ack = self._watch(producer)
         sent: list[tuple[OutboxRow, asyncio.Future[Any]]] = []
         blocked_keys: set[str] = set()
         # The topic and ack of each key's latest row sent in this batch.
@@ -368,15 +376,18 @@ class KafkaPublisher:
                         blocked_keys.add(row.key)
                         continue
                 try:
-                    fut = await self.producer.send(
+                    fut = await producer.send(
                         msg.topic, value=msg.value, key=msg.key, headers=msg.headers
                     )
                 except kafka_errors.KafkaError as e:
+                    if isinstance(e, _Abandoned):
+                        break  # the rest stays pending for the next producer
                     if _is_row_error(e):
                         fail(row, _describe(e), permanent=False)
                         continue
                     result.unavailable = _describe(e)
                     break
+                fut.add_done_callback(on_ack)
                 sent.append((row, fut))
                 if row.key is not None:
                     latest[row.key] = (row.topic, fut)
@@ -401,6 +412,8 @@ class KafkaPublisher:
             error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
             if error is None:
                 result.delivered.append(row.id)
+            elif isinstance(error, _Abandoned):
+                pass  # never sent: stays pending, no attempt counted
             elif isinstance(error, _SESSION_ERRORS):
                 self._broken = True
                 if result.unavailable is None:
@@ -414,6 +427,35 @@ class KafkaPublisher:
         if result.unavailable is not None and self._down is None:
             self._down = result.unavailable
         return result
+
+    def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any]], None]:
+        """A done-callback for ``producer``'s acks: the first record that fails abandons it.
+
+        aiokafka numbers a partition's record batches when it sends them and never takes a
+        number back, so a batch the broker refused (a record over the topic's
+        ``max.message.bytes``, say) leaves a gap, and aiokafka still sends the partition's next
+        batch. The broker refuses that one (OutOfOrderSequenceNumber) only if it holds state
+        for this producer on the partition; if the refused batch was the producer's first
+        there, it appends it, and a key's later rows are in Kafka before its failed row. This
+        callback is scheduled when the record's future fails, before aiokafka's sender is woken
+        to send the next batch, so abandoning the producer here stops it in time: its unsent
+        records fail with ``_Abandoned`` and stay pending for the next producer.
+        """
+
+        def on_ack(fut: asyncio.Future[Any]) -> None:
+            error = None if fut.cancelled() else fut.exception()
+            if error is None or isinstance(error, _Abandoned):
+                return
+            if producer is self._producer and not self._broken:
+                self._broken = True
+                log.warning(
+                    "a record failed at Kafka (%s); replacing the producer so that nothing "
+                    "queued behind it is sent out of order",
+                    _describe(error),
+                )
+            _abandon(producer)
+
+        return on_ack
 
     async def _replace(self) -> None:
         """Start a new producer and abandon the old one without waiting for its sends.
@@ -454,7 +496,22 @@ class KafkaPublisher:
 
 
 def _abandon(producer: AIOKafkaProducer) -> None:
-    """Cancel a producer's sender task, so nothing it still holds is sent or waited for."""
+    """Cancel a producer's sender task, so nothing it still holds is sent; once the task has
+    ended (after the requests already sent), fail what it still holds with ``_Abandoned``,
+    so that nobody waits for those acks."""
     sender_task = getattr(getattr(producer, "_sender", None), "sender_task", None)
-    if sender_task is not None and not sender_task.done():
+    if sender_task is not None and not sender_task.done() and not sender_task.cancelling():
         sender_task.cancel()
+        accumulator = getattr(producer, "_message_accumulator", None)
+        if accumulator is None:
+            return
+
+        def fail_unsent(_: object) -> None:
+            queued = [batch for batches in accumulator._batches.values() for batch in batches]
+            # Later send() calls raise it too, and a send() waiting for room in a full batch
+            # returns at once instead of after request_timeout_ms.
+            accumulator.fail_all(_Abandoned("the Kafka producer was abandoned"))
+            for batch in queued:
+                _retrieve(batch._drain_waiter)  # or asyncio logs it as never retrieved
+
+        sender_task.add_done_callback(fail_unsent)
