@@ -16,13 +16,14 @@ from types import TracebackType
 from devstack._common import StackError, free_ports
 from devstack.kafka import KAFKA_VERSION, KafkaBroker, kafka_classpath
 from devstack.pgbouncer import PgBouncer
-from devstack.postgres import PostgresServer
+from devstack.postgres import PostgresServer, PostgresStandby
 
 __all__ = [
     "KAFKA_VERSION",
     "KafkaBroker",
     "PgBouncer",
     "PostgresServer",
+    "PostgresStandby",
     "Stack",
     "StackError",
     "kafka_classpath",

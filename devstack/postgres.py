@@ -6,6 +6,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
@@ -24,7 +25,7 @@ from devstack._common import (
 from devstack._daemon import run_as
 from devstack.pgbundles import PG_VERSION_ENV, bundle_bindir
 
-__all__ = ["PostgresServer", "find_pg_bindir"]
+__all__ = ["PostgresServer", "PostgresStandby", "find_pg_bindir"]
 
 PG_BINDIR_ENV = "NOTIFY_OUTBOX_PG_BINDIR"
 _SUPERUSER = "postgres"
@@ -199,8 +200,7 @@ class PostgresServer:
             raise ValueError(f"mode must be one of {_STOP_MODES}, not {mode!r}")
         if not self.is_running():
             return
-        saved = read_json(self._state_path).get("bindir")
-        self._bindir = self._bindir or (Path(saved) if saved else None) or find_pg_bindir()
+        self._use_saved_bindir()
         result = self._run(
             [
                 "pg_ctl",
@@ -227,6 +227,12 @@ class PostgresServer:
 
     # -- internals ---------------------------------------------------------
 
+    def _use_saved_bindir(self) -> None:
+        """Control a running server with the binaries that started it (from another handle,
+        or without NOTIFY_OUTBOX_PG_VERSION)."""
+        saved = read_json(self._state_path).get("bindir")
+        self._bindir = self._bindir or (Path(saved) if saved else None) or find_pg_bindir()
+
     def _os_user(self) -> pwd.struct_passwd | None:
         """The account the server runs as, or None to run as the current user."""
         return service_user("PostgreSQL")
@@ -252,14 +258,17 @@ class PostgresServer:
     def _grant_search(self, user: pwd.struct_passwd) -> None:
         grant_search(self.base_dir, user, self.data_dir)
 
-    def _initdb(self) -> None:
-        # A half-initialised data dir from an interrupted run would make initdb
-        # refuse to proceed; it holds nothing worth keeping.
+    def _empty_data_dir(self) -> None:
+        # A half-initialised data dir from an interrupted run would make initdb (or
+        # pg_basebackup) refuse to proceed; it holds nothing worth keeping.
         for child in self.data_dir.iterdir():
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
+
+    def _initdb(self) -> None:
+        self._empty_data_dir()
         cmd = [
             "initdb",
             "-D",
@@ -286,6 +295,8 @@ class PostgresServer:
             "local all all trust\n"
             f"host all {_SUPERUSER} 127.0.0.1/32 trust\n"
             "host all all 127.0.0.1/32 scram-sha-256\n"
+            "# Streaming replicas (PostgresStandby) copy the cluster as the superuser.\n"
+            f"host replication {_SUPERUSER} 127.0.0.1/32 trust\n"
         )
         self._write_owned(self.data_dir / "pg_hba.conf", hba)
 
@@ -343,3 +354,103 @@ class PostgresServer:
             )
         except OSError as exc:
             raise StackError(f"could not run {argv[0]} from {self._bindir}: {exc}") from exc
+
+
+class PostgresStandby(PostgresServer):
+    """A streaming replica of a running ``primary``: a hot standby under ``base_dir``, on
+    its own loopback port, that ``promote()`` turns into a primary (a failover).
+
+    Its data directory is a ``pg_basebackup`` of the primary (which must be running at the
+    first start), with ``standby.signal`` and ``primary_conninfo`` written by ``-R``. It
+    takes the primary's ``durable`` and ``extra_conf``. No replication slot: a slot would
+    keep WAL on the primary after the standby is gone.
+    """
+
+    def __init__(self, base_dir: Path, primary: PostgresServer, *, port: int | None = None) -> None:
+        super().__init__(
+            base_dir, port=port, durable=primary.durable, extra_conf=primary.extra_conf
+        )
+        self.primary = primary
+
+    def __repr__(self) -> str:
+        return (
+            f"PostgresStandby(base_dir={str(self.base_dir)!r}, port={self.port}, "
+            f"primary={self.primary.port})"
+        )
+
+    def start(self) -> None:
+        """Start the standby (copying the primary first if needed) and return once it
+        streams from the primary: a failover from then on loses no committed transaction
+        of a clean primary shutdown, which waits for its standbys to have it all."""
+        super().start()
+        if self.is_standby():
+            self._wait_for("SELECT status FROM pg_stat_wal_receiver", "streaming", "stream")
+
+    def is_standby(self) -> bool:
+        """Whether the cluster is still a standby (not promoted yet)."""
+        return (self.data_dir / "standby.signal").exists()
+
+    def promote(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Promote the standby and return once it accepts writes."""
+        if not self.is_running():
+            raise StackError(f"cannot promote {self!r}: it is not running")
+        self._use_saved_bindir()
+        # -w: pg_ctl returns once the control file says "in production", which the server
+        # sets together with the end of recovery; read-write transactions start from then on.
+        result = self._run(
+            ["pg_ctl", "promote", "-w", "-t", str(int(timeout)), "-D", str(self.data_dir)]
+        )
+        if result.returncode != 0:
+            raise StackError(
+                f"pg_ctl promote failed (exit {result.returncode}: {result.stdout.strip()}), "
+                f"see {self.log_path} (last lines:\n{tail(self.log_path)})"
+            )
+        self._wait_for("SELECT pg_is_in_recovery()", "f", "accept writes", timeout)
+
+    def _wait_for(
+        self, sql: str, expected: str, what: str, timeout: float = _START_TIMEOUT_S
+    ) -> None:
+        """Poll ``sql`` until it answers ``expected``; StackError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while (answer := self._ask(sql)) != expected:
+            if time.monotonic() >= deadline:
+                raise StackError(
+                    f"{self!r} does not {what} within {timeout:g}s ({sql}: {answer!r}), "
+                    f"see {self.log_path} (last lines:\n{tail(self.log_path)})"
+                )
+            time.sleep(0.05)
+
+    def _ask(self, sql: str) -> str:
+        """One value from ``psql`` over the unix socket (its error text if it fails)."""
+        self._use_saved_bindir()
+        argv = ["psql", "-X", "-A", "-t", "-h", str(self.socket_dir), "-p", str(self.port)]
+        result = self._run([*argv, "-U", _SUPERUSER, "-d", "postgres", "-c", sql])
+        return result.stdout.strip()
+
+    def _initdb(self) -> None:
+        if not self.primary.is_running():
+            raise StackError(f"the primary of {self!r} must be running to copy it")
+        self._empty_data_dir()
+        cmd = [
+            "pg_basebackup",
+            "-D",
+            str(self.data_dir),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.primary.port),
+            "-U",
+            _SUPERUSER,
+            "--no-password",
+            "--checkpoint=fast",
+            "--wal-method=stream",
+            "--write-recovery-conf",
+        ]
+        if not self.durable:
+            cmd.append("--no-sync")
+        result = self._run(cmd)
+        if result.returncode != 0:
+            raise StackError(
+                f"pg_basebackup from {self.primary!r} failed (exit {result.returncode}):\n"
+                f"{result.stdout.strip()[-4000:]}"
+            )

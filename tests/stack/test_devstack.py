@@ -17,7 +17,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 
 import devstack.kafka
-from devstack import KafkaBroker, PostgresServer, Stack, kafka_classpath
+from devstack import KafkaBroker, PostgresServer, PostgresStandby, Stack, kafka_classpath
 from devstack.kafka import kafka_cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -233,6 +233,58 @@ def test_postgres_restart_keeps_data(stack: Stack) -> None:
     assert pg.is_running()
     assert pg.port == port
     assert asyncio.run(read()) == ["kept"]
+
+
+def test_postgres_standby_streams_then_takes_over_when_promoted(tmp_path: Path) -> None:
+    """A pg_basebackup replica of its own primary (not the session's cluster: the primary is
+    stopped) streams, refuses writes, and accepts them once promoted; a multi-host DSN with
+    target_session_attrs=read-write follows the writable one."""
+    primary = PostgresServer(tmp_path / "primary", durable=False)
+    standby = PostgresStandby(tmp_path / "standby", primary)
+    both = (
+        f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+        "?target_session_attrs=read-write"
+    )
+
+    async def replicated() -> None:
+        conn = await asyncpg.connect(primary.dsn)
+        try:
+            await conn.execute("CREATE TABLE kept (v text); INSERT INTO kept VALUES ('a')")
+        finally:
+            await conn.close()
+        replica = await asyncpg.connect(standby.dsn)
+        try:
+            for _ in range(int(PG_WAIT_S / 0.05)):
+                if await replica.fetchval("SELECT to_regclass('kept') IS NOT NULL"):
+                    break
+                await asyncio.sleep(0.05)
+            assert await replica.fetchval("SELECT v FROM kept") == "a"
+            with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
+                await replica.execute("INSERT INTO kept VALUES ('b')")
+        finally:
+            await replica.close()
+
+    async def writable_port() -> int:
+        conn = await asyncpg.connect(both)
+        try:
+            await conn.execute("INSERT INTO kept VALUES ('w')")
+            return int(await conn.fetchval("SELECT inet_server_port()"))
+        finally:
+            await conn.close()
+
+    primary.start()
+    try:
+        standby.start()
+        assert standby.is_standby()
+        asyncio.run(replicated())
+        assert asyncio.run(writable_port()) == primary.port
+        primary.stop("fast")
+        standby.promote()
+        assert not standby.is_standby()
+        assert asyncio.run(writable_port()) == standby.port
+    finally:
+        standby.stop()
+        primary.stop()
 
 
 def test_kafka_classpath_is_cached(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
