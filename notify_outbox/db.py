@@ -15,6 +15,7 @@ __all__ = [
     "UNREACHABLE_ERRORS",
     "behind_pooler",
     "never_heals",
+    "read_only",
     "require_supported_server",
     "session_parameters",
     "settle_pool",
@@ -78,6 +79,23 @@ def never_heals(error: BaseException) -> str | None:
     if code == "08P01" and any(r in str(error) for r in _POOLER_REFUSALS):
         return "the connection pooler refused the connection"
     return None
+
+
+# "cannot execute INSERT in a read-only transaction", "cannot execute LISTEN during recovery":
+# the texts of 25006, for an error that reaches us without its SQLSTATE (a proxy, a wrapper).
+_READ_ONLY_TEXTS = ("in a read-only transaction", "during recovery")
+
+
+def read_only(error: BaseException) -> bool:
+    """Whether ``error`` says the server takes no writes on this session (SQLSTATE 25006): a
+    hot standby, a demoted primary, or ``default_transaction_read_only``. Retrying on the same
+    session is useless; a new connection may reach the writable server (a multi-host DSN with
+    ``target_session_attrs=read-write``), or the same one once it is writable again."""
+    if getattr(error, "sqlstate", None) == "25006":
+        return True
+    return isinstance(error, asyncpg.PostgresError) and any(
+        text in str(error) for text in _READ_ONLY_TEXTS
+    )
 
 
 async def behind_pooler(conn: asyncpg.Connection) -> bool:

@@ -21,7 +21,7 @@ import anyio
 import asyncpg
 
 from .backoff import Backoff
-from .db import DATABASE_ERRORS, session_parameters, terminate
+from .db import DATABASE_ERRORS, read_only, session_parameters, terminate
 from .errors import ConfigurationError
 from .events import RelayEvents
 from .settings import OutboxSettings
@@ -85,6 +85,7 @@ class Listener:
         self._pooled_noted = False
         self._backoff = Backoff(settings.reconnect_min_delay, settings.reconnect_max_delay)
         self._lost_at: float | None = None  # when the last working session was lost
+        self._read_only = False  # LISTEN was refused by a standby (and logged) since then
 
     def _on_notification(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
         if payload.startswith(PROBE_PREFIX):
@@ -143,6 +144,7 @@ class Listener:
         if self._lost_at is not None:
             log.warning("listening again after %.1fs", time.monotonic() - self._lost_at)
             self._lost_at = None
+        self._read_only = False
         self._events.emit("listening")
         self._wake("start" if first else "reconnect")
         while True:
@@ -240,8 +242,17 @@ class Listener:
                 reason = type(e).__name__ if not isinstance(e, ListenerLost) else str(e)
                 self._events.emit("listener_lost")
                 # A lost session, or a connection that failed after it was made, is worth a
-                # line each; a server that refuses connections only once per outage.
-                if conn is not None or (first and self._backoff.failures == 0):
+                # line each; a server that refuses connections only once per outage, and a
+                # hot standby that refuses LISTEN once until listening works again.
+                if read_only(e):
+                    self._lost_at = self._lost_at or time.monotonic()
+                    log.log(
+                        logging.DEBUG if self._read_only else logging.WARNING,
+                        "listener's server is a read-only standby (%s); reconnecting",
+                        e,
+                    )
+                    self._read_only = True
+                elif conn is not None or (first and self._backoff.failures == 0):
                     self._lost_at = self._lost_at or time.monotonic()
                     log.warning("listener connection lost (%s); reconnecting", reason)
                 else:

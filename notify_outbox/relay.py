@@ -27,6 +27,7 @@ from .db import (
     UNREACHABLE_ERRORS,
     behind_pooler,
     never_heals,
+    read_only,
     require_supported_server,
     session_parameters,
     settle_pool,
@@ -573,8 +574,13 @@ class Relay:
             return None
         except DATABASE_ERRORS as e:
             self.events.emit("db_error")
-            self.db_outage.failed(redact(str(e) or type(e).__name__, s))
-            backoff = backoffs[0] if isinstance(e, UNREACHABLE_ERRORS) else backoffs[1]
+            reason = redact(str(e) or type(e).__name__, s)
+            # A standby or a demoted primary: the store ended the session; reconnect as
+            # quickly as to an unreachable server (a multi-host DSN finds the new primary).
+            if ro := read_only(e):
+                reason = f"read-only server, reconnecting: {reason}"
+            self.db_outage.failed(reason)
+            backoff = backoffs[0] if ro or isinstance(e, UNREACHABLE_ERRORS) else backoffs[1]
             if backoff is backoffs[1] and backoff.failures % 16 == 0:
                 # Not an outage but a failing statement (permissions, a broken schema):
                 # say what it is now and then, not at every retry.

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import asyncpg
 
-from .db import terminate
+from .db import read_only, terminate
 from .sqlfiles import Queries
 
 __all__ = [
@@ -292,11 +292,13 @@ class PgOutboxStore:
                 with contextlib.suppress(asyncpg.InterfaceError):
                     await terminate(conn)
                 raise
-            except BaseException:
+            except BaseException as e:
                 # Cancelled (possibly mid-statement): ending the session is the one sure and
                 # immediate way to release the claim's locks; the pool opens a new one.
                 if not conn.is_closed() and conn.is_in_transaction():
                     await terminate(conn)
+                if read_only(e):  # every pooled session is on that read-only server too
+                    await self._pool.expire_connections()
                 raise
 
     async def has_due(self) -> bool:

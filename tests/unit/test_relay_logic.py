@@ -4,13 +4,18 @@ shutdown behaviour, in milliseconds."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
+import asyncpg
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
+from notify_outbox.store import ClaimedBatch
 from tests.fakes import FakePublisher, FakeStore, fake_settings
 
 pytestmark = pytest.mark.anyio
@@ -231,3 +236,44 @@ async def test_an_idle_relay_notices_kafka_going_away_and_claims_nothing_meanwhi
         await wait_drained(store, relay)
     assert [r.id for r in pub.sent] == [row]
     assert not relay.kafka_outage.active
+
+
+class ReadOnlyStore(FakeStore):
+    """A store whose first ``failures`` claims meet a read-only server (a standby, or a
+    demoted primary), as PgOutboxStore reports it after ending that session."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    @asynccontextmanager
+    async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
+        if self.failures:
+            self.failures -= 1
+            raise asyncpg.ReadOnlySQLTransactionError(
+                "cannot execute SELECT FOR UPDATE in a read-only transaction"
+            )
+        async with super().claim(limit) as batch:
+            yield batch
+
+
+async def test_a_read_only_server_is_retried_at_the_reconnect_cadence(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Read-only is not a failing statement (30 s backoff) but a server to leave: the worker
+    retries as quickly as it reconnects to an unreachable one, and says so once."""
+    store, pub = ReadOnlyStore(failures=16), FakePublisher()
+    row = store.add(key="k")
+    s = settings(workers=1, reconnect_min_delay=0.001, reconnect_max_delay=0.002)
+    caplog.set_level(logging.INFO, logger="notify_outbox")
+    async with Relay(s, store=store, publisher=pub) as relay:
+        # The statement backoff would wait at least 16 s over these 16 failures (doubling
+        # from 1 ms, each delay at least half its step); the reconnect one at most 32 ms.
+        with anyio.fail_after(5):
+            await relay.events.wait_for("published")
+    assert [r.id for r in pub.sent] == [row]
+    assert relay.events.counts["db_error"] == 16
+    lines = [r.getMessage() for r in caplog.records if "read-only" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "read-only server, reconnecting" in lines[0]
+    assert any("PostgreSQL available again" in r.getMessage() for r in caplog.records)

@@ -82,3 +82,17 @@ def test_connection_errors_that_no_retry_cures_are_told_apart() -> None:
     assert statement_cache_size(None, pooled=True) == 0
     assert statement_cache_size(None, pooled=False) == 100
     assert statement_cache_size(50, pooled=True) == 50
+
+
+def test_read_only_servers_are_told_apart() -> None:
+    import asyncpg
+
+    from notify_outbox.db import read_only
+
+    standby = asyncpg.ReadOnlySQLTransactionError("cannot execute LISTEN during recovery")
+    assert read_only(standby)
+    assert read_only(asyncpg.PostgresError("cannot execute INSERT in a read-only transaction"))
+    assert read_only(asyncpg.InternalServerError("cannot assign TransactionIds during recovery"))
+    assert not read_only(asyncpg.InsufficientPrivilegeError("permission denied for table outbox"))
+    assert not read_only(ConnectionRefusedError(111, "refused"))
+    assert not read_only(OSError("read-only file system during recovery"))
