@@ -17,7 +17,9 @@ also records when the send started and when the commit was acknowledged, keyed b
 With ``reconnect`` a writer whose connection broke (a PostgreSQL restart) connects again before
 its next event; the events that failed meanwhile count as errors and are not retried. With
 ``stop_on_input`` a line (or the end of input) on stdin ends the schedule early: the outage
-bench runs a schedule as long as its deadline and stops it when its restarts are done.
+bench runs a schedule as long as its deadline and stops it when its restarts are done. With
+``announce`` the generator prints ``{"t0": ...}`` (the schedule's start, monotonic ns) on stdout
+before the first event, so the orchestrator can time its own steps (the held snapshot) from it.
 
 Closed loop (``closed: true``): ``writers`` connections insert as fast as they can for
 ``duration`` seconds; used for producer overhead when pgbench is not available.
@@ -72,6 +74,7 @@ class LoadConfig:
     tx_events: int = 1  # up to this many already-due events per transaction
     reconnect: bool = False  # open loop: reconnect a writer whose connection broke
     stop_on_input: bool = False  # open loop: a line (or EOF) on stdin ends the schedule
+    announce: bool = False  # open loop: print {"t0": ...} on stdout when the schedule is fixed
 
     @classmethod
     def load(cls, path: Path) -> LoadConfig:
@@ -153,6 +156,9 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     conns = await _connect_all(cfg)
     t0 = time.monotonic_ns() + _START_DELAY_NS
     sched = build_schedule(cfg.rate, cfg.warmup + cfg.duration, cfg.arrival, cfg.seed, t0)
+    if cfg.announce:  # the orchestrator times its own steps from the schedule's start
+        sys.stdout.write(json.dumps({"t0": t0}) + "\n")
+        sys.stdout.flush()
     n = len(sched)
     send = new_array(n)
     ack = new_array(n)
