@@ -10,14 +10,21 @@ claim comes back full it claims again at once (it drains a backlog); otherwise i
 ``interval``. No LISTEN, no trigger, no per-key ordering logic
 (the outbox's own BEFORE INSERT ordering trigger stays, as for every mode).
 
+No failure handling either, as in the literature: when Kafka refuses a batch (an error, or no
+acknowledgement within 15 s; a topic that does not exist makes aiokafka's ``send()`` wait for
+its metadata for its 40 s request timeout first), the batch's transaction rolls back, a warning
+is logged, and the same rows, the head of the queue, are claimed again after ``interval``.
+
 It reads ``NOTIFY_OUTBOX_DSN`` and ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``, logs
-``poller running`` once connected, and on SIGTERM finishes its batch and exits 0.
+``poller running`` once connected, and on SIGTERM finishes its batch (given up and rolled back
+after 5 s) and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +32,7 @@ import sys
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 __all__ = ["main"]
 
@@ -43,6 +51,7 @@ UPDATE = "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])"
 MARKS = {"delete": DELETE, "update": UPDATE}
 _SEND_TIMEOUT = 15.0
 _CONNECT_TIMEOUT = 15.0
+_STOP_GRACE = 5.0  # on SIGTERM, how long a batch in flight may take before it is given up
 
 
 async def _poll_once(
@@ -68,6 +77,24 @@ async def _poll_once(
     return len(rows)
 
 
+async def _unless_stopped(poll: asyncio.Task[int], stop: asyncio.Event) -> int:
+    """The rows ``poll`` published; when ``stop`` is set first, it gets ``_STOP_GRACE``
+    seconds more, then it is cancelled (its transaction rolls back) and counts as 0."""
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({poll, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not poll.done():
+        await asyncio.wait({poll}, timeout=_STOP_GRACE)
+    if not poll.done():
+        poll.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poll
+        return 0
+    return poll.result()
+
+
 async def run(interval: float, batch: int, mark: str = "delete") -> None:
     """Poll until SIGTERM/SIGINT."""
     stop = asyncio.Event()
@@ -90,7 +117,17 @@ async def run(interval: float, batch: int, mark: str = "delete") -> None:
             await producer.start()
         log.info("poller running: interval %.3fs, batch %d, mark %s", interval, batch, mark)
         while not stop.is_set():
-            n = await _poll_once(conn, producer, batch, mark)
+            try:
+                n = await _unless_stopped(
+                    asyncio.create_task(_poll_once(conn, producer, batch, mark)), stop
+                )
+            except (KafkaError, TimeoutError) as e:
+                log.warning(
+                    "batch failed, rolled back (%s); claiming again in %.3fs",
+                    f"{type(e).__name__}: {e}".rstrip(": "),
+                    interval,
+                )
+                n = 0
             if n < batch:
                 try:
                     async with asyncio.timeout(interval):
