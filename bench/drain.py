@@ -26,8 +26,8 @@ from bench.config import Mode
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
-from bench.services import Services, open_services, prepare_poller, set_notify
-from devstack.relayproc import child_env, create_topics
+from bench.services import Services, open_services, prepare_mode
+from devstack.relayproc import child_env
 
 __all__ = [
     "DEFAULT_MIXES",
@@ -280,8 +280,6 @@ class _Drain:
         name = f"bench_drain_{run.run_id.lower()}_{n}"
         topic = f"bench-drain-{run.run_id.lower()}-{n}"
         run.progress.status(f"{label}: database, topic, {cfg.rows} rows")
-        tree = Path(dm.mode.cwd) if dm.mode.cwd else None
-        dsn = await services.create_database(name, src=tree)
         cell: dict[str, Any] = {
             "cell": n,
             "round": rnd,
@@ -292,19 +290,13 @@ class _Drain:
             "started_utc": utc(),
         }
         try:
-            await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
-            cell["database_setup"] = await set_notify(dsn, dm.mode.notify)
-            if dm.mode.kind == "poller":
-                await prepare_poller(dsn)
-                cell["database_setup"]["poller_index"] = True
+            dsn, cell["database_setup"] = await prepare_mode(
+                services, dm.mode, name, topic, partitions=cfg.partitions
+            )
             cell.update(await fill_backlog(dsn, topic, mix, cfg.rows))
             await self._measure(services, dsn, topic, dm, cell, label)
         finally:
-            try:
-                await services.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-                services.databases.remove(name)
-            except (OSError, asyncpg.PostgresError, TimeoutError, ValueError) as e:
-                run.notes.append(f"dropping {name}: {type(e).__name__}: {e}")
+            await run.drop_database(services, name)
         rate = cell.get("rate_first_last")
         run.progress.line(
             f"{label:<34} "

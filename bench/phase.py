@@ -236,6 +236,14 @@ class PhaseRun:
             wait_ready=wait_ready,
         )
 
+    async def drop_database(self, services: Services, name: str) -> None:
+        """Drop a database of the run when its cell is done (a failure is a note: the
+        services' end drops or removes it anyway)."""
+        try:
+            await services.drop_database(name)
+        except (OSError, asyncpg.PostgresError, TimeoutError) as e:
+            self.notes.append(f"dropping {name}: {type(e).__name__}: {e}")
+
     async def stop(self, child: Child) -> int | None:
         """A graceful stop (bounded); a note when the exit was not clean."""
         code = await child.stop(_STOP_TIMEOUT)

@@ -25,7 +25,9 @@ __all__ = [
     "ROOT",
     "BenchError",
     "Child",
+    "cluster_cpu_seconds",
     "cpu_seconds",
+    "parent_pid",
     "python_argv",
     "run_async",
 ]
@@ -62,14 +64,44 @@ def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (None if it is gone): the
+    state (field 3 of proc(5)) is index 0, the parent pid index 1, utime and stime 11 and 12,
+    the reaped children's cutime and cstime 13 and 14."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (0.0 if it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    # After the command name: state is field 3; utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK if fields else 0.0
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of a process (None if it is gone or not visible here)."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def cluster_cpu_seconds(root: int) -> float | None:
+    """User + system CPU seconds of a process tree one level deep, such as a PostgreSQL
+    cluster: the postmaster ``root``, every live child (backends and background processes),
+    and the children it has already reaped (its cutime and cstime), so the sum never drops
+    when a backend exits. None if ``root`` is gone."""
+    fields = _stat(root)
+    if fields is None:
+        return None
+    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        child = _stat(entry.name)
+        if child is not None and child[1] == str(root):
+            ticks += int(child[11]) + int(child[12])
+    return ticks / _CLK_TCK
 
 
 class Child:

@@ -28,8 +28,9 @@ from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.services import (
     Services,
+    db_counters,
     open_services,
-    prepare_poller,
+    prepare_mode,
     set_notify,
 )
 from devstack.relayproc import child_env, create_topics
@@ -105,13 +106,14 @@ class Runner:
         for name in self.cfg.modes:
             mode = MODES[name]
             self.progress.status(f"set-up: database and topic for {name}")
-            dsn = await services.create_database(f"bench_{self.run_id.lower()}_{slug(name)}")
             topic = f"bench-{self.run_id.lower()}-{slug(name)}"
-            await create_topics(services.bootstrap, [topic], partitions=self.cfg.partitions)
-            notify = await set_notify(dsn, mode.notify)
-            if mode.kind == "poller":
-                await prepare_poller(dsn)
-                notify["poller_index"] = True
+            dsn, notify = await prepare_mode(
+                services,
+                mode,
+                f"bench_{self.run_id.lower()}_{slug(name)}",
+                topic,
+                partitions=self.cfg.partitions,
+            )
             dbs[name] = _ModeDb(mode, dsn, topic, notify)
             self.result["modes"][name]["database_setup"] = notify
         return dbs
@@ -121,34 +123,9 @@ class Runner:
 
     # --- idle ---------------------------------------------------------------------------------
 
-    async def _db_counters(self, services: Services, names: list[str]) -> dict[str, Any]:
-        conn = await asyncpg.connect(services.dsn, timeout=_QUERY_TIMEOUT)
-        try:
-            await conn.execute("SELECT pg_stat_clear_snapshot()")
-            rows = await conn.fetch(
-                "SELECT datname, oid, xact_commit, xact_rollback FROM pg_stat_database "
-                "JOIN pg_database USING (datname) WHERE datname = ANY($1::text[])",
-                names,
-            )
-            out: dict[str, Any] = {
-                r["datname"]: {"xacts": r["xact_commit"] + r["xact_rollback"], "calls": None}
-                for r in rows
-            }
-            if self.result["environment"].get("pg_stat_statements"):
-                calls = await conn.fetch(
-                    "SELECT d.datname, sum(s.calls)::bigint AS calls FROM pg_stat_statements s "
-                    "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = ANY($1::text[]) "
-                    "GROUP BY d.datname",
-                    names,
-                )
-                for r in calls:
-                    out[r["datname"]]["calls"] = r["calls"]
-                for name in out:
-                    if out[name]["calls"] is None:
-                        out[name]["calls"] = 0
-            return out
-        finally:
-            await conn.close(timeout=5)
+    @property
+    def _statements(self) -> bool:
+        return bool(self.result["environment"].get("pg_stat_statements"))
 
     async def _idle_phase(self, services: Services, dbs: dict[str, _ModeDb]) -> None:
         """Every mode's process at once, no traffic: queries/s and commits/s of its own
@@ -169,14 +146,18 @@ class Runner:
                     raise child
             await asyncio.sleep(min(5.0, max(1.0, seconds / 10)))  # let start-up work finish
             names = {name: _db_name(db.dsn) for name, db in dbs.items()}
-            before = await self._db_counters(services, list(names.values()))
+            before = await db_counters(
+                services.dsn, list(names.values()), statements=self._statements
+            )
             cpu0 = {name: c.cpu() for name, c in children.items()}
             t0 = time.monotonic()
             while (left := seconds - (time.monotonic() - t0)) > 0:
                 self.progress.status(f"idle: measuring, {left:.0f}s left")
                 await asyncio.sleep(min(1.0, left))
             elapsed = time.monotonic() - t0
-            after = await self._db_counters(services, list(names.values()))
+            after = await db_counters(
+                services.dsn, list(names.values()), statements=self._statements
+            )
             for name, child in children.items():
                 db_name = names[name]
                 b, a = before.get(db_name, {}), after.get(db_name, {})

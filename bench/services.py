@@ -22,14 +22,19 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
-from bench.procs import BenchError, Child
-from devstack.relayproc import cli_argv, relay_env
+from bench.config import Mode
+from bench.procs import BenchError, Child, parent_pid
+from devstack.relayproc import cli_argv, create_topics, relay_env
 
 __all__ = [
     "Services",
     "check_loopback",
+    "db_counters",
     "dsn_for",
     "open_services",
+    "postmaster_pid",
+    "prepare_mode",
+    "statement_calls",
 ]
 
 _ADMIN_TIMEOUT = 30.0
@@ -109,6 +114,12 @@ class Services:
             raise BenchError(f"migrate of {name} failed ({code}):\n{child.tail()}")
         return dsn
 
+    async def drop_database(self, name: str) -> None:
+        """Drop one database this run created (and forget it)."""
+        await self.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if name in self.databases:
+            self.databases.remove(name)
+
     async def drop_databases(self) -> None:
         """Drop every database this run created (used with external services)."""
         for name in self.databases:
@@ -121,6 +132,7 @@ class Services:
         from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
         wanted = {
+            "auto.create.topics.enable",
             "log.flush.interval.messages",
             "log.flush.interval.ms",
             "min.insync.replicas",
@@ -205,6 +217,85 @@ async def set_notify(dsn: str, notify: str) -> dict[str, Any]:
         return done
     finally:
         await conn.close(timeout=5)
+
+
+async def prepare_mode(
+    services: Services, mode: Mode, database: str, topic: str, *, partitions: int
+) -> tuple[str, dict[str, Any]]:
+    """A fresh database for ``mode`` (migrated from the mode's own tree, if it has one), a
+    fresh topic, the NOTIFY trigger as the mode wants it and, for the plain poller, the index
+    its claim uses. Returns the DSN and what was done to the database."""
+    dsn = await services.create_database(database, src=Path(mode.cwd) if mode.cwd else None)
+    await create_topics(services.bootstrap, [topic], partitions=partitions)
+    setup = await set_notify(dsn, mode.notify)
+    if mode.kind == "poller":
+        await prepare_poller(dsn)
+        setup["poller_index"] = True
+    return dsn, setup
+
+
+async def db_counters(dsn: str, names: list[str], *, statements: bool) -> dict[str, Any]:
+    """Per database of ``names``: transactions (``pg_stat_database`` commits + rollbacks)
+    and, with ``statements``, statements (``pg_stat_statements`` calls), read through ``dsn``
+    (the maintenance database, so that the reading itself counts in neither)."""
+    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
+    try:
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        rows = await conn.fetch(
+            "SELECT datname, oid, xact_commit, xact_rollback FROM pg_stat_database "
+            "JOIN pg_database USING (datname) WHERE datname = ANY($1::text[])",
+            names,
+        )
+        out: dict[str, Any] = {
+            r["datname"]: {
+                "xacts": r["xact_commit"] + r["xact_rollback"],
+                "commits": r["xact_commit"],
+                "calls": None,
+            }
+            for r in rows
+        }
+        if statements:
+            calls = await conn.fetch(
+                "SELECT d.datname, sum(s.calls)::bigint AS calls FROM pg_stat_statements s "
+                "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = ANY($1::text[]) "
+                "GROUP BY d.datname",
+                names,
+            )
+            for r in calls:
+                out[r["datname"]]["calls"] = r["calls"]
+            for name in out:
+                if out[name]["calls"] is None:
+                    out[name]["calls"] = 0
+        return out
+    finally:
+        await conn.close(timeout=5)
+
+
+async def statement_calls(dsn: str, database: str) -> dict[int, tuple[str, int, int]]:
+    """``pg_stat_statements`` of one database: query id -> (query text, calls, rows)."""
+    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
+    try:
+        rows = await conn.fetch(
+            "SELECT s.queryid, s.query, s.calls, s.rows FROM pg_stat_statements s "
+            "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1 AND s.queryid IS NOT NULL",
+            database,
+        )
+    finally:
+        await conn.close(timeout=5)
+    return {int(r["queryid"]): (r["query"], int(r["calls"]), int(r["rows"])) for r in rows}
+
+
+async def postmaster_pid(dsn: str) -> int | None:
+    """The pid of the PostgreSQL server's postmaster, when it runs on this host and its
+    processes are visible here: the parent of this connection's backend."""
+    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
+    try:
+        backend = int(await conn.fetchval("SELECT pg_backend_pid()"))
+        # The backend must still exist while its parent is read.
+        parent = parent_pid(backend)
+    finally:
+        await conn.close(timeout=5)
+    return parent if parent is not None and parent > 1 else None
 
 
 def _start_stack(base: Path) -> tuple[Any, str]:
