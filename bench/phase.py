@@ -5,6 +5,7 @@ relay source snapshot, the services, the environment record, progress, and the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -21,11 +22,12 @@ import asyncpg
 
 from bench import envinfo
 from bench.config import Mode
+from bench.loadgen import LoadConfig
 from bench.pooler import end_record, mode_dsns, start_pgbouncer
 from bench.procs import ROOT, BenchError, Child, python_argv
 from bench.progress import Progress
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
-from devstack.relayproc import READY, cli_argv, relay_env
+from devstack.relayproc import READY, child_env, cli_argv, relay_env
 
 __all__ = [
     "PhaseRun",
@@ -234,6 +236,56 @@ class PhaseRun:
             log_path=self.log_path(name),
             extra_env=extra_env,
             wait_ready=wait_ready,
+        )
+
+    async def start_consumer(self, bootstrap: str, topic: str, *, name: str) -> Child:
+        """Start the latency consumer (``bench/consumer.py``) on ``topic`` and wait (bounded)
+        until it is positioned at the end of every partition."""
+        consumer = await Child.start(
+            name,
+            python_argv("-m", "bench", "_consumer", bootstrap, topic),
+            env=child_env(),
+            log_path=self.log_path(name),
+            pipes=True,
+            cwd=self.src,
+        )
+        try:
+            ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
+            if not ready.get("ready"):
+                raise BenchError(f"{name} did not get ready: {ready}")
+        except BaseException:
+            await consumer.stop(5)
+            raise
+        return consumer
+
+    async def collect(
+        self, consumer: Child, *, cell: int, expect: int, within: float, out: Path
+    ) -> dict[str, Any]:
+        """Ask the consumer for ``cell``'s arrivals (waiting up to ``within`` seconds for
+        ``expect`` of them); it writes their arrays to ``out`` and answers with counts."""
+        cmd = {"cmd": "collect", "cell": cell, "expect": expect, "timeout": within, "out": str(out)}
+        await consumer.send_line(json.dumps(cmd))
+        answer: dict[str, Any] = json.loads(await consumer.read_line(within + 30))
+        return answer
+
+    async def quit_consumer(self, consumer: Child) -> None:
+        """End the consumer (its line protocol's quit, then a bounded stop)."""
+        with contextlib.suppress(Exception):
+            await consumer.send_line(json.dumps({"cmd": "quit"}))
+        await consumer.stop(15)
+
+    async def start_loadgen(self, lc: LoadConfig, *, name: str) -> Child:
+        """Start the load generator (``bench/loadgen.py``) with ``lc``, its stdin and stdout
+        piped (``stop_on_input``, ``announce`` and its summary line)."""
+        config_path = Path(lc.out).with_suffix(".config.json")
+        lc.save(config_path)
+        return await Child.start(
+            name,
+            python_argv("-m", "bench", "_loadgen", str(config_path)),
+            env=child_env(),
+            log_path=self.log_path(name),
+            pipes=True,
+            cwd=self.src,
         )
 
     async def drop_database(self, services: Services, name: str) -> None:

@@ -30,9 +30,9 @@ from bench.arrays import load_arrays
 from bench.config import Mode, writers_for
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
-from bench.procs import BenchError, Child, python_argv
+from bench.procs import BenchError, Child
 from bench.services import Services, check_loopback, open_services, set_notify
-from devstack.relayproc import child_env, create_topics
+from devstack.relayproc import create_topics
 
 __all__ = ["RecoveryConfig", "recovery_problems", "run_recovery", "summarize_recovery"]
 
@@ -213,14 +213,7 @@ class _Recovery:
         dsn = await services.create_database(name, src=tree)
         await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
         run.result["database_setup"] = await set_notify(dsn, "shipped")
-        consumer = await Child.start(
-            "consumer",
-            python_argv("-m", "bench", "_consumer", services.bootstrap, topic),
-            env=child_env(),
-            log_path=run.log_path("consumer"),
-            pipes=True,
-            cwd=run.src,
-        )
+        consumer = await run.start_consumer(services.bootstrap, topic, name="consumer")
         relay: Child | None = None
         gen: Child | None = None
         counter: asyncio.Task[None] | None = None
@@ -228,9 +221,6 @@ class _Recovery:
         cells.mkdir(parents=True, exist_ok=True)
         gen_path, got_path = cells / "recovery-gen.bin", cells / "recovery-got.bin"
         try:
-            ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
-            if not ready.get("ready"):
-                raise BenchError(f"consumer did not get ready: {ready}")
             relay = await run.start(services, self.mode, dsn, name="relay", extra_env=cfg.relay_env)
             log = _LogCounter(relay.log_path)
             counter = asyncio.create_task(log.run())
@@ -251,16 +241,7 @@ class _Recovery:
                 reconnect=True,
                 stop_on_input=True,
             )
-            config_path = cells / "recovery-config.json"
-            lc.save(config_path)
-            gen = await Child.start(
-                "writers",
-                python_argv("-m", "bench", "_loadgen", str(config_path)),
-                env=child_env(),
-                log_path=run.log_path("writers"),
-                pipes=True,
-                cwd=run.src,
-            )
+            gen = await run.start_loadgen(lc, name="writers")
             run.progress.status(f"steady traffic at {cfg.rate:g} ev/s for {cfg.settle:g}s")
             await asyncio.sleep(cfg.settle)
             for service in cfg.services:
@@ -277,18 +258,9 @@ class _Recovery:
             summary = json.loads(await gen.read_line(60))
             run.result["writers"] = summary
             run.progress.status(f"waiting for {summary['acked']} events at the consumer")
-            await consumer.send_line(
-                json.dumps(
-                    {
-                        "cmd": "collect",
-                        "cell": 1,
-                        "expect": summary["acked"],
-                        "timeout": cfg.drain_timeout,
-                        "out": str(got_path),
-                    }
-                )
+            run.result["consumer"] = await run.collect(
+                consumer, cell=1, expect=summary["acked"], within=cfg.drain_timeout, out=got_path
             )
-            run.result["consumer"] = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
             counter.cancel()
             log.sample()
             self._analyse(load_arrays(gen_path), load_arrays(got_path), log)
@@ -300,9 +272,7 @@ class _Recovery:
             if relay is not None:
                 run.result["relay_exit"] = await run.stop(relay)
                 run.result["relay_log_lines"] = sum(1 for _ in relay.log_path.open("rb"))
-            with contextlib.suppress(Exception):
-                await consumer.send_line(json.dumps({"cmd": "quit"}))
-            await consumer.stop(15)
+            await run.quit_consumer(consumer)
             for p in (gen_path, got_path):
                 p.unlink(missing_ok=True)
 
