@@ -1,4 +1,5 @@
-"""The command line: ``python -m bench run | smoke | drain | recovery | report``.
+"""The command line: ``python -m bench run | smoke | drain | recovery | held-snapshot |
+failing-head | report``.
 
 Exit codes: 0 done; 1 the bench itself broke (a process failed, events went missing at a light
 load, a smoke check failed); 2 bad usage.
@@ -12,8 +13,9 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.config import (
     DEFAULT_MODES,
@@ -124,6 +126,61 @@ def _parser() -> argparse.ArgumentParser:
     )
     _phase_options(p)
 
+    p = sub.add_parser(
+        "held-snapshot",
+        help="steady load while another session holds a REPEATABLE READ snapshot open",
+    )
+    p.add_argument("--rate", type=float, default=800.0, help="writers' events/s (default 800)")
+    p.add_argument("--keys", type=int, default=40, help="distinct keys (default 40)")
+    p.add_argument("--baseline", type=float, default=60.0, help="seconds before the snapshot")
+    p.add_argument(
+        "--hold", type=float, default=600.0, help="seconds the snapshot is held (default 600)"
+    )
+    p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
+    p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
+    _regime_options(p)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="after the load, seconds to wait for every committed event",
+    )
+    _phase_options(p)
+
+    p = sub.add_parser(
+        "failing-head",
+        help="healthy rows behind thousands of rows whose topic does not exist",
+    )
+    p.add_argument(
+        "--failing-rows",
+        nargs="+",
+        type=int,
+        default=[5000, 100_000],
+        help="sizes of the failing head (default 5000 100000)",
+    )
+    p.add_argument("--failing-keys", type=int, default=5, help="keys of the failing rows")
+    p.add_argument("--healthy-rows", type=int, default=300, help="healthy rows (default 300)")
+    p.add_argument("--healthy-keys", type=int, default=30, help="their keys (default 30)")
+    p.add_argument("--healthy-rate", type=float, default=100.0, help="their events/s")
+    p.add_argument(
+        "--healthy-timeout", type=float, default=60.0, help="seconds a healthy row may take"
+    )
+    p.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet window")
+    p.add_argument(
+        "--quiet-settle",
+        type=float,
+        default=11.0,
+        help="seconds before the quiet window, for PostgreSQL's delayed statistics",
+    )
+    p.add_argument(
+        "--tried-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the mode to try the failing rows",
+    )
+    _regime_options(p)
+    _phase_options(p)
+
     p = sub.add_parser("report", help="regenerate the markdown (and plots) of a result JSON")
     p.add_argument("json", type=Path)
     p.add_argument("--no-plots", action="store_true")
@@ -152,6 +209,17 @@ def _phase_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true")
 
 
+def _regime_options(p: argparse.ArgumentParser) -> None:
+    """The options the held-snapshot and failing-head regimes share."""
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["notify", "poller"],
+        help="notify, notify-alt (with --alt-relay), poller (default: notify poller)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
+
+
 def _alt_tree(path: Path | None) -> str | None:
     if path is None:
         return None
@@ -162,8 +230,9 @@ def _alt_tree(path: Path | None) -> str | None:
 
 
 def _run_phase(args: argparse.Namespace) -> int:
-    """``drain`` or ``recovery``: run, write the report; exit 1 when a check failed (lost
-    events, order violations, a timed-out cell), not when the relay was merely slow."""
+    """``drain``, ``recovery``, ``held-snapshot`` or ``failing-head``: run, write the report;
+    exit 1 when a check failed (lost events, order violations, a timed-out cell, a cell that
+    broke), not when the relay was merely slow."""
     from bench.drain import (
         DEFAULT_MIXES,
         DEFAULT_MODES,
@@ -181,6 +250,8 @@ def _run_phase(args: argparse.Namespace) -> int:
     relay_env = parse_relay_env(args.relay_env)
     alt = _alt_tree(args.alt_relay)
     out: Path = args.out
+    coro: Coroutine[Any, Any, Path]
+    check: Callable[[dict[str, Any]], list[str]]
     if args.command == "drain":
         mixes = list(dict.fromkeys(args.mixes or DEFAULT_MIXES))
         unknown = [m for m in mixes if m not in MIXES]
@@ -204,6 +275,8 @@ def _run_phase(args: argparse.Namespace) -> int:
         coro = run_drain(dcfg, out, keep=args.keep_work_dir)
         check = drain_problems
         stem = "drain"
+    elif args.command in ("held-snapshot", "failing-head"):
+        coro, check, stem = _regime(args, relay_env, alt)
     else:
         rcfg = RecoveryConfig(
             services=list(dict.fromkeys(args.services)),
@@ -233,9 +306,73 @@ def _run_phase(args: argparse.Namespace) -> int:
             md = write_report(written[-1], plots=not args.no_plots)
             print(f"result: {written[-1]}\nreport: {md}", file=sys.stderr)
     problems = check(json.loads(written[-1].read_text())) if written else ["no result"]
+    if written and stem in ("held-snapshot", "failing-head"):
+        from bench.phase_report import compact_table
+
+        for line in compact_table(json.loads(written[-1].read_text())):
+            print(line, file=sys.stderr)
     for p in problems:
         print(f"bench {stem}: {p}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _regime(
+    args: argparse.Namespace, relay_env: dict[str, str], alt: str | None
+) -> tuple[Coroutine[Any, Any, Path], Callable[[dict[str, Any]], list[str]], str]:
+    """The run, the check and the file stem of ``held-snapshot`` or ``failing-head``."""
+    from bench.failing_head import FailingHeadConfig, failing_head_problems, run_failing_head
+    from bench.held_snapshot import HeldSnapshotConfig, held_snapshot_problems, run_held_snapshot
+    from bench.regimes import regime_mode
+
+    modes = list(dict.fromkeys(args.modes))
+    for m in modes:
+        regime_mode(m, alt)  # fails early on a bad name
+    if args.repeat < 1:
+        raise BenchError("--repeat must be at least 1")
+    common = {
+        "modes": modes,
+        "repeat": args.repeat,
+        "relay_env": relay_env,
+        "alt_relay": alt,
+        "fsync_test_seconds": args.fsync_seconds,
+    }
+    if args.command == "held-snapshot":
+        if min(args.baseline, args.hold, args.recovery, args.window) <= 0 or args.rate <= 0:
+            raise BenchError("--rate, --baseline, --hold, --recovery and --window must be > 0")
+        hcfg = HeldSnapshotConfig(
+            rate=args.rate,
+            keys=args.keys,
+            baseline=args.baseline,
+            hold=args.hold,
+            recovery=args.recovery,
+            window=args.window,
+            drain_timeout=args.drain_timeout,
+            **common,
+        )
+        return (
+            run_held_snapshot(hcfg, args.out, keep=args.keep_work_dir),
+            held_snapshot_problems,
+            "held-snapshot",
+        )
+    if min(args.failing_rows) < 1 or args.healthy_rows < 1 or args.healthy_rate <= 0:
+        raise BenchError("--failing-rows, --healthy-rows and --healthy-rate must be positive")
+    fcfg = FailingHeadConfig(
+        failing_rows=list(dict.fromkeys(args.failing_rows)),
+        failing_keys=args.failing_keys,
+        healthy_rows=args.healthy_rows,
+        healthy_keys=args.healthy_keys,
+        healthy_rate=args.healthy_rate,
+        healthy_timeout=args.healthy_timeout,
+        quiet=args.quiet,
+        quiet_settle=args.quiet_settle,
+        tried_timeout=args.tried_timeout,
+        **common,
+    )
+    return (
+        run_failing_head(fcfg, args.out, keep=args.keep_work_dir),
+        failing_head_problems,
+        "failing-head",
+    )
 
 
 def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
@@ -345,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(write_report(args.json, plots=not args.no_plots))
             return 0
-        if args.command in ("drain", "recovery"):
+        if args.command in ("drain", "recovery", "held-snapshot", "failing-head"):
             return _run_phase(args)
         if args.command == "smoke":
             cfg = smoke_config()

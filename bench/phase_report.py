@@ -1,5 +1,5 @@
-"""Markdown tables and PNG plots of the backlog-drain and outage-recovery results
-(``python -m bench report drain-<ts>.json`` regenerates them)."""
+"""Markdown tables and PNG plots of the backlog-drain, outage-recovery, held-snapshot and
+failing-head results (``python -m bench report drain-<ts>.json`` regenerates them)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.drain import drain_problems, summarize_drain
+from bench.failing_head import failing_head_problems, summarize_failing_head
+from bench.held_snapshot import held_snapshot_problems, summarize_held_snapshot, window_table
 from bench.recovery import recovery_problems, summarize_recovery
 from bench.report import _f, _table, environment_lines
 
-__all__ = ["write_phase_report"]
+__all__ = ["compact_table", "write_phase_report"]
 
 
 def _rate(v: float | None) -> str:
@@ -148,12 +150,7 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
             for s, r in summary["services"].items()
         ],
     )
-    if summary["targets"]:
-        lines += ["", "## Targets (issue 10)", ""]
-        lines += _table(
-            ["target", "measured", "verdict"],
-            [[t["target"], t["measured"], t["verdict"]] for t in summary["targets"]],
-        )
+    lines += _targets(summary, "issue 10")
     lines += ["", "## Every restart", ""]
     lines += _table(
         [
@@ -193,6 +190,231 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
         lines += ["", "Most frequent relay log lines during each outage (digits as N):", ""]
         lines += [f"- {s} #{n}: {c} x `{text}`" for s, n, (text, c) in kinds]
     return _finish(lines, result, plots, recovery_problems(result))
+
+
+def _targets(summary: dict[str, Any], source: str) -> list[str]:
+    """The targets section (target, measured, verdict), if there are any."""
+    if not summary["targets"]:
+        return []
+    return [
+        "",
+        f"## Targets ({source})",
+        "",
+        *_table(
+            ["target", "measured", "verdict"],
+            [[t["target"], t["measured"], t["verdict"]] for t in summary["targets"]],
+        ),
+    ]
+
+
+def _modes_lines(result: dict[str, Any]) -> list[str]:
+    return ["", "## Modes", ""] + [
+        f"- `{n}`: {m['description']}" for n, m in result.get("modes", {}).items()
+    ]
+
+
+def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox held snapshot {result['run_id']}", ""]
+    lines += environment_lines(result)
+    lines += [
+        f"- writers: {cfg['rate']:g} ev/s, open loop, single-row transactions, {cfg['keys']} "
+        f"keys; {cfg['baseline']:g} s baseline, then a REPEATABLE READ transaction (`SELECT "
+        f"count(*) FROM outbox`) held open for {cfg['hold']:g} s, then {cfg['recovery']:g} s "
+        f"of recovery; {cfg['repeat']} round(s), modes one after the other per round on fresh "
+        "databases and topics, medians over rounds",
+        "",
+        "Events go into windows by their commit ack. **p50/p99** is commit ack -> consumer "
+        "receipt (ms); **rate %** the commits in the window as a share of the offered rate; "
+        "**mode µs/ev** the mode process's CPU (user + system) per event delivered in the "
+        "window; **db µs/ev** the CPU of every process of the PostgreSQL cluster per event "
+        "committed in the window; **dead tuples** the outbox's `n_dead_tup` at the window's end.",
+    ]
+    lines += _targets(summary, "design/benchmarks.md")
+    lines += ["", "## Per phase (all events of a phase pooled; medians over rounds)", ""]
+    lines += _table(
+        [
+            "mode",
+            "baseline p50 / p99 / max (ms)",
+            "hold",
+            "recovery",
+            "worst hold window p99",
+            "lowest hold rate %",
+            "dead tuples at release",
+            "missing",
+        ],
+        [
+            [
+                mode,
+                *(
+                    " / ".join(_f(m["phases"][p][k], 1) for k in ("p50", "p99", "max"))
+                    for p in ("baseline", "hold", "recovery")
+                ),
+                _f(m["worst_hold_p99"], 1),
+                _f(100 * m["lowest_hold_share"] if m["lowest_hold_share"] is not None else None, 1),
+                _rate(m["dead_tuples_at_release"]),
+                str(m["missing"]),
+            ]
+            for mode, m in summary["modes"].items()
+        ],
+    )
+    if summary["modes"]:
+        lines += ["", "## Per window (medians over rounds)", ""]
+        lines += window_table({mode: m["windows"] for mode, m in summary["modes"].items()})
+        lines += [
+            "",
+            "More per window: committed ev/s, e2e p99 (from the schedule, ms), mode "
+            "and database CPU %, outbox size with its indexes (MB).",
+            "",
+        ]
+        lines += _table(
+            ["window", "mode", "committed ev/s", "e2e p99", "mode CPU %", "db CPU %", "outbox MB"],
+            [
+                [
+                    f"{w['start_s']:.0f} s ({w['phase']})",
+                    mode,
+                    _rate(w["rate"]),
+                    _f(w["e2e_p99"], 1),
+                    _f(w["mode_cpu_percent"], 1),
+                    _f(w["db_cpu_percent"], 1),
+                    _f(w["total_bytes"] / 2**20 if w["total_bytes"] is not None else None, 1),
+                ]
+                for mode, m in summary["modes"].items()
+                for w in m["windows"]
+            ],
+        )
+    lines += _modes_lines(result)
+    return _finish(lines, result, plots, held_snapshot_problems(result))
+
+
+def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox failing head {result['run_id']}", ""]
+    lines += environment_lines(result)
+    auto = result.get("environment", {}).get("kafka", {}).get("broker_configs", {})
+    lines += [
+        f"- {' and '.join(f'{n:,}' for n in cfg['failing_rows'])} rows of "
+        f"{cfg['failing_keys']} keys to a topic that does not exist (broker "
+        f"auto.create.topics.enable={auto.get('auto.create.topics.enable', 'unknown')}), "
+        "inserted with the mode stopped; the mode starts and tries them; then "
+        f"{cfg['healthy_rows']} rows of {cfg['healthy_keys']} other keys to a healthy topic at "
+        f"{cfg['healthy_rate']:g} ev/s, each timed from its commit ack to the consumer (up to "
+        f"{cfg['healthy_timeout']:g} s); then a {cfg['quiet']:g} s quiet window with no new "
+        f"rows; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
+    ]
+    lines += _targets(summary, "design/benchmarks.md")
+    t = f"{cfg['healthy_timeout']:g}"
+    lines += ["", "## Healthy rows behind the failing head (medians over rounds)", ""]
+    lines += _table(
+        [
+            "failing rows",
+            "mode",
+            "within 1 s",
+            f"within {t} s",
+            "p50 (ms)",
+            "p99 (ms)",
+            "max (ms)",
+            "all arrived, s after the last commit",
+            "mode tried the failing rows, s after ready",
+        ],
+        [
+            [
+                f"{r['failing_rows']:,}",
+                r["mode"],
+                f"{_rate(r['within_1s'])} of {_rate(r['healthy_rows'])}",
+                f"{_rate(r['within_timeout'])} of {_rate(r['healthy_rows'])}",
+                _f(r["p50"], 1),
+                _f(r["p99"], 1),
+                _f(r["max"], 1),
+                _f(r["all_arrived_after_last_commit_s"])
+                + (
+                    ""
+                    if r["all_arrived_rounds"] == r["rounds"]
+                    else f" (not all within {t} s in {r['rounds'] - r['all_arrived_rounds']} "
+                    "round(s))"
+                ),
+                _f(r["tried_after_ready_s"])
+                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)"),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    lines += [
+        "",
+        f"## Quiet window ({cfg['quiet']:g} s, no new rows, the failing rows waiting)",
+        "",
+        "Commits/s from `pg_stat_database` (PostgreSQL 15 reports a backend's counts up to a "
+        "second late, or ten for a backend that went idle: the window starts "
+        f"{cfg.get('quiet_settle', 0):g} s after the healthy rows arrived or timed out), "
+        "statements/s and claims/s (calls of the mode's claim statement) from "
+        "`pg_stat_statements` (counted at once), of the mode's own database; CPU of the mode's "
+        "process and of the whole PostgreSQL cluster.",
+        "",
+    ]
+    lines += _table(
+        [
+            "failing rows",
+            "mode",
+            "commits/s",
+            "statements/s",
+            "claims/s",
+            "mode CPU %",
+            "db CPU %",
+            "mode log lines",
+        ],
+        [
+            [
+                f"{r['failing_rows']:,}",
+                r["mode"],
+                _f(r["commits_per_s"], 1),
+                _f(r["statements_per_s"], 1),
+                _f(r["claims_per_s"], 1),
+                _f(r["mode_cpu_percent"], 1),
+                _f(r["db_cpu_percent"], 1),
+                _rate(r["mode_log_lines"]),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    tops = [c for c in result.get("cells", []) if c.get("round") == 0 and "quiet" in c]
+    if tops:
+        lines += ["", "Statements run most in the quiet window (first round; calls, rows):", ""]
+        for c in tops:
+            lines.append(f"- {c['failing_rows']:,} failing, {c['mode']}:")
+            lines += [
+                f"  - {s['calls']} x, {s['rows']} rows: `{s['query']}`"
+                for s in c["quiet"]["top_statements"][:3]
+            ]
+    lines += _modes_lines(result)
+    return _finish(lines, result, plots, failing_head_problems(result))
+
+
+def compact_table(result: dict[str, Any]) -> list[str]:
+    """The main table and the targets of a held-snapshot or failing-head result, for the
+    terminal at the end of a run."""
+    phase = result["phase"]
+    if phase == "held-snapshot":
+        summary = summarize_held_snapshot(result)
+        text = _held_markdown(result, summary, [])
+        first = "## Per window"
+    else:
+        summary = summarize_failing_head(result)
+        text = _failing_markdown(result, summary, [])
+        first = "## Healthy rows"
+    lines = text.splitlines()
+    out: list[str] = []
+    for head in ("## Targets", first, "## Quiet window"):
+        start = next((i for i, line in enumerate(lines) if line.startswith(head)), None)
+        if start is None:
+            continue
+        table = start + 2
+        while table < len(lines) and not lines[table].startswith("|"):
+            table += 1
+        end = table
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        out += [lines[start], *lines[table:end], ""]
+    return out
 
 
 def _finish(lines: list[str], result: dict[str, Any], plots: list[str], problems: list[str]) -> str:
@@ -245,8 +467,21 @@ def _plot_recovery(result: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
+def _plot_held(summary: dict[str, Any], result: dict[str, Any], path: Path) -> bool:
+    from bench.plots import held_snapshot_figure  # matplotlib only when plotting
+
+    return held_snapshot_figure(summary["modes"], result["config"], path)
+
+
+def _plot_failing(summary: dict[str, Any], result: dict[str, Any], path: Path) -> bool:
+    from bench.plots import failing_head_figure  # matplotlib only when plotting
+
+    return failing_head_figure(summary["rows"], result["config"], path)
+
+
 def write_phase_report(json_path: Path, *, plots: bool = True) -> Path:
-    """Write ``<stem>.md`` (and a PNG) next to a drain or recovery result JSON."""
+    """Write ``<stem>.md`` (and a PNG) next to a drain, recovery, held-snapshot or
+    failing-head result JSON."""
     result = json.loads(json_path.read_text())
     phase = result["phase"]
     names: list[str] = []
@@ -261,6 +496,16 @@ def write_phase_report(json_path: Path, *, plots: bool = True) -> Path:
         if plots and _try_plot(lambda: _plot_recovery(result, png), result):
             names.append(png.name)
         text = _recovery_markdown(result, summary, names)
+    elif phase == "held-snapshot":
+        summary = summarize_held_snapshot(result)
+        if plots and _try_plot(lambda: _plot_held(summary, result, png), result):
+            names.append(png.name)
+        text = _held_markdown(result, summary, names)
+    elif phase == "failing-head":
+        summary = summarize_failing_head(result)
+        if plots and _try_plot(lambda: _plot_failing(summary, result, png), result):
+            names.append(png.name)
+        text = _failing_markdown(result, summary, names)
     else:
         raise ValueError(f"{json_path}: unknown phase {phase!r}")
     md = json_path.with_suffix(".md")

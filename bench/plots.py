@@ -171,3 +171,103 @@ def make_plots(
     if _producer(summary, p):
         out.append(p)
     return out
+
+
+def held_snapshot_figure(modes: dict[str, Any], cfg: dict[str, Any], path: Path) -> bool:
+    """Per window of the held-snapshot regime, one line per mode: ack -> receive p99 (log
+    scale), the producers' achieved share of the offered rate, and the outbox's dead tuples;
+    the hold is shaded."""
+    if not modes:
+        return False
+    colors = _colors(list(modes))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
+    for mode, m in modes.items():
+        ws = m["windows"]
+        mid = [(w["start_s"] + w["seconds"] / 2) / 60 for w in ws]
+        for ax, key, scale in (
+            (axes[0], "p99", 1.0),
+            (axes[1], "rate_share", 100.0),
+            (axes[2], "dead_tuples", 1e-3),
+        ):
+            pts = [(x, w[key] * scale) for x, w in zip(mid, ws, strict=True) if w[key] is not None]
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                markersize=3,
+                color=colors[mode],
+                label=mode,
+            )
+    start = cfg["baseline"] / 60
+    for ax in axes:
+        ax.axvspan(start, start + cfg["hold"] / 60, color="grey", alpha=0.15, lw=0)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("commit ack -> receive p99 (ms)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("producers' rate, % of offered")
+    axes[1].axhline(90, color="grey", linewidth=0.8, alpha=0.6)
+    axes[2].set_ylabel("outbox dead tuples (thousands)")
+    axes[2].set_xlabel("minutes since the load started (grey: snapshot held)")
+    fig.suptitle(
+        f"Held snapshot: {cfg['rate']:g} ev/s, {cfg['window']:g} s windows, medians over rounds"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def failing_head_figure(rows: list[dict[str, Any]], cfg: dict[str, Any], path: Path) -> bool:
+    """Per failing-head size and mode: healthy rows that arrived within 1 s and within the
+    timeout, and the quiet window's commits/s and statements/s (log scale)."""
+    if not rows:
+        return False
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    sizes = list(dict.fromkeys(r["failing_rows"] for r in rows))
+    by = {(r["failing_rows"], r["mode"]): r for r in rows}
+    colors = _colors(modes)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(sizes))]
+        got = [by.get((s, mode), {}) for s in sizes]
+        axes[0].bar(
+            xs,
+            [g.get("within_timeout") or 0 for g in got],
+            width,
+            color=colors[mode],
+            alpha=0.35,
+            label=f"{mode}: within {cfg['healthy_timeout']:g} s",
+        )
+        axes[0].bar(
+            xs,
+            [g.get("within_1s") or 0 for g in got],
+            width,
+            color=colors[mode],
+            label=f"{mode}: within 1 s",
+        )
+        for k, (key, hatch) in enumerate((("commits_per_s", ""), ("statements_per_s", "//"))):
+            axes[1].bar(
+                [x + k * width / 2 for x in xs],
+                [max(g.get(key) or 0.0, 0.01) for g in got],
+                width / 2,
+                color=colors[mode],
+                hatch=hatch,
+                edgecolor="white",
+                label=f"{mode}: {key.replace('_per_s', '/s')}",
+            )
+    for ax in axes:
+        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(sizes))])
+        ax.set_xticklabels([f"{s:,} failing rows" for s in sizes])
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].axhline(cfg["healthy_rows"], color="grey", linewidth=0.8)
+    axes[0].set_ylabel(f"healthy rows arrived (of {cfg['healthy_rows']})")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel(f"per second, {cfg['quiet']:g} s quiet window")
+    fig.suptitle("Failing head: healthy rows behind it, and the database's work meanwhile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,548 @@
+"""The failing-head regime (``python -m bench failing-head``): does a mass of rows that cannot
+be sent (their topic does not exist) hold back the healthy rows behind them, and what does the
+database pay while they wait for their retries?
+
+Per size, mode and round, on a fresh database and topic: ``size`` rows of ``failing_keys`` keys
+to a topic that does not exist in Kafka (the broker must not create topics on first use: the
+bench checks), inserted with the mode stopped; the mode starts and the bench waits until it has
+tried them (the relay: every failing key has a row with a recorded attempt; the poller: its
+session holds row locks, i.e. it claimed the head and is waiting for Kafka); then the load
+generator writes ``healthy_rows`` rows of ``healthy_keys`` other keys to the healthy topic at
+``healthy_rate`` ev/s, and the consumer times each one (commit ack -> receipt) for up to
+``healthy_timeout`` seconds. Then ``quiet`` seconds with no new row: the database's commits/s
+(``pg_stat_database``) and statements/s (``pg_stat_statements``) of the mode's database, the
+statements it ran most, and the mode's CPU. See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from aiokafka.admin import AIOKafkaAdminClient
+
+from bench.arrays import load_arrays
+from bench.config import Mode, writers_for
+from bench.hist import Histogram
+from bench.loadgen import LoadConfig
+from bench.phase import PhaseRun, loadavg, utc
+from bench.procs import BenchError, Child
+from bench.regimes import (
+    DEFAULT_REGIME_MODES,
+    CpuMeter,
+    add_cell,
+    database_postmaster,
+    latency_ms,
+    median,
+    received_at,
+    regime_mode,
+    unfinished,
+)
+from bench.services import (
+    Services,
+    db_counters,
+    open_services,
+    prepare_mode,
+    statement_calls,
+)
+
+__all__ = [
+    "FailingHeadConfig",
+    "failing_head_problems",
+    "run_failing_head",
+    "summarize_failing_head",
+]
+
+_QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
+_POLL_S = 0.1
+_TOP_STATEMENTS = 6
+# The claim statements of the modes, to count claims (and the rows they returned) in the
+# quiet window: the relay's claim function, the poller's SELECT ... FOR UPDATE SKIP LOCKED.
+_CLAIM = re.compile(r"_claim\"?\(|FOR UPDATE SKIP LOCKED", re.I)
+_COMMENT = re.compile(r"--[^\n]*")
+# How the bench sees that a mode has tried the failing rows.
+_RELAY_TRIED = """
+SELECT count(DISTINCT key) FROM outbox
+WHERE topic = $1 AND (attempts > 0 OR next_attempt_at IS NOT NULL)
+"""
+_POLLER_TRIED = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = $1 AND application_name = 'bench-poller' AND backend_xid IS NOT NULL
+"""
+
+
+@dataclass
+class FailingHeadConfig:
+    """Everything one failing-head run does; recorded in the result JSON."""
+
+    failing_rows: list[int] = field(default_factory=lambda: [5000, 100_000])
+    failing_keys: int = 5
+    healthy_rows: int = 300
+    healthy_keys: int = 30
+    healthy_rate: float = 100.0
+    healthy_timeout: float = 60.0  # per healthy row: counted as arrived within this
+    quiet: float = 20.0
+    # Before the quiet window: PostgreSQL 15's backends report their transaction counts at
+    # most once a second, and one that just reported and went idle holds its next counts up
+    # to 10 s (PGSTAT_IDLE_INTERVAL): so the healthy rows' commits are not counted as quiet.
+    quiet_settle: float = 11.0
+    tried_timeout: float = 60.0
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_REGIME_MODES))
+    repeat: int = 1
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    partitions: int = 3
+    fsync_test_seconds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+
+async def topic_exists(bootstrap: str, topic: str) -> bool | None:
+    """Whether Kafka has ``topic`` (None if it would not say)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
+    try:
+        async with asyncio.timeout(30):
+            await admin.start()
+            return topic in set(await admin.list_topics())
+    except Exception:  # a record, never a reason to fail the cell
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+async def fill_failing(dsn: str, topic: str, rows: int, keys: int) -> dict[str, float]:
+    """``rows`` committed rows of keys ``f0`` .. ``f<keys-1>`` (round robin) to ``topic``, in
+    one transaction (few keys: the ordering trigger's advisory locks are few), then
+    ``VACUUM ANALYZE``."""
+    conn = await asyncpg.connect(dsn, timeout=30)
+    try:
+        t0 = time.monotonic()
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'f' || (g % $2), jsonb_build_object('f', g) "
+            "FROM generate_series(1, $3::int) AS g ORDER BY g",
+            topic,
+            keys,
+            rows,
+            timeout=_QUERY_TIMEOUT,
+        )
+        inserted = time.monotonic() - t0
+        await conn.execute("VACUUM ANALYZE outbox", timeout=_QUERY_TIMEOUT)
+    finally:
+        await conn.close(timeout=5)
+    return {"insert_s": inserted, "vacuum_s": time.monotonic() - t0 - inserted}
+
+
+def _quiet_record(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    calls0: dict[int, tuple[str, int, int]],
+    calls1: dict[int, tuple[str, int, int]],
+    seconds: float,
+) -> dict[str, Any]:
+    """Commits/s, transactions/s, statements/s, claims and the statements run most."""
+    deltas = []
+    for qid, (text, calls, rows) in calls1.items():
+        _, c0, r0 = calls0.get(qid, ("", 0, 0))
+        if calls > c0:
+            deltas.append((calls - c0, rows - r0, " ".join(_COMMENT.sub("", text).split())))
+    deltas.sort(reverse=True)
+    claims = [d for d in deltas if _CLAIM.search(d[2])]
+    statements = (
+        (after["calls"] - before["calls"]) / seconds
+        if after.get("calls") is not None and before.get("calls") is not None
+        else None
+    )
+    return {
+        "seconds": round(seconds, 3),
+        "commits_per_s": (after["commits"] - before["commits"]) / seconds,
+        "xacts_per_s": (after["xacts"] - before["xacts"]) / seconds,
+        "statements_per_s": statements,
+        "claims_per_s": sum(c for c, _, _ in claims) / seconds if calls1 else None,
+        "claimed_rows": sum(r for _, r, _ in claims) if calls1 else None,
+        "top_statements": [
+            {"calls": c, "rows": r, "query": q[:100]} for c, r, q in deltas[:_TOP_STATEMENTS]
+        ],
+    }
+
+
+class _FailingHead:
+    def __init__(self, cfg: FailingHeadConfig, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.modes = [regime_mode(m, cfg.alt_relay) for m in cfg.modes]
+        self.cells: list[dict[str, Any]] = []
+        self.postmaster: int | None = None
+        self.statements = False
+        run.progress.total = cfg.repeat * len(cfg.failing_rows) * len(self.modes)
+        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
+        run.result["cells"] = self.cells
+
+    async def body(self, services: Services) -> None:
+        run = self.run
+        env = run.result["environment"]
+        self.statements = bool(env.get("pg_stat_statements"))
+        auto = env["kafka"]["broker_configs"].get("auto.create.topics.enable")
+        if auto == "true":
+            raise BenchError(
+                "the broker creates topics on first use (auto.create.topics.enable=true): a "
+                "missing topic cannot fail there"
+            )
+        if auto is None:
+            run.notes.append(
+                "the broker's auto.create.topics.enable is unknown: each cell checks that the "
+                "failing topic still does not exist afterwards"
+            )
+        self.postmaster = await database_postmaster(services, run)
+        for rnd in range(self.cfg.repeat):
+            for size in self.cfg.failing_rows:
+                for mode in self.modes:
+                    await add_cell(
+                        run,
+                        self.cells,
+                        {"round": rnd, "failing_rows": size, "mode": mode.name},
+                        f"{size} failing, {mode.name}, round {rnd + 1}",
+                        self._cell(services, rnd, size, mode),
+                    )
+
+    async def _cell(self, services: Services, rnd: int, size: int, mode: Mode) -> dict[str, Any]:
+        run, cfg = self.run, self.cfg
+        n = len(self.cells) + 1
+        label = f"{size} failing, {mode.name}, round {rnd + 1}"
+        name = f"bench_fhead_{run.run_id.lower()}_{n}"
+        topic = f"bench-fhead-{run.run_id.lower()}-{n}"
+        missing = f"bench-fhead-missing-{run.run_id.lower()}-{n}"
+        cell: dict[str, Any] = {
+            "cell": n,
+            "round": rnd,
+            "failing_rows": size,
+            "mode": mode.name,
+            "started_utc": utc(),
+            "load_average_start": loadavg(),
+            "failing_topic": missing,
+        }
+        run.progress.status(f"{label}: database, topic, {size} failing rows")
+        try:
+            dsn, cell["database_setup"] = await prepare_mode(
+                services, mode, name, topic, partitions=cfg.partitions
+            )
+            cell["failing_topic_exists_before"] = await topic_exists(services.bootstrap, missing)
+            cell.update(await fill_failing(dsn, missing, size, cfg.failing_keys))
+            await self._measure(services, mode, dsn, name, topic, cell, label)
+            cell["failing_topic_exists_after"] = await topic_exists(services.bootstrap, missing)
+        finally:
+            await run.drop_database(services, name)
+        h, q = cell["healthy"], cell["quiet"]
+        run.progress.line(
+            f"{label:<34} healthy rows: {h['within_1s']}/{h['acked']} within 1 s, "
+            f"{h['within_timeout']} within {cfg.healthy_timeout:g} s, p50 {_ms(h['p50'])}, "
+            f"p99 {_ms(h['p99'])}, max {_ms(h['max'])} | quiet: "
+            f"{q['commits_per_s']:.1f} commits/s, {_rate(q['statements_per_s'])} statements/s, "
+            f"{_rate(q['claims_per_s'])} claims/s, mode CPU {q['mode_cpu_percent']:.1f}%",
+            cell=True,
+        )
+        return cell
+
+    async def _measure(
+        self,
+        services: Services,
+        mode: Mode,
+        dsn: str,
+        database: str,
+        topic: str,
+        cell: dict[str, Any],
+        label: str,
+    ) -> None:
+        run, cfg = self.run, self.cfg
+        cells_dir = run.work / "cells"
+        cells_dir.mkdir(parents=True, exist_ok=True)
+        gen_path = cells_dir / f"fhead-{cell['cell']}-gen.bin"
+        got_path = cells_dir / f"fhead-{cell['cell']}-got.bin"
+        consumer = await run.start_consumer(services.bootstrap, topic, name=f"consumer-{label}")
+        proc: Child | None = None
+        gen: Child | None = None
+        try:
+            extra = cfg.relay_env if mode.kind == "relay" else {}
+            t_start = time.monotonic_ns()
+            proc = await run.start(
+                services, mode, dsn, name=f"{mode.name}-{label}", extra_env=extra
+            )
+            t_ready = time.monotonic_ns()
+            cell["ready_after_start_s"] = (t_ready - t_start) / 1e9
+            run.progress.status(f"{label}: waiting until the mode has tried the failing rows")
+            tried, tried_at = await self._tried(
+                services, mode, dsn, database, cell["failing_topic"]
+            )
+            cell["tried"] = tried
+            cell["tried_after_ready_s"] = (tried_at - t_ready) / 1e9 if tried else None
+            if not tried:
+                run.notes.append(
+                    f"{label}: the mode had not tried the failing rows after "
+                    f"{cfg.tried_timeout:g} s; the healthy rows were written anyway"
+                )
+            run.progress.status(f"{label}: {cfg.healthy_rows} healthy rows")
+            lc = LoadConfig(
+                dsn=dsn,
+                topic=topic,
+                cell=1,
+                rate=cfg.healthy_rate,
+                warmup=0.0,
+                duration=cfg.healthy_rows / cfg.healthy_rate,
+                writers=writers_for(cfg.healthy_rate),
+                out=str(gen_path),
+                keys=cfg.healthy_keys,
+            )
+            gen = await run.start_loadgen(lc, name=f"writers-{label}")
+            writers = json.loads(await gen.read_line(lc.duration + lc.grace + 60))
+            cell["writers"] = writers
+            run.progress.status(
+                f"{label}: waiting up to {cfg.healthy_timeout:g}s for the healthy rows"
+            )
+            cell["consumer"] = await run.collect(
+                consumer,
+                cell=1,
+                expect=int(writers["acked"]),
+                within=cfg.healthy_timeout + 1.0,
+                out=got_path,
+            )
+            cell["healthy"] = self._healthy(load_arrays(gen_path), load_arrays(got_path))
+            run.progress.status(f"{label}: quiet window, {cfg.quiet:g}s")
+            cell["quiet"] = await self._quiet(services, proc, database)
+            cell["end_state"] = await _end_state(dsn, cell["failing_topic"], topic)
+        finally:
+            if gen is not None:
+                await gen.stop(10)
+            if proc is not None:
+                cell["exit_code"] = await run.stop(proc)
+            await run.quit_consumer(consumer)
+            for p in (gen_path, got_path):
+                p.unlink(missing_ok=True)
+
+    async def _tried(
+        self, services: Services, mode: Mode, dsn: str, database: str, failing_topic: str
+    ) -> tuple[bool, int]:
+        """Wait (bounded) until the mode has tried the failing rows: the relay recorded an
+        attempt on a row of every failing key; the poller's session holds row locks (it
+        claimed the head and waits for Kafka). Nothing else signals it."""
+        relay = mode.kind == "relay"
+        conn = await asyncpg.connect(dsn if relay else services.dsn, timeout=30)
+        try:
+            deadline = time.monotonic() + self.cfg.tried_timeout
+            while True:
+                if relay:
+                    got = await conn.fetchval(_RELAY_TRIED, failing_topic, timeout=30)
+                    done = int(got) >= self.cfg.failing_keys
+                else:
+                    done = int(await conn.fetchval(_POLLER_TRIED, database, timeout=30)) > 0
+                if done or time.monotonic() > deadline:
+                    return done, time.monotonic_ns()
+                await asyncio.sleep(_POLL_S)
+        finally:
+            await conn.close(timeout=5)
+
+    def _healthy(self, gen: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+        """Per healthy row, commit ack -> receipt."""
+        recv_of = received_at(got)
+        ack = gen["ack"]
+        acked = [i for i in range(len(ack)) if ack[i]]
+        lat = [recv_of[i] - ack[i] for i in acked if i in recv_of]
+        h = Histogram()
+        h.record_ns(lat)
+        limit = int(self.cfg.healthy_timeout * 1e9)
+        last_ack = max((ack[i] for i in acked), default=0)
+        complete = bool(acked) and len(lat) == len(acked)
+        return {
+            "acked": len(acked),
+            "received": len(lat),
+            "within_1s": sum(1 for v in lat if v <= 1_000_000_000),
+            "within_timeout": sum(1 for v in lat if v <= limit),
+            **{k: v for k, v in latency_ms(h).items() if k != "count"},
+            "all_arrived_after_last_commit_s": (
+                (max(recv_of[i] for i in acked) - last_ack) / 1e9 if complete else None
+            ),
+        }
+
+    async def _quiet(self, services: Services, proc: Child, database: str) -> dict[str, Any]:
+        """``quiet`` seconds with no new row: the database's counters, the mode's CPU."""
+        cfg = self.cfg
+        await self._wait(cfg.quiet_settle, "settling before the quiet window")
+        meter = CpuMeter([proc], self.postmaster)
+        lines0 = _lines(proc.log_path)
+        before = (await db_counters(services.dsn, [database], statements=self.statements))[database]
+        calls0 = await statement_calls(services.dsn, database) if self.statements else {}
+        cpu0, db0 = meter.read()
+        seconds = await self._wait(cfg.quiet, "quiet window")
+        cpu1, db1 = meter.read()
+        after = (await db_counters(services.dsn, [database], statements=self.statements))[database]
+        calls1 = await statement_calls(services.dsn, database) if self.statements else {}
+        out = _quiet_record(before, after, calls0, calls1, seconds)
+        out["mode_cpu_percent"] = 100 * (cpu1 - cpu0) / seconds
+        out["db_cpu_percent"] = (
+            100 * (db1 - db0) / seconds if db0 is not None and db1 is not None else None
+        )
+        out["mode_log_lines"] = _lines(proc.log_path) - lines0
+        return out
+
+    async def _wait(self, seconds: float, what: str) -> float:
+        """Let ``seconds`` pass (a measurement window, nothing to wait for); the time passed."""
+        t0 = time.monotonic()
+        while (left := seconds - (time.monotonic() - t0)) > 0:
+            self.run.progress.status(f"{what}: {left:.0f}s left")
+            await asyncio.sleep(min(1.0, left))
+        return time.monotonic() - t0
+
+
+def _lines(path: Path) -> int:
+    try:
+        with path.open("rb") as fh:
+            return sum(1 for _ in fh)
+    except OSError:
+        return 0
+
+
+async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]:
+    """Where the failing rows are after the quiet window, and the healthy rows left."""
+    conn = await asyncpg.connect(dsn, timeout=30)
+    try:
+        row = await conn.fetchrow(
+            "SELECT count(*) FILTER (WHERE topic = $1) AS failing_left, "
+            "count(*) FILTER (WHERE topic = $1 AND attempts > 0) AS failing_tried, "
+            "coalesce(max(attempts) FILTER (WHERE topic = $1), 0) AS max_attempts, "
+            "count(*) FILTER (WHERE topic = $2 AND published_at IS NULL) AS healthy_pending "
+            "FROM outbox",
+            failing_topic,
+            topic,
+            timeout=_QUERY_TIMEOUT,
+        )
+        dead = await conn.fetchval("SELECT count(*) FROM outbox_dead_letter", timeout=30)
+    finally:
+        await conn.close(timeout=5)
+    assert row is not None
+    return {**dict(row), "dead_letters": int(dead)}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians over rounds per (size, mode), and the targets (design/benchmarks.md: healthy
+    rows arrive within 1 s; idle database load <= 0.3 statements/s, also with rows waiting
+    for a retry) for the relay modes."""
+    cfg = result["config"]
+    rows: list[dict[str, Any]] = []
+    targets: list[dict[str, Any]] = []
+    for size in cfg["failing_rows"]:
+        for mode in cfg["modes"]:
+            cells = [
+                c
+                for c in result.get("cells", [])
+                if c["failing_rows"] == size and c["mode"] == mode and "quiet" in c
+            ]
+            if not cells:
+                continue
+            h = [c["healthy"] for c in cells]
+            q = [c["quiet"] for c in cells]
+            row = {
+                "failing_rows": size,
+                "mode": mode,
+                "rounds": len(cells),
+                "healthy_rows": median(x["acked"] for x in h),
+                **{
+                    k: median(x[k] for x in h)
+                    for k in (
+                        "within_1s",
+                        "within_timeout",
+                        "received",
+                        "p50",
+                        "p99",
+                        "max",
+                        "all_arrived_after_last_commit_s",
+                    )
+                },
+                "all_arrived_rounds": sum(
+                    x["all_arrived_after_last_commit_s"] is not None for x in h
+                ),
+                **{
+                    k: median(x.get(k) for x in q)
+                    for k in (
+                        "commits_per_s",
+                        "xacts_per_s",
+                        "statements_per_s",
+                        "claims_per_s",
+                        "mode_cpu_percent",
+                        "db_cpu_percent",
+                        "mode_log_lines",
+                    )
+                },
+                "tried_after_ready_s": median(c.get("tried_after_ready_s") for c in cells),
+                "tried_rounds": sum(bool(c.get("tried")) for c in cells),
+            }
+            rows.append(row)
+            if not mode.startswith("notify"):
+                continue
+            n, within = row["healthy_rows"], row["within_1s"]
+            if n is not None and within is not None:
+                targets.append(
+                    {
+                        "target": f"{mode}, {size:,} failing rows: every healthy row within 1 s",
+                        "measured": f"{within:.0f} of {n:.0f} (p99 {_ms(row['p99'])}, max "
+                        f"{_ms(row['max'])})",
+                        "verdict": "met" if within >= n else "MISSED",
+                    }
+                )
+            st = row["statements_per_s"]
+            if st is not None:
+                targets.append(
+                    {
+                        "target": f"{mode}, {size:,} failing rows waiting for retries: <= 0.3 "
+                        "statements/s",
+                        "measured": f"{st:.1f} statements/s, {row['commits_per_s']:.1f} "
+                        f"commits/s, {_rate(row['claims_per_s'])} claims/s",
+                        "verdict": "met" if st <= 0.3 else "MISSED",
+                    }
+                )
+    return {"rows": rows, "targets": targets}
+
+
+def failing_head_problems(result: dict[str, Any]) -> list[str]:
+    """What makes a failing-head result wrong (not slow): a cell that failed, a failing topic
+    that came to exist (the broker created it). Healthy rows the plain poller never delivers
+    are its result, not a problem."""
+    problems = []
+    for c in result.get("cells", []):
+        where = (
+            f"cell {c['cell']} ({c['failing_rows']} failing, {c['mode']}, round {c['round'] + 1})"
+        )
+        problems += unfinished(c, where, "quiet")
+        if c.get("failing_topic_exists_after"):
+            problems.append(f"{where}: the failing topic exists in Kafka")
+    return problems
+
+
+async def run_failing_head(cfg: FailingHeadConfig, out_dir: Path, *, keep: bool) -> Path:
+    """Run the failing-head regime; returns the result JSON's path (written even on
+    failure)."""
+    run = PhaseRun("failing-head", cfg.to_json(), out_dir, keep=keep)
+    head = _FailingHead(cfg, run)
+    run.progress.line(
+        f"failing-head: {' and '.join(f'{s:,}' for s in cfg.failing_rows)} failing rows of "
+        f"{cfg.failing_keys} keys x {' '.join(cfg.modes)} x {cfg.repeat} round(s); then "
+        f"{cfg.healthy_rows} rows of {cfg.healthy_keys} other keys at {cfg.healthy_rate:g} ev/s, "
+        f"{cfg.quiet:g}s quiet window"
+    )
+    return await run.run(open_services, head.body, fsync_seconds=cfg.fsync_test_seconds)

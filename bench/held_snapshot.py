@@ -1,0 +1,641 @@
+"""The held-snapshot regime (``python -m bench held-snapshot``): what a long transaction
+(``pg_dump``, a report, a forgotten session) does to a mode while producers keep writing.
+
+Per mode and round, on a fresh database and topic: steady open-loop writers (``rate`` ev/s over
+``keys`` keys, single-row transactions, ``bench/loadgen.py``), the latency consumer, and the
+mode. After ``baseline`` seconds another session runs ``BEGIN ISOLATION LEVEL REPEATABLE READ;
+SELECT count(*) FROM outbox;`` and keeps that transaction open for ``hold`` seconds (vacuum can
+remove no tuple that died meanwhile), then rolls back; then ``recovery`` seconds more. A sampler
+reads, every second, the mode's CPU, the database cluster's CPU and the outbox's dead tuples
+and size. Afterwards every event's commit ack and receipt are put into windows of ``window``
+seconds (by commit ack). See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench import envinfo
+from bench.arrays import load_arrays
+from bench.config import Mode, writers_for
+from bench.hist import Histogram
+from bench.loadgen import LoadConfig
+from bench.phase import PhaseRun, loadavg, utc
+from bench.procs import BenchError, Child
+from bench.regimes import (
+    DEFAULT_REGIME_MODES,
+    CpuMeter,
+    add_cell,
+    database_postmaster,
+    latency_ms,
+    median,
+    received_at,
+    regime_mode,
+    unfinished,
+)
+from bench.services import Services, open_services, prepare_mode
+
+__all__ = [
+    "HeldSnapshotConfig",
+    "held_snapshot_problems",
+    "run_held_snapshot",
+    "summarize_held_snapshot",
+]
+
+PHASES = ("baseline", "hold", "recovery")
+_QUERY_TIMEOUT = 60.0
+_STATS = """
+SELECT n_dead_tup, n_live_tup, autovacuum_count, pg_relation_size(relid) AS heap_bytes,
+       pg_total_relation_size(relid) AS total_bytes
+FROM pg_stat_user_tables WHERE relname = 'outbox'
+"""
+
+
+@dataclass
+class HeldSnapshotConfig:
+    """Everything one held-snapshot run does; recorded in the result JSON."""
+
+    rate: float = 800.0
+    keys: int = 40
+    baseline: float = 60.0
+    hold: float = 600.0
+    recovery: float = 60.0
+    window: float = 30.0
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_REGIME_MODES))
+    repeat: int = 1
+    sample_every: float = 1.0
+    drain_timeout: float = 120.0  # after the load: until every committed event arrived
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    partitions: int = 3
+    fsync_test_seconds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+    def phase_windows(self) -> list[tuple[str, float]]:
+        """(phase, offset from the phase's start) of every window, in order: each phase cut
+        into ``window``-second pieces, a remainder under half a window joined to the piece
+        before it."""
+        out: list[tuple[str, float]] = []
+        for phase, length in zip(PHASES, (self.baseline, self.hold, self.recovery), strict=True):
+            offsets = [0.0]
+            while length - offsets[-1] - self.window >= self.window / 2:
+                offsets.append(offsets[-1] + self.window)
+            out += [(phase, o) for o in offsets]
+        return out
+
+
+@dataclass
+class _Sample:
+    t: int  # monotonic ns
+    mode_cpu: float
+    db_cpu: float | None
+    dead: int | None = None
+    live: int | None = None
+    autovacuums: int | None = None
+    heap_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+class _Sampler:
+    """Every ``every`` seconds: the mode's CPU, the cluster's CPU, and the outbox's
+    ``pg_stat_user_tables`` figures and size, on one connection to the mode's database."""
+
+    def __init__(self, dsn: str, meter: CpuMeter, every: float) -> None:
+        self.dsn = dsn
+        self.meter = meter
+        self.every = every
+        self.samples: list[_Sample] = []
+        self.errors: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Connect and take the first sample; then sample in the background."""
+        self._conn = await asyncpg.connect(
+            self.dsn, timeout=30, server_settings={"application_name": "bench-sampler"}
+        )
+        await self.sample()
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.every)
+            await self.sample()
+
+    async def sample(self) -> _Sample:
+        """Take one sample now."""
+        async with self._lock:  # the loop and the bench's own calls share one connection
+            mode_cpu, db_cpu = self.meter.read()
+            row: Any = None
+            try:
+                assert self._conn is not None
+                row = await self._conn.fetchrow(_STATS, timeout=_QUERY_TIMEOUT)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
+                if len(self.errors) < 5:
+                    self.errors.append(f"{type(e).__name__}: {e}")
+            s = _Sample(time.monotonic_ns(), mode_cpu, db_cpu)
+            if row is not None:
+                s.dead, s.live = row["n_dead_tup"], row["n_live_tup"]
+                s.autovacuums = row["autovacuum_count"]
+                s.heap_bytes, s.total_bytes = row["heap_bytes"], row["total_bytes"]
+            self.samples.append(s)
+            return s
+
+    async def stop(self) -> None:
+        """Stop sampling and close the connection."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close(timeout=5)
+
+    def cpu_at(self, t: int) -> tuple[float | None, float | None]:
+        """(mode, database) CPU seconds at ``t``, linear between the samples around it."""
+        ss = self.samples
+        if not ss or t < ss[0].t or t > ss[-1].t:
+            return None, None
+        k = bisect.bisect_left([s.t for s in ss], t)
+        if ss[k].t == t or k == 0:
+            return ss[k].mode_cpu, ss[k].db_cpu
+        a, b = ss[k - 1], ss[k]
+        f = (t - a.t) / (b.t - a.t)
+        mode = a.mode_cpu + f * (b.mode_cpu - a.mode_cpu)
+        db = (
+            a.db_cpu + f * (b.db_cpu - a.db_cpu)
+            if a.db_cpu is not None and b.db_cpu is not None
+            else None
+        )
+        return mode, db
+
+    def last_before(self, t: int) -> _Sample | None:
+        """The last sample taken at or before ``t``."""
+        best = None
+        for s in self.samples:
+            if s.t > t:
+                break
+            best = s
+        return best
+
+
+def _windows(
+    cfg: HeldSnapshotConfig, bounds: dict[str, tuple[int, int]]
+) -> list[tuple[str, int, int]]:
+    """(phase, start ns, end ns) of every window, from each phase's actual start and end."""
+    plan = cfg.phase_windows()
+    out = []
+    for k, (phase, offset) in enumerate(plan):
+        start, end = bounds[phase]
+        w0 = start + int(offset * 1e9)
+        nxt = plan[k + 1] if k + 1 < len(plan) else None
+        w1 = start + int(nxt[1] * 1e9) if nxt is not None and nxt[0] == phase else end
+        out.append((phase, w0, w1))
+    return out
+
+
+def analyse_cell(
+    cfg: HeldSnapshotConfig,
+    gen: dict[str, Any],
+    got: dict[str, Any],
+    sampler: _Sampler,
+    bounds: dict[str, tuple[int, int]],
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, int]]:
+    """Per window: commits, achieved rate, ack -> receive latency, CPU per event, dead
+    tuples; per phase: the latency of all its events pooled; and the event totals."""
+    wins = _windows(cfg, bounds)
+    edges = [w[1] for w in wins] + [wins[-1][2]]
+    n = len(wins)
+    committed = [0] * n
+    delivered = [0] * n
+    missing = [0] * n
+    ack_hist = [Histogram() for _ in range(n)]
+    e2e_hist = [Histogram() for _ in range(n)]
+    phase_hist = {p: Histogram() for p in PHASES}
+    recv_of = received_at(got)
+    sched, ack = gen["sched"], gen["ack"]
+    acked = received = 0
+    for i in range(len(ack)):
+        a = ack[i]
+        if not a:
+            continue
+        acked += 1
+        r = recv_of.get(i)
+        received += r is not None
+        k = bisect.bisect_right(edges, a) - 1
+        if k < 0 or k >= n:
+            continue
+        committed[k] += 1
+        if r is None:
+            missing[k] += 1
+            continue
+        ack_hist[k].record((r - a) // 1000)
+        e2e_hist[k].record((r - sched[i]) // 1000)
+        phase_hist[wins[k][0]].record((r - a) // 1000)
+    for r in recv_of.values():
+        k = bisect.bisect_right(edges, r) - 1
+        if 0 <= k < n:
+            delivered[k] += 1
+    t_start = bounds["baseline"][0]
+    windows = []
+    for k, (phase, w0, w1) in enumerate(wins):
+        seconds = (w1 - w0) / 1e9
+        m0, d0 = sampler.cpu_at(w0)
+        m1, d1 = sampler.cpu_at(w1)
+        mode_cpu = m1 - m0 if m0 is not None and m1 is not None else None
+        db_cpu = d1 - d0 if d0 is not None and d1 is not None else None
+        end = sampler.last_before(w1)
+        start = sampler.last_before(w0)
+        windows.append(
+            {
+                "window": k,
+                "phase": phase,
+                "start_s": round((w0 - t_start) / 1e9, 3),
+                "seconds": round(seconds, 3),
+                "committed": committed[k],
+                "rate": committed[k] / seconds if seconds > 0 else None,
+                "rate_share": committed[k] / (cfg.rate * seconds) if seconds > 0 else None,
+                "delivered": delivered[k],
+                "missing": missing[k],
+                "ack_to_recv": latency_ms(ack_hist[k]),
+                "e2e_p99": latency_ms(e2e_hist[k])["p99"],
+                "mode_cpu_percent": 100 * mode_cpu / seconds if mode_cpu is not None else None,
+                "mode_cpu_us_per_event": (
+                    1e6 * mode_cpu / delivered[k] if mode_cpu is not None and delivered[k] else None
+                ),
+                "db_cpu_percent": 100 * db_cpu / seconds if db_cpu is not None else None,
+                "db_cpu_us_per_event": (
+                    1e6 * db_cpu / committed[k] if db_cpu is not None and committed[k] else None
+                ),
+                "dead_tuples": end.dead if end else None,
+                "live_tuples": end.live if end else None,
+                "heap_bytes": end.heap_bytes if end else None,
+                "total_bytes": end.total_bytes if end else None,
+                "autovacuums": (
+                    end.autovacuums - start.autovacuums
+                    if end
+                    and start
+                    and end.autovacuums is not None
+                    and start.autovacuums is not None
+                    else None
+                ),
+            }
+        )
+    phases = {p: latency_ms(h) for p, h in phase_hist.items()}
+    return windows, phases, {"acked": acked, "received": received}
+
+
+class _HeldSnapshot:
+    def __init__(self, cfg: HeldSnapshotConfig, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.modes = [regime_mode(m, cfg.alt_relay) for m in cfg.modes]
+        self.cells: list[dict[str, Any]] = []
+        self.postmaster: int | None = None
+        run.progress.total = cfg.repeat * len(self.modes)
+        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
+        run.result["cells"] = self.cells
+
+    async def body(self, services: Services) -> None:
+        self.postmaster = await database_postmaster(services, self.run)
+        for rnd in range(self.cfg.repeat):
+            for mode in self.modes:
+                await add_cell(
+                    self.run,
+                    self.cells,
+                    {"round": rnd, "mode": mode.name},
+                    f"{mode.name} round {rnd + 1}",
+                    self._cell(services, rnd, mode),
+                )
+
+    async def _cell(self, services: Services, rnd: int, mode: Mode) -> dict[str, Any]:
+        run, cfg = self.run, self.cfg
+        n = len(self.cells) + 1
+        label = f"{mode.name} round {rnd + 1}"
+        name = f"bench_held_{run.run_id.lower()}_{n}"
+        topic = f"bench-held-{run.run_id.lower()}-{n}"
+        cell: dict[str, Any] = {
+            "cell": n,
+            "round": rnd,
+            "mode": mode.name,
+            "started_utc": utc(),
+            "load_average_start": loadavg(),
+        }
+        run.progress.status(f"{label}: database and topic")
+        try:
+            dsn, cell["database_setup"] = await prepare_mode(
+                services, mode, name, topic, partitions=cfg.partitions
+            )
+            await self._measure(services, mode, dsn, topic, cell, label)
+        finally:
+            await run.drop_database(services, name)
+        hold = [w for w in cell["windows"] if w["phase"] == "hold"]
+        worst = max((w["ack_to_recv"]["p99"] or 0.0 for w in hold), default=0.0)
+        share = min((w["rate_share"] or 0.0 for w in hold), default=0.0)
+        base = cell["phases"]["baseline"]["p99"]
+        lost = cell["events"]["acked"] - cell["events"]["received"]
+        run.progress.line(
+            f"{label:<22} baseline p99 {_ms(base)}, worst hold window p99 {_ms(worst)}, "
+            f"lowest hold rate share {100 * share:.0f}%, dead tuples at release "
+            f"{cell.get('dead_tuples_at_release')}, {lost} missing",
+            cell=True,
+        )
+        for line in window_table({mode.name: cell["windows"]}):
+            run.progress.line(f"  {line}")
+        return cell
+
+    async def _measure(
+        self, services: Services, mode: Mode, dsn: str, topic: str, cell: dict[str, Any], label: str
+    ) -> None:
+        run, cfg = self.run, self.cfg
+        cells_dir = run.work / "cells"
+        cells_dir.mkdir(parents=True, exist_ok=True)
+        gen_path = cells_dir / f"held-{cell['cell']}-gen.bin"
+        got_path = cells_dir / f"held-{cell['cell']}-got.bin"
+        consumer = await run.start_consumer(services.bootstrap, topic, name=f"consumer-{label}")
+        proc: Child | None = None
+        gen: Child | None = None
+        sampler: _Sampler | None = None
+        holder: asyncpg.Connection | None = None
+        host0 = envinfo.cpu_times()
+        try:
+            extra = cfg.relay_env if mode.kind == "relay" else {}
+            proc = await run.start(
+                services, mode, dsn, name=f"{mode.name}-{label}", extra_env=extra
+            )
+            sampler = _Sampler(dsn, CpuMeter([proc], self.postmaster), cfg.sample_every)
+            await sampler.start()
+            total = cfg.baseline + cfg.hold + cfg.recovery
+            lc = LoadConfig(
+                dsn=dsn,
+                topic=topic,
+                cell=1,
+                rate=cfg.rate,
+                warmup=0.0,
+                # Longer than the run: the bench ends it (stdin) when the recovery is over.
+                duration=total + 600.0,
+                writers=writers_for(cfg.rate),
+                out=str(gen_path),
+                keys=cfg.keys,
+                stop_on_input=True,
+                announce=True,
+            )
+            gen = await run.start_loadgen(lc, name=f"writers-{label}")
+            t0 = int(json.loads(await gen.read_line(60))["t0"])
+            await self._phase(label, "baseline", t0, cfg.baseline, sampler, gen)
+            # The snapshot: taken by the first statement of the REPEATABLE READ transaction.
+            holder = await asyncpg.connect(
+                dsn, timeout=30, server_settings={"application_name": "bench-snapshot"}
+            )
+            t_hold = time.monotonic_ns()
+            await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            cell["snapshot_count"] = int(
+                await holder.fetchval("SELECT count(*) FROM outbox", timeout=_QUERY_TIMEOUT)
+            )
+            cell["snapshot_count_s"] = (time.monotonic_ns() - t_hold) / 1e9
+            await self._phase(label, "hold", t_hold, cfg.hold, sampler, gen)
+            await holder.execute("ROLLBACK")
+            t_release = time.monotonic_ns()
+            await holder.close(timeout=5)
+            holder = None
+            at_release = await sampler.sample()
+            cell["dead_tuples_at_release"] = at_release.dead
+            await self._phase(label, "recovery", t_release, cfg.recovery, sampler, gen)
+            t_end = time.monotonic_ns()
+            await gen.send_line("stop")
+            cell["writers"] = json.loads(await gen.read_line(120))
+            await sampler.sample()
+            run.progress.status(f"{label}: waiting for {cell['writers']['acked']} events")
+            cell["consumer"] = await run.collect(
+                consumer,
+                cell=1,
+                expect=int(cell["writers"]["acked"]),
+                within=cfg.drain_timeout,
+                out=got_path,
+            )
+            await sampler.sample()
+            host1 = envinfo.cpu_times()
+            bounds = {
+                "baseline": (t0, t_hold),
+                "hold": (t_hold, t_release),
+                "recovery": (t_release, t_end),
+            }
+            cell["phase_seconds"] = {p: (b - a) / 1e9 for p, (a, b) in bounds.items()}
+            windows, phases, events = analyse_cell(
+                cfg, load_arrays(gen_path), load_arrays(got_path), sampler, bounds
+            )
+            cell.update(
+                {
+                    "windows": windows,
+                    "phases": phases,
+                    "events": events,
+                    "sampler_errors": sampler.errors,
+                    "host_cpu_busy": (
+                        (host1[0] - host0[0]) / (host1[1] - host0[1])
+                        if host1[1] > host0[1]
+                        else None
+                    ),
+                    "load_average_end": loadavg(),
+                }
+            )
+        finally:
+            if holder is not None:
+                with contextlib.suppress(Exception):
+                    await holder.close(timeout=5)
+            if gen is not None:
+                await gen.stop(10)
+            if sampler is not None:
+                await sampler.stop()
+            if proc is not None:
+                cell["exit_code"] = await run.stop(proc)
+            await run.quit_consumer(consumer)
+            for p in (gen_path, got_path):
+                p.unlink(missing_ok=True)
+
+    async def _phase(
+        self, label: str, phase: str, start: int, seconds: float, sampler: _Sampler, gen: Child
+    ) -> None:
+        """Pace one phase (the schedule is the writers'; this only waits), with a progress
+        line at the end of every window."""
+        ends = [o for p, o in self.cfg.phase_windows() if p == phase][1:]
+        plan = [*ends, seconds]
+        for offset in plan:
+            end = start + int(offset * 1e9)
+            while (left := (end - time.monotonic_ns()) / 1e9) > 0:
+                if not gen.running():
+                    raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
+                last = sampler.samples[-1] if sampler.samples else None
+                elapsed = (time.monotonic_ns() - start) / 1e9
+                self.run.progress.status(
+                    f"{label}: {phase} {elapsed:.0f}/{seconds:g}s"
+                    + (f", dead tuples {last.dead}" if last else "")
+                )
+                await asyncio.sleep(min(1.0, left))
+            s = sampler.samples[-1] if sampler.samples else None
+            mb = f"{s.total_bytes / 2**20:.1f} MB" if s and s.total_bytes is not None else "-"
+            self.run.progress.line(
+                f"{label}: {phase} {offset:.0f}s of {seconds:g}s: dead tuples "
+                f"{s.dead if s else '-'}, outbox {mb}"
+            )
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def summarize_held_snapshot(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians over rounds per mode and window, per-phase figures and the targets
+    (design/benchmarks.md: p99 within max(2x, +10 ms) of the baseline; producers keep >= 90 %
+    of their rate)."""
+    cfg = result["config"]
+    modes: dict[str, Any] = {}
+    targets: list[dict[str, Any]] = []
+    for mode in cfg["modes"]:
+        cells = [c for c in result.get("cells", []) if c["mode"] == mode and "windows" in c]
+        if not cells:
+            continue
+        count = min(len(c["windows"]) for c in cells)
+        windows = []
+        for k in range(count):
+            ws = [c["windows"][k] for c in cells]
+            windows.append(
+                {
+                    "window": k,
+                    "phase": ws[0]["phase"],
+                    "start_s": median(w["start_s"] for w in ws),
+                    "seconds": median(w["seconds"] for w in ws),
+                    "p50": median(w["ack_to_recv"]["p50"] for w in ws),
+                    "p99": median(w["ack_to_recv"]["p99"] for w in ws),
+                    "max": median(w["ack_to_recv"]["max"] for w in ws),
+                    "missing": sum(int(w["missing"]) for w in ws),
+                    **{
+                        k2: median(w[k2] for w in ws)
+                        for k2 in (
+                            "rate",
+                            "rate_share",
+                            "e2e_p99",
+                            "mode_cpu_us_per_event",
+                            "db_cpu_us_per_event",
+                            "mode_cpu_percent",
+                            "db_cpu_percent",
+                            "dead_tuples",
+                            "total_bytes",
+                        )
+                    },
+                }
+            )
+        phases = {
+            p: {k2: median(c["phases"][p][k2] for c in cells) for k2 in ("p50", "p99", "max")}
+            for p in PHASES
+        }
+        hold = [w for w in windows if w["phase"] == "hold"]
+        worst_p99 = max((w["p99"] for w in hold if w["p99"] is not None), default=None)
+        low_share = min(
+            (w["rate_share"] for w in hold if w["rate_share"] is not None), default=None
+        )
+        base = phases["baseline"]["p99"]
+        modes[mode] = {
+            "rounds": len(cells),
+            "windows": windows,
+            "phases": phases,
+            "worst_hold_p99": worst_p99,
+            "lowest_hold_share": low_share,
+            "dead_tuples_at_release": median(c.get("dead_tuples_at_release") for c in cells),
+            "missing": sum(c["events"]["acked"] - c["events"]["received"] for c in cells),
+        }
+        if base is not None and worst_p99 is not None:
+            limit = max(2 * base, base + 10.0)
+            targets.append(
+                {
+                    "target": f"{mode}: every hold window's p99 within max(2x, +10 ms) of the "
+                    "baseline's",
+                    "measured": f"worst {worst_p99:.1f} ms vs baseline {base:.1f} ms "
+                    f"(limit {limit:.1f} ms)",
+                    "verdict": "met" if worst_p99 <= limit else "MISSED",
+                }
+            )
+        if low_share is not None:
+            targets.append(
+                {
+                    "target": f"{mode}: producers keep >= 90% of their rate in every hold window",
+                    "measured": f"lowest {100 * low_share:.1f}% "
+                    f"({low_share * cfg['rate']:.0f} of {cfg['rate']:g} ev/s)",
+                    "verdict": "met" if low_share >= 0.9 else "MISSED",
+                }
+            )
+    return {"modes": modes, "targets": targets}
+
+
+def _v(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def window_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A markdown table of windows (rows) x modes (p50/p99 ms, rate share, mode and database
+    CPU µs per event, dead tuples), from per-round windows or medians."""
+    modes = list(by_mode)
+    head = ["window", "phase"]
+    for m in modes:
+        head += [f"{m} p50/p99 ms", "rate %", "mode µs/ev", "db µs/ev", "dead tuples"]
+    first = by_mode[modes[0]]
+    rows = []
+    for k, w0 in enumerate(first):
+        row = [f"{w0['start_s']:.0f}-{w0['start_s'] + w0['seconds']:.0f} s", w0["phase"]]
+        for m in modes:
+            ws = by_mode[m]
+            if k >= len(ws):
+                row += ["-"] * 5
+                continue
+            w = ws[k]
+            lat = w.get("ack_to_recv", w)
+            row += [
+                f"{_v(lat['p50'], '.1f')} / {_v(lat['p99'], '.1f')}",
+                _v(100 * w["rate_share"] if w["rate_share"] is not None else None, ".0f"),
+                _v(w["mode_cpu_us_per_event"], ".0f"),
+                _v(w["db_cpu_us_per_event"], ".0f"),
+                _v(w["dead_tuples"], ".0f"),
+            ]
+        rows.append(row)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def held_snapshot_problems(result: dict[str, Any]) -> list[str]:
+    """What makes a held-snapshot result wrong (not slow): a cell that failed, events that
+    never arrived."""
+    problems = []
+    for c in result.get("cells", []):
+        where = f"cell {c['cell']} ({c['mode']}, round {c['round'] + 1})"
+        if bad := unfinished(c, where, "events"):
+            problems += bad
+            continue
+        lost = c["events"]["acked"] - c["events"]["received"]
+        if lost:
+            problems.append(f"{where}: {lost} committed events never arrived")
+    return problems
+
+
+async def run_held_snapshot(cfg: HeldSnapshotConfig, out_dir: Path, *, keep: bool) -> Path:
+    """Run the held-snapshot regime; returns the result JSON's path (written even on
+    failure)."""
+    run = PhaseRun("held-snapshot", cfg.to_json(), out_dir, keep=keep)
+    held = _HeldSnapshot(cfg, run)
+    run.progress.line(
+        f"held-snapshot: {' '.join(cfg.modes)} x {cfg.repeat} round(s): {cfg.rate:g} ev/s over "
+        f"{cfg.keys} keys, baseline {cfg.baseline:g}s, snapshot held {cfg.hold:g}s, recovery "
+        f"{cfg.recovery:g}s, windows of {cfg.window:g}s"
+    )
+    return await run.run(open_services, held.body, fsync_seconds=cfg.fsync_test_seconds)
