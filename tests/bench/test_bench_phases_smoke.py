@@ -1,6 +1,7 @@
-"""The backlog-drain and outage-recovery phases of the bench, tiny, end to end: they must run,
-deliver every row in per-key order, and write their result and report. Nothing here looks at
-speed (the machines are shared and noisy)."""
+"""The backlog-drain, outage-recovery, held-snapshot and failing-head phases of the bench, tiny,
+end to end: they must run, deliver every row (in per-key order where that is checked), and
+write their result and report. Nothing here looks at speed (the machines are shared and
+noisy)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,49 @@ def test_recovery_after_a_kafka_restart(services: Services, tmp_path: Path) -> N
     assert restart["first_delivery_after_up_s"] is not None, restart
     assert restart["log_lines"] >= 0
     assert path.with_suffix(".md").is_file()
+
+
+HELD_TIMEOUT = 150
+FAILING_TIMEOUT = 240
+
+
+@pytest.mark.timeout(HELD_TIMEOUT + 30)
+def test_held_snapshot_runs_both_modes(services: Services, tmp_path: Path) -> None:
+    args = ["held-snapshot", "--baseline", "3", "--hold", "5", "--recovery", "3"]
+    args += ["--rate", "200", "--out", str(tmp_path)]
+    done = _bench(args, relay_env(services.dsn, services.bootstrap), HELD_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("held-snapshot-*.json")
+    result = json.loads(path.read_text())
+    cells = result["cells"]
+    assert {c["mode"] for c in cells} == {"notify", "poller"}
+    for c in cells:
+        assert c["events"]["acked"] > 0, c["events"]
+        assert c["events"]["received"] == c["events"]["acked"], c["events"]
+        assert [w["phase"] for w in c["windows"]] == ["baseline", "hold", "recovery"], c
+        assert all(w["committed"] > 0 for w in c["windows"]), c["windows"]
+        assert c["snapshot_count"] >= 0
+        assert c["windows"][-1]["dead_tuples"] is not None, c["windows"]
+    assert path.with_suffix(".md").is_file()
+    assert path.with_suffix(".png").is_file()
+
+
+@pytest.mark.timeout(FAILING_TIMEOUT + 30)
+def test_failing_head_runs_both_modes(services: Services, tmp_path: Path) -> None:
+    args = ["failing-head", "--failing-rows", "200", "--healthy-timeout", "10"]
+    args += ["--quiet", "2", "--quiet-settle", "1", "--out", str(tmp_path)]
+    done = _bench(args, relay_env(services.dsn, services.bootstrap), FAILING_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("failing-head-*.json")
+    result = json.loads(path.read_text())
+    cells = result["cells"]
+    assert {c["mode"] for c in cells} == {"notify", "poller"}
+    for c in cells:
+        assert c["tried"], c
+        assert c["healthy"]["acked"] == 300, c["healthy"]
+        assert c["quiet"]["seconds"] > 0, c["quiet"]
+        # The failing topic must still not exist: the broker did not create it.
+        assert c["failing_topic_exists_after"] is False, c
+        assert c["end_state"]["failing_left"] > 0, c["end_state"]
+    assert path.with_suffix(".md").is_file()
+    assert path.with_suffix(".png").is_file()
