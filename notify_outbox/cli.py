@@ -217,14 +217,22 @@ async def _requeue(settings: DatabaseSettings, ids: list[int]) -> int:
 
 def _fault_hook_from_env() -> Callable[[str], None] | None:
     """Test-only: ``NOTIFY_OUTBOX_TEST_CRASH_AT=after_ack`` kills the process (SIGKILL) the
-    first time a batch reaches that point, so fault tests can crash it at an exact step."""
-    point = os.environ.get("NOTIFY_OUTBOX_TEST_CRASH_AT")
-    if not point:
+    first time a batch reaches that point, so fault tests can crash it at an exact step;
+    ``NOTIFY_OUTBOX_TEST_STOP_AT=after_claim`` freezes it there (SIGSTOP) the first time, for a
+    stall while it holds a claim (the test sends SIGCONT)."""
+    crash_at = os.environ.get("NOTIFY_OUTBOX_TEST_CRASH_AT")
+    stop_at = os.environ.get("NOTIFY_OUTBOX_TEST_STOP_AT")
+    if not crash_at and not stop_at:
         return None
+    stopped = False
 
     def hook(reached: str) -> None:
-        if reached == point:
+        nonlocal stopped
+        if reached == crash_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if reached == stop_at and not stopped:
+            stopped = True
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     return hook
 

@@ -12,6 +12,7 @@ or ``await Relay(settings).run()`` until ``request_stop()`` (graceful) or cancel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -40,10 +41,10 @@ from .gate import Gate
 from .listener import Listener
 from .outage import Outage, tame_third_party_logs
 from .policy import decide
-from .publisher import KafkaPublisher, Publisher
+from .publisher import KafkaPublisher, Publisher, PublishResult
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
-from .store import LowWaterMark, OutboxStore, PgOutboxStore
+from .store import ClaimedBatch, LowWaterMark, OutboxStore, PgOutboxStore
 from .wakeup import Doorbell
 
 __all__ = ["Relay"]
@@ -289,9 +290,10 @@ class Relay:
                 queries,
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
-                # A worker holds its claim open while Kafka acknowledges; if the relay ever
-                # hangs, the server ends that transaction rather than keep rows locked.
-                idle_in_transaction_timeout=s.kafka_send_timeout + 2 * s.db_command_timeout,
+                # A worker holds its claim open while Kafka acknowledges, and says so every
+                # quarter of this (_publish_kept_alive); if the relay stalls, the server ends
+                # that transaction soon, and other relays may take its keys.
+                idle_in_transaction_timeout=s.claim_idle_timeout,
             )
         if self._publisher is None:
             kafka = KafkaPublisher(s)
@@ -622,7 +624,7 @@ class Relay:
             self.events.emit("claimed", len(rows))
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
-            result = await self._publisher.publish(rows)
+            result = await self._publish_kept_alive(batch)
             self._fault("after_ack")
             outcome = decide(rows, result, self.settings)
             # The claim commits at once, even when Kafka became unavailable: its rows that
@@ -637,12 +639,35 @@ class Relay:
             self.events.emit("dead_lettered", len(outcome.dead))
         self.events.report_batch(rows, outcome, result.unavailable)
         self.events.emit("batch_done")
+        settled = len(outcome.published) + len(outcome.dead) + len(outcome.retry)
         if result.unavailable is not None:
             self.kafka_outage.failed(result.unavailable)
-            settled = len(outcome.published) + len(outcome.dead) + len(outcome.retry)
             self.kafka_outage.held += len(rows) - settled
             raise PublisherUnavailable(result.unavailable)
-        return len(rows), batch.more_due
+        # Rows left as they were (held back behind a failed row of their key) count for
+        # nothing: a full claim of them is no sign of a backlog.
+        return settled, batch.more_due
+
+    async def _publish_kept_alive(self, batch: ClaimedBatch) -> PublishResult:
+        """Publish a claim's rows; while the acks take long, renew the claim's transaction
+        (the server ends it after ``claim_idle_timeout`` of silence, as for a stalled
+        relay). The claim's connection is free meanwhile: the publisher never uses it."""
+        assert self._publisher is not None
+        publish = asyncio.ensure_future(self._publisher.publish(batch.rows))
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    {publish}, timeout=self.settings.claim_idle_timeout / 4
+                )
+                if done:
+                    return publish.result()
+                await batch.keepalive()
+        except BaseException:
+            # The claim is lost (or the relay stops): whatever was sent is sent again later.
+            publish.cancel()
+            with contextlib.suppress(BaseException):
+                await publish
+            raise
 
     def _fault(self, point: str) -> None:
         if self._fault_hook is not None:

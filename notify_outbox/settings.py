@@ -116,6 +116,14 @@ class OutboxSettings(DatabaseSettings):
     kafka_send_timeout: float = Field(
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )
+    claim_idle_timeout: float = Field(
+        2.0,
+        gt=0,
+        description="A claim's transaction left idle this long is ended by PostgreSQL "
+        "(idle_in_transaction_session_timeout), which frees its keys for the other relays: a "
+        "relay frozen (a VM stall, a debugger) holds its keys this long at most. A working "
+        "relay renews it while it waits for Kafka's acks",
+    )
 
     # --- how the relay works ------------------------------------------------------------------
     workers: int = Field(4, ge=1, le=256)

@@ -76,6 +76,11 @@ class ClaimedBatch(Protocol):
 
     async def complete(self, outcome: BatchOutcome) -> None: ...
 
+    async def keepalive(self) -> None:
+        """Tell the database the claim is still being worked on (a claim left idle for the
+        settings' ``claim_idle_timeout`` is ended by the server)."""
+        ...
+
 
 class OutboxStore(Protocol):
     """The database operations the relay needs (a port, so tests can use a fake)."""
@@ -182,6 +187,9 @@ class _PgBatch:
     def more_due(self) -> bool | None:
         return self._more_due
 
+    async def keepalive(self) -> None:
+        await self._conn.execute("SELECT 1")
+
     async def complete(self, outcome: BatchOutcome) -> None:
         if outcome.retry:
             ids, errors, delays = zip(*outcome.retry, strict=True)
@@ -191,24 +199,35 @@ class _PgBatch:
         if outcome.dead:
             ids, errors = zip(*outcome.dead, strict=True)
             await self._conn.execute(self._q["dead_letter"], list(ids), list(errors))
-            # A dead-lettered row no longer holds its key's later rows back (migration 0006).
-            dead = set(ids)
-            keys = {r.key for r in self._rows if r.id in dead and r.key is not None}
+        # A retried row published, or any row dead-lettered, no longer holds its key's later
+        # rows back: its key's next parked row is due (migration 0006). Rare: failures only.
+        if outcome.dead or any(r.attempts for r in self._rows):
+            published, dead = set(outcome.published), {i for i, _ in outcome.dead}
+            keys = {
+                r.key
+                for r in self._rows
+                if r.key is not None and (r.id in dead or (r.attempts and r.id in published))
+            }
             if keys:
-                await self._conn.execute(self._q["promote_after_dead"], sorted(keys))
+                await self._conn.execute(self._q["promote_next"], sorted(keys))
         # The common path is one round trip: mark, COMMIT and a look for more, sent together
         # in the simple protocol (which takes no parameters: the ids are rendered as an
         # integer literal; int() guards that they are nothing else). After a full claim the
         # look is skipped: the worker claims again anyway, and the claim finds out.
         look = self._q["commit_and_look"].replace("<horizon>", self._marks.mark.literal())
-        sql = "COMMIT" if self._full else look
+        # A full claim whose every row was settled leaves more behind, very likely: skip the
+        # look (the worker claims again anyway). Rows left as they were (held back behind a
+        # failed row of their key) are not due: the look says whether anything else is.
+        settled = len(outcome.published) + len(outcome.retry) + len(outcome.dead)
+        full = self._full and settled == len(self._rows)
+        sql = "COMMIT" if full else look
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
             literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
             sql = self._q[query].replace("<ids>", literal) + "\n" + sql
         status = await self._conn.execute(sql)
         self.committed = True
-        self._more_due = True if self._full else status != "SELECT 0"
+        self._more_due = True if full else status != "SELECT 0"
 
 
 async def _rollback(conn: asyncpg.Connection) -> None:
@@ -313,7 +332,7 @@ class PgOutboxStore:
         )
         assert row is not None
         if row[2]:
-            # A key waits with a parked row first: what released it promoted nothing (its
+            # A parked row is first of its key: what released it promoted nothing (its
             # earlier row was deleted by hand, or published by a relay of migration 0005).
             await self._pool.execute(self._q["promote_stuck"], timeout=self._timeout)
         return bool(row[0]), None if row[1] is None else float(row[1])

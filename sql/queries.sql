@@ -14,40 +14,28 @@ SELECT @schema@.@prefix@_due($1, $2, $3);
 
 -- name: poll
 -- The fallback poll's look, in one statement: has_due; seconds until the earliest retry that is
--- not due yet (NULL: none), to wake the relay then; and whether a key waits with a parked row
--- first, which only promote_stuck can release (its earlier row was deleted by hand, say).
+-- not due yet (NULL: none), to wake the relay then; and whether a parked row is left first of
+-- its key, which only promote_stuck releases (migration 0006).
 SELECT @schema@.@prefix@_due($1, $2, $3),
        (SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 FROM @table@
         WHERE published_at IS NULL AND next_attempt_at > now()
           AND next_attempt_at < 'infinity'),
-       EXISTS (SELECT 1 FROM @table@
-               WHERE published_at IS NULL AND next_attempt_at = 'infinity');
+       EXISTS (SELECT FROM @schema@.@prefix@_stuck());
 
 -- name: promote_stuck
--- Promotes the parked rows that are first of their key (migration 0006): the earliest waiting
--- row of each key, found one key at a time through the key index (cost: the keys that wait,
--- not their rows). A row some claim holds is skipped: that claim promotes what follows it.
-WITH RECURSIVE k AS (
-    (SELECT w.key, w.id, w.next_attempt_at FROM @table@ AS w
-     WHERE w.key IS NOT NULL AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
-     ORDER BY w.key, w.id LIMIT 1)
-    UNION ALL
-    SELECT n.key, n.id, n.next_attempt_at
-    FROM k, LATERAL (
-        SELECT w.key, w.id, w.next_attempt_at FROM @table@ AS w
-        WHERE w.key > k.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
-        ORDER BY w.key, w.id LIMIT 1) AS n
-)
+-- Promotes the parked rows left first of their key. A row some claim holds is skipped: that
+-- claim promotes what follows it.
 UPDATE @table@ AS o SET next_attempt_at = now()
 WHERE o.id = ANY(ARRAY(
         SELECT t.id FROM @table@ AS t
-        WHERE t.id = ANY(ARRAY(SELECT k.id FROM k WHERE k.next_attempt_at = 'infinity'))
+        WHERE t.id = ANY(ARRAY(SELECT @schema@.@prefix@_stuck()))
           AND t.next_attempt_at = 'infinity'
         FOR UPDATE SKIP LOCKED));
 
--- name: promote_after_dead
--- After rows of the keys $1 were dead-lettered (same transaction): each key's earliest waiting
--- row, if parked, is due now, so the key's later rows follow (migration 0006).
+-- name: promote_next
+-- After a retried row of each key $1 was published or dead-lettered (same transaction): each
+-- key's earliest waiting row, if parked, is due now, so the key's later rows follow (migration
+-- 0006).
 UPDATE @table@ AS o SET next_attempt_at = now()
 WHERE o.id = ANY(ARRAY(
         SELECT (SELECT w.id FROM @table@ AS w

@@ -28,6 +28,7 @@ class FakeBatch:
     def __init__(self, rows: list[OutboxRow]) -> None:
         self._rows = rows
         self.outcome: BatchOutcome | None = None
+        self.keepalives = 0
 
     @property
     def rows(self) -> Sequence[OutboxRow]:
@@ -39,6 +40,9 @@ class FakeBatch:
 
     async def complete(self, outcome: BatchOutcome) -> None:
         self.outcome = outcome
+
+    async def keepalive(self) -> None:
+        self.keepalives += 1
 
 
 class FakeStore:

@@ -48,13 +48,13 @@
 --    keys hid every healthy row behind them until the failures were dead-lettered. Now a claim
 --    that meets a fresh row held back behind a failed row of its key parks it: next_attempt_at
 --    = 'infinity', which moves it to the small indexes of waiting rows, out of the claim's way.
---    When the key's earliest waiting row is due again (its retry time came, or it was promoted),
---    a claim takes it and the key's following waiting rows in order, as one run, up to the next
---    row that waits for a retry time, and promotes the row after the run (next_attempt_at =
---    now()), so the rest follows in the next claim. A dead-lettered row promotes its key's next
---    parked row; the fallback poll promotes a parked row left first of its key by anything else
---    (a row deleted by hand, a relay of 0005). Rows are never moved back to fresh, so the mark
---    of part 1 never has to go back for them.
+--    A failed row whose retry time came is claimed alone (it may fail again); once it is
+--    published or dead-lettered, the relay promotes its key's next parked row (next_attempt_at
+--    = now()). A claim takes a promoted row and the key's following waiting rows in order, as
+--    one run, up to the next row that waits for a retry time, and promotes the row after the
+--    run, so the rest follows in the next claim. The fallback poll promotes a parked row left
+--    first of its key by anything else (a row deleted by hand, a relay of 0005). Rows are never
+--    moved back to fresh, so the mark of part 1 never has to go back for them.
 --
 -- 3. The awake marker expires (issue 17: a stalled relay).
 --    The marker of the gated notify (0002) was one lock held by an awake relay's listening
@@ -140,6 +140,37 @@ LANGUAGE sql STABLE AS $fn$
     WHERE pg_visible_in_snapshot(u.x::text::xid8, pg_current_snapshot())
 $fn$;
 
+-- Whether a row of key `k` with id `i` is held back: an earlier row of the key waits (failed,
+-- or parked behind one). Rows without a key never are. Written as "the first such row, in the
+-- key index's order" so that every plan probes that index (with many parked rows, a plan that
+-- filtered the other index of waiting rows would read them all, for every row it checks).
+CREATE FUNCTION @schema@.@prefix@_held(k text, i bigint) RETURNS boolean
+LANGUAGE sql STABLE AS $fn$
+    SELECT (SELECT w.id FROM @table@ AS w
+            WHERE w.key = k AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+              AND w.id < i
+            ORDER BY w.key, w.id LIMIT 1) IS NOT NULL
+$fn$;
+
+-- Parked rows that are first of their key: nothing will promote them (their key's earlier row
+-- was deleted by hand, or published by a relay of 0005). The earliest waiting row of each key,
+-- one key at a time through the key index: the cost is the keys that wait, not their rows.
+CREATE FUNCTION @schema@.@prefix@_stuck() RETURNS SETOF bigint
+LANGUAGE sql STABLE AS $fn$
+    WITH RECURSIVE k AS (
+        (SELECT w.key, w.id, w.next_attempt_at FROM @table@ AS w
+         WHERE w.key IS NOT NULL AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+         ORDER BY w.key, w.id LIMIT 1)
+        UNION ALL
+        SELECT n.key, n.id, n.next_attempt_at
+        FROM k, LATERAL (
+            SELECT w.key, w.id, w.next_attempt_at FROM @table@ AS w
+            WHERE w.key > k.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+            ORDER BY w.key, w.id LIMIT 1) AS n
+    )
+    SELECT k.id FROM k WHERE k.next_attempt_at = 'infinity'
+$fn$;
+
 -- Claims up to `batch` rows for the calling transaction (READ COMMITTED: every statement below
 -- takes its own snapshot, which the protocol needs), looking at no more than `scan` fresh rows
 -- from the floor to choose key buckets. Per key, the rows returned are the key's earliest
@@ -171,6 +202,13 @@ DECLARE
     run bigint[];
     run_keys text[] := '{}';
     heads integer[];
+    buckets integer[];
+    tried integer[] := '{}';
+    held_keys text[] := '{}';
+    parked integer := 0;
+    n integer;
+    saw_held boolean := false;
+    widened boolean := false;
     mark bigint;
     xids bigint[];
     lows bigint[];
@@ -224,19 +262,19 @@ BEGIN
     -- came, or a parked row promoted. Few. A try on a bucket this transaction owns already
     -- succeeds (the lock is re-entrant).
     FOR r IN
-        SELECT o.id, o.key,
+        SELECT o.id, o.key, o.attempts,
                CASE WHEN o.key IS NULL THEN (o.id & 255)::integer ELSE hashtext(o.key) & 255 END AS b
         FROM @table@ AS o
         WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
-          AND NOT EXISTS (SELECT 1 FROM @table@ AS w
-                          WHERE w.key = o.key AND w.published_at IS NULL
-                            AND w.next_attempt_at IS NOT NULL AND w.id < o.id)
+          AND NOT @schema@.@prefix@_held(o.key, o.id)
         ORDER BY o.id
     LOOP
         EXIT WHEN cardinality(taken) >= batch;
         CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, r.b);
         taken := taken || r.id;
-        CONTINUE WHEN r.key IS NULL;
+        -- A retry goes alone: it may well fail again. If it is published, the relay promotes
+        -- the key's next parked row (promote_next), and the run follows.
+        CONTINUE WHEN r.key IS NULL OR r.attempts > 0;
         -- The run: the key's following waiting rows in order, up to one that waits for its
         -- retry time (parked rows wait for 'infinity', promoted and due ones are <= now()).
         run := ARRAY(
@@ -264,45 +302,78 @@ BEGIN
         changed := changed OR FOUND;
     END LOOP;
 
-    FOREACH b IN ARRAY heads LOOP
-        EXIT WHEN cardinality(taken) >= batch;
-        CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, b);
-        -- A new statement, so a new snapshot taken after the lock: rows the bucket's previous
-        -- owner published before it committed are seen as published. Rows held back behind a
-        -- failed row of their key are parked on the way (see 2), up to `scan` of them; not
-        -- those of a key whose run this claim took: they are next once the run is published,
-        -- and nothing would promote them.
-        WITH range AS MATERIALIZED (
-            SELECT o.id, o.key,
-                   (o.key IS NOT NULL AND EXISTS (
-                        SELECT 1 FROM @table@ AS w
-                        WHERE w.key = o.key AND w.published_at IS NULL
-                          AND w.next_attempt_at IS NOT NULL AND w.id < o.id)) AS held
-            FROM @table@ AS o
-            WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
-                        ELSE hashtext(o.key) & 255 END) = b
-              AND o.published_at IS NULL AND o.next_attempt_at IS NULL
-              AND o.id >= @schema@.@prefix@_floor(mark, xids, lows)
-            -- The bucket index's own order (the bucket is fixed): whatever the statistics say,
-            -- no other index can return the rows in this order without reading them all.
-            ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
-                           ELSE hashtext(o.key) & 255 END), o.id
-            LIMIT batch - cardinality(taken) + scan
-        ),
-        parked AS (
-            -- By primary key: the re-check is written so that no partial index's predicate
-            -- matches it (a full scan of one would read every dead entry).
+    -- The buckets of the head first. When they hold rows held back behind a failed row of
+    -- their key, and the batch is not full, every other bucket that has fresh rows, in order
+    -- of its first one: a failing key at the head of the queue does not hide the others.
+    buckets := heads;
+    LOOP
+        FOREACH b IN ARRAY buckets LOOP
+            EXIT WHEN cardinality(taken) >= batch;
+            tried := tried || b;
+            CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, b);
+            -- A new statement, so a new snapshot taken after the lock: rows the bucket's
+            -- previous owner published before it committed are seen as published.
+            WITH range AS MATERIALIZED (
+                SELECT o.id, o.key,
+                       @schema@.@prefix@_held(o.key, o.id) AS held
+                FROM @table@ AS o
+                WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                            ELSE hashtext(o.key) & 255 END) = b
+                  AND o.published_at IS NULL AND o.next_attempt_at IS NULL
+                  AND o.id >= @schema@.@prefix@_floor(mark, xids, lows)
+                -- The bucket index's own order (the bucket is fixed): whatever the statistics
+                -- say, no other index can return the rows in this order without reading all.
+                ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                               ELSE hashtext(o.key) & 255 END), o.id
+                LIMIT batch - cardinality(taken) + scan
+            )
+            SELECT taken || ARRAY(SELECT range.id FROM range WHERE NOT range.held
+                                  ORDER BY range.id LIMIT batch - cardinality(taken)),
+                   ARRAY(SELECT DISTINCT range.key FROM range
+                         WHERE range.held AND range.key <> ALL(run_keys))
+            INTO taken, held_keys;
+            saw_held := saw_held OR cardinality(held_keys) > 0;
+            CONTINUE WHEN cardinality(held_keys) = 0 OR parked >= scan * 2;
+            -- Park the held keys' fresh rows in this bucket (see 2), up to `scan` * 10 per
+            -- claim: one bucket's worth of a failing key at a time, so the claim stays short.
+            -- Not the rows of a key whose run this claim took: they are next once the run is
+            -- published, and nothing would promote them. By primary key: the re-check is
+            -- written so that no partial index's predicate matches it (a full scan of one
+            -- would read every dead entry).
             UPDATE @table@ AS o SET next_attempt_at = 'infinity'
-            WHERE o.id = ANY(ARRAY(SELECT range.id FROM range
-                                   WHERE range.held AND range.key <> ALL(run_keys)))
-              AND coalesce(o.published_at, o.next_attempt_at) IS NULL
-            RETURNING o.id
-        )
-        SELECT taken || ARRAY(SELECT range.id FROM range WHERE NOT range.held
-                              ORDER BY range.id LIMIT batch - cardinality(taken)),
-               changed OR EXISTS (SELECT FROM parked)
-        INTO taken, changed;
+            WHERE o.id = ANY(ARRAY(
+                    SELECT h.id FROM @table@ AS h
+                    WHERE (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
+                                ELSE hashtext(h.key) & 255 END) = b
+                      AND h.published_at IS NULL AND h.next_attempt_at IS NULL
+                      AND h.id >= @schema@.@prefix@_floor(mark, xids, lows)
+                      AND h.key = ANY(held_keys) AND @schema@.@prefix@_held(h.key, h.id)
+                    ORDER BY (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
+                                   ELSE hashtext(h.key) & 255 END), h.id
+                    LIMIT scan * 2 - parked))
+              AND coalesce(o.published_at, o.next_attempt_at) IS NULL;
+            GET DIAGNOSTICS n = ROW_COUNT;
+            parked := parked + n;
+        END LOOP;
+        EXIT WHEN cardinality(taken) >= batch OR widened OR NOT saw_held;
+        widened := true;
+        -- Each bucket's first fresh row: one probe of the bucket index each.
+        WITH f AS MATERIALIZED (SELECT @schema@.@prefix@_floor(mark, xids, lows) AS lo)
+        SELECT ARRAY(
+            SELECT x.b FROM generate_series(0, 255) AS x(b),
+                 LATERAL (SELECT o.id FROM @table@ AS o
+                          WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                      ELSE hashtext(o.key) & 255 END) = x.b
+                            AND o.published_at IS NULL AND o.next_attempt_at IS NULL
+                            AND o.id >= (SELECT f.lo FROM f)
+                          ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                         ELSE hashtext(o.key) & 255 END), o.id
+                          LIMIT 1) AS first
+            WHERE x.b <> ALL(tried)
+            ORDER BY first.id)
+        INTO buckets;
     END LOOP;
+    changed := changed OR parked > 0;
 
     RETURN QUERY
         SELECT o.id, o.event_id, o.topic, o.key, o.payload::text, o.payload_bytes,
@@ -333,8 +404,6 @@ BEGIN
         OR EXISTS (
             SELECT 1 FROM @table@ AS o
             WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
-              AND NOT EXISTS (SELECT 1 FROM @table@ AS w
-                              WHERE w.key = o.key AND w.published_at IS NULL
-                                AND w.next_attempt_at IS NOT NULL AND w.id < o.id));
+              AND NOT @schema@.@prefix@_held(o.key, o.id));
 END
 $fn$;

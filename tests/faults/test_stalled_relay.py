@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import signal
 import uuid
+from pathlib import Path
 
 import anyio
 import pytest
 
 from notify_outbox import OutboxNames
 from tests.conftest import Services
+from tests.faults.checker import OutboxChecker
 from tests.faults.harness import FaultRelay, KafkaTail, connect, eventually, relays, task_group
 
 pytestmark = pytest.mark.anyio
@@ -118,3 +120,54 @@ async def test_27_a_frozen_relay_does_not_silence_the_producers(
             await b.stop_ok()
         await a.stop_ok()
     print(f"scenario 27: {len(committed)} events, {len(during)} while relay A was frozen")
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def test_27b_a_relay_frozen_inside_its_claim_gives_its_keys_up(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Relay A freezes right after it claimed a batch (holding its keys). PostgreSQL ends A's
+    claim after ``claim_idle_timeout`` (1 s here) of silence, and relay B delivers those keys
+    too while A is still frozen. Resumed, A finds its claim gone: what it still sends of its
+    batch are duplicates of what B sent (allowed), and every key keeps its commit order."""
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "27b frozen claim").setup()
+    env = {"NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT": "1", "NOTIFY_OUTBOX_BATCH_SIZE": "20"}
+    async with checker.producer() as p, KafkaTail(services.bootstrap, [topic]) as tail:
+        first = [await p.produce(f"key-{i % 10}") for i in range(40)]
+        a = FaultRelay(
+            db_dsn,
+            services.bootstrap,
+            env={**env, "NOTIFY_OUTBOX_TEST_STOP_AT": "after_claim"},
+            name="relay-a",
+        )
+        async with relays(a):
+
+            async def a_frozen() -> bool:
+                return _stopped(a.proc.pid)
+
+            await eventually(a_frozen, within=60, what="relay A froze in a claim")
+            b = FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-b")
+            async with relays(b):
+                await b.ready()
+                later = [await p.produce(f"key-{i % 10}") for i in range(40)]
+                # The bound is the point here: 1 s of claim_idle_timeout, with room for a
+                # loaded machine; without it the frozen claim held its keys for as long as the
+                # freeze (or kafka_send_timeout + 2 * db_command_timeout: 15 s in these tests).
+                await tail.wait_for(
+                    first + later,
+                    within=10,
+                    what="relay B delivers every key, those of A's frozen claim too",
+                )
+                assert _stopped(a.proc.pid), "relay A woke up: the test proves nothing"
+                a.signal(signal.SIGCONT)
+                checker.allow_duplicates(a.in_flight_bound, "relay A's claims, sent after they end")
+                report = await checker.drain_and_check(within=60)
+                await b.stop_ok()
+            await a.stop_ok()
+    print(report.text())
+    report.assert_ok()

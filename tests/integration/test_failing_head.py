@@ -82,3 +82,60 @@ async def test_healthy_keys_flow_past_thousands_of_failing_rows(
         assert numbers == sorted(numbers), f"key {key!r} out of order"
         assert len(numbers) == len(set(numbers)) == 1000
     assert all(header(r, "outbox-event-id") for r in healthy)
+
+
+async def test_a_dead_lettered_row_lets_its_parked_key_go_on(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Every row of a key fails at once (its topic does not exist, one attempt allowed): each
+    is dead-lettered in turn, and each dead letter promotes the key's next parked row, so the
+    key never sticks (the fallback poll, which would also release it, is 30 s away)."""
+    missing = f"missing-{uuid.uuid4().hex[:12]}"
+    settings = make_settings(db_dsn, services, workers=2, max_attempts=1)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, 30) g",
+            missing,
+        )
+        async with Relay(settings) as relay:
+            with anyio.fail_after(20):
+                await relay.events.wait_for("dead_lettered", 30)
+        ordered = await conn.fetch("SELECT payload->>'n' AS n FROM outbox_dead_letter ORDER BY id")
+    finally:
+        await conn.close()
+    assert [int(r["n"]) for r in ordered] == list(range(1, 31))
+
+
+async def test_the_fallback_poll_releases_a_key_whose_failed_row_was_deleted(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A key's failed row deleted by hand (or published by a relay of migration 0005) promotes
+    nothing: its parked rows are first of their key, and the fallback poll promotes them."""
+    missing = f"missing-{uuid.uuid4().hex[:12]}"
+    settings = make_settings(db_dsn, services, workers=2, poll_interval=0.5, retry_base_delay=60)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, 50) g",
+            missing,
+        )
+        async with Relay(settings) as relay:
+            with anyio.fail_after(30):
+                await relay.events.wait_for("retried", 1)
+                while (
+                    await conn.fetchval(
+                        "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+                    )
+                    < 49
+                ):
+                    await relay.events.wait_for("poll", relay.events.counts["poll"] + 1)
+            await create_topics(services.bootstrap, [missing], partitions=3)
+            await conn.execute("DELETE FROM outbox WHERE next_attempt_at < 'infinity'")
+            records, total = await consume(services.bootstrap, missing, expect=49, within=30)
+    finally:
+        await conn.close()
+    assert total == 49
+    assert [json.loads(r.value or b"")["n"] for r in records] == list(range(2, 51))
