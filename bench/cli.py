@@ -471,6 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import poller
 
         return poller.main(argv[1:])
+    if argv and argv[0] == "_freezer":
+        from bench import freezer
+
+        return freezer.main(argv[1:])
     if argv and argv[0] == "_tally":
         from bench import tally
 

@@ -30,6 +30,7 @@ __all__ = [
     "parent_pid",
     "python_argv",
     "run_async",
+    "tcp_ports",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +103,33 @@ def cluster_cpu_seconds(root: int) -> float | None:
         if child is not None and child[1] == str(root):
             ticks += int(child[11]) + int(child[12])
     return ticks / _CLK_TCK
+
+
+def tcp_ports(pid: int) -> set[int]:
+    """The local ports of the TCP sockets process ``pid`` has open (IPv4 and IPv6), from
+    ``/proc``: a client's port is what ``pg_stat_activity.client_port`` shows for its session.
+    Empty if the process is gone or not visible here."""
+    inodes: set[str] = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    ports: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()  # sl, local address:port (hex), remote, state, ..., inode (10th)
+            if len(f) > 9 and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 class Child:
