@@ -1,5 +1,5 @@
 """The command line: ``python -m bench run | smoke | drain | recovery | held-snapshot |
-failing-head | report``.
+failing-head | stalled-relay | report``.
 
 Exit codes: 0 done; 1 the bench itself broke (a process failed, events went missing at a light
 load, a smoke check failed); 2 bad usage.
@@ -181,6 +181,50 @@ def _parser() -> argparse.ArgumentParser:
     _regime_options(p)
     _phase_options(p)
 
+    p = sub.add_parser(
+        "stalled-relay",
+        help="two relays under steady load, one of them frozen (SIGSTOP) again and again",
+    )
+    p.add_argument("--rate", type=float, default=1200.0, help="writers' events/s (default 1200)")
+    p.add_argument(
+        "--keys",
+        nargs="+",
+        type=int,
+        default=[20, 5000],
+        help="key mixes: distinct keys (default 20 5000)",
+    )
+    p.add_argument(
+        "--notify-modes",
+        nargs="+",
+        choices=["gated", "always"],
+        default=["gated", "always"],
+        help="the outbox's notify_mode per cell (default gated always)",
+    )
+    p.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
+    p.add_argument(
+        "--warmup", type=float, default=2.0, help="seconds of load before the baseline (default 2)"
+    )
+    p.add_argument("--baseline", type=float, default=20.0, help="seconds before the 1st freeze")
+    p.add_argument("--freezes", type=int, default=6, help="freezes per cell (default 6)")
+    p.add_argument("--freeze", type=float, default=6.0, help="seconds per freeze (default 6)")
+    p.add_argument("--gap", type=float, default=6.0, help="seconds between freezes (default 6)")
+    p.add_argument("--recovery", type=float, default=10.0, help="seconds after the last freeze")
+    p.add_argument(
+        "--pick",
+        choices=["marker", "alternate"],
+        default="marker",
+        help="which relay to freeze: the one holding the awake marker (else in turn; default), "
+        "or always in turn",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds (cells interleaved; medians)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="after the load, seconds to wait for every committed event",
+    )
+    _phase_options(p)
+
     p = sub.add_parser("report", help="regenerate the markdown (and plots) of a result JSON")
     p.add_argument("json", type=Path)
     p.add_argument("--no-plots", action="store_true")
@@ -230,9 +274,9 @@ def _alt_tree(path: Path | None) -> str | None:
 
 
 def _run_phase(args: argparse.Namespace) -> int:
-    """``drain``, ``recovery``, ``held-snapshot`` or ``failing-head``: run, write the report;
-    exit 1 when a check failed (lost events, order violations, a timed-out cell, a cell that
-    broke), not when the relay was merely slow."""
+    """``drain``, ``recovery``, ``held-snapshot``, ``failing-head`` or ``stalled-relay``: run,
+    write the report; exit 1 when a check failed (lost events, order violations, a timed-out
+    cell, a cell that broke), not when the relay was merely slow."""
     from bench.drain import (
         DEFAULT_MIXES,
         DEFAULT_MODES,
@@ -277,6 +321,8 @@ def _run_phase(args: argparse.Namespace) -> int:
         stem = "drain"
     elif args.command in ("held-snapshot", "failing-head"):
         coro, check, stem = _regime(args, relay_env, alt)
+    elif args.command == "stalled-relay":
+        coro, check, stem = _stalled(args, relay_env, alt)
     else:
         rcfg = RecoveryConfig(
             services=list(dict.fromkeys(args.services)),
@@ -306,7 +352,7 @@ def _run_phase(args: argparse.Namespace) -> int:
             md = write_report(written[-1], plots=not args.no_plots)
             print(f"result: {written[-1]}\nreport: {md}", file=sys.stderr)
     problems = check(json.loads(written[-1].read_text())) if written else ["no result"]
-    if written and stem in ("held-snapshot", "failing-head"):
+    if written and stem in ("held-snapshot", "failing-head", "stalled-relay"):
         from bench.phase_report import compact_table
 
         for line in compact_table(json.loads(written[-1].read_text())):
@@ -372,6 +418,43 @@ def _regime(
         run_failing_head(fcfg, args.out, keep=args.keep_work_dir),
         failing_head_problems,
         "failing-head",
+    )
+
+
+def _stalled(
+    args: argparse.Namespace, relay_env: dict[str, str], alt: str | None
+) -> tuple[Coroutine[Any, Any, Path], Callable[[dict[str, Any]], list[str]], str]:
+    """The run, the check and the file stem of ``stalled-relay``."""
+    from bench.stalled_relay import StalledRelayConfig, run_stalled_relay, stalled_relay_problems
+
+    if args.repeat < 1 or args.freezes < 1 or args.relays < 2 or min(args.keys) < 1:
+        raise BenchError("--repeat, --freezes and --keys must be at least 1, --relays at least 2")
+    if min(args.freeze, args.rate, args.baseline) <= 0:
+        raise BenchError("--freeze, --baseline and --rate must be > 0")
+    if min(args.warmup, args.gap, args.recovery) < 0:
+        raise BenchError("--warmup, --gap and --recovery must be >= 0")
+    scfg = StalledRelayConfig(
+        rate=args.rate,
+        keys=list(dict.fromkeys(args.keys)),
+        notify_modes=list(dict.fromkeys(args.notify_modes)),
+        relays=args.relays,
+        warmup=args.warmup,
+        baseline=args.baseline,
+        freezes=args.freezes,
+        freeze=args.freeze,
+        gap=args.gap,
+        recovery=args.recovery,
+        pick=args.pick,
+        repeat=args.repeat,
+        drain_timeout=args.drain_timeout,
+        relay_env=relay_env,
+        alt_relay=alt,
+        fsync_test_seconds=args.fsync_seconds,
+    )
+    return (
+        run_stalled_relay(scfg, args.out, keep=args.keep_work_dir),
+        stalled_relay_problems,
+        "stalled-relay",
     )
 
 
@@ -486,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(write_report(args.json, plots=not args.no_plots))
             return 0
-        if args.command in ("drain", "recovery", "held-snapshot", "failing-head"):
+        if args.command in ("drain", "recovery", "held-snapshot", "failing-head", "stalled-relay"):
             return _run_phase(args)
         if args.command == "smoke":
             cfg = smoke_config()

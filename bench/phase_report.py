@@ -1,5 +1,6 @@
-"""Markdown tables and PNG plots of the backlog-drain, outage-recovery, held-snapshot and
-failing-head results (``python -m bench report drain-<ts>.json`` regenerates them)."""
+"""Markdown tables and PNG plots of the backlog-drain, outage-recovery, held-snapshot,
+failing-head and stalled-relay results (``python -m bench report drain-<ts>.json``
+regenerates them)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from bench.failing_head import failing_head_problems, summarize_failing_head
 from bench.held_snapshot import held_snapshot_problems, summarize_held_snapshot, window_table
 from bench.recovery import recovery_problems, summarize_recovery
 from bench.report import _f, _table, environment_lines
+from bench.stalled_relay import stalled_relay_problems, summarize_stalled_relay
 
 __all__ = ["compact_table", "write_phase_report"]
 
@@ -391,14 +393,170 @@ def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
     return _finish(lines, result, plots, failing_head_problems(result))
 
 
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}"
+
+
+def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox stalled relay {result['run_id']}", ""]
+    lines += environment_lines(result)
+    env_bits = ", ".join(f"{k}={v}" for k, v in cfg.get("relay_env", {}).items())
+    lines += [
+        f"- {cfg['relays']} relay processes (default settings"
+        + (f", {env_bits}" if env_bits else "")
+        + f") on one database and topic; writers at {cfg['rate']:g} ev/s, open loop, "
+        f"single-row transactions; {cfg.get('warmup', 0):g} s warm-up (in no phase), "
+        f"{cfg['baseline']:g} s baseline, then {cfg['freezes']} "
+        f"times one relay frozen with SIGSTOP for {cfg['freeze']:g} s and continued, "
+        f"{cfg['gap']:g} s apart, then {cfg['recovery']:g} s of recovery; the relay frozen: "
+        + (
+            "the one holding the awake marker's current epoch (else its latest), else in turn"
+            if cfg["pick"] == "marker"
+            else "in turn"
+        )
+        + f"; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
+        "",
+        "Events go into phases by their commit ack: **baseline** (before the first freeze), "
+        "**freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, **recovery** "
+        "(after the last). Latency is commit ack -> consumer receipt (ms). **Keys held** are "
+        "the keys whose claim bucket the frozen relay held in an open claim transaction "
+        "(`pg_locks`, looked at just before the SIGCONT): per-key order makes them wait for "
+        "it; **keys free** are the others. **Rate %** is the producers' commits as a share "
+        "of the offered rate.",
+    ]
+    lines += _targets(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
+    lines += ["", "## Latency per phase (medians over rounds)", ""]
+    lines += _table(
+        [
+            "notify mode",
+            "keys",
+            "rounds",
+            "baseline p50 / p99 / max",
+            "freezes p50 / p99 / max",
+            "freezes, keys free p99 / max",
+            "freezes, keys held p99 (share of events %)",
+            "between p99",
+            "recovery p99",
+            "rate % baseline / freezes / all",
+            "lost",
+        ],
+        [
+            [
+                r["notify_mode"],
+                f"{r['keys']:,}",
+                str(r["rounds"]),
+                " / ".join(_f(r[f"baseline_{k}"], 1) for k in ("p50", "p99", "max")),
+                " / ".join(_f(r[f"freeze_{k}"], 1) for k in ("p50", "p99", "max")),
+                f"{_f(r['freeze_free_p99'], 1)} / {_f(r['freeze_free_max'], 1)}",
+                f"{_f(r['freeze_held_p99'], 1)} ({_f(_pc(r['freeze_held_share']), 1)})",
+                _f(r["between_p99"], 1),
+                _f(r["recovery_p99"], 1),
+                " / ".join(
+                    _share(r[k]) for k in ("baseline_rate_share", "freeze_rate_share", "rate_share")
+                ),
+                str(r["lost"]),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    lines += [
+        "",
+        "## The frozen relay and the awake marker",
+        "",
+        "Who held the current epoch's awake marker (migration 0006), from a look at `pg_locks` "
+        "every 0.1 s, as a share of the looks during the freezes (medians over freezes): the "
+        "frozen relay, the other relay, nobody (producers notify). **Kept** is the latest look "
+        "at which the frozen relay still held it, after the SIGSTOP (max over freezes, and in "
+        "how many freezes it held it at all). **Claim open** counts the freezes in which the "
+        "frozen relay was stopped inside a transaction; **held keys** is the median number of "
+        "the writers' keys in the claim buckets it held.",
+        "",
+    ]
+    lines += _table(
+        [
+            "notify mode",
+            "keys",
+            "picked by",
+            "marker: frozen / other / nobody %",
+            "kept (s), freezes",
+            "baseline: marker held %",
+            "claim open",
+            "held keys",
+        ],
+        [
+            [
+                r["notify_mode"],
+                f"{r['keys']:,}",
+                ", ".join(f"{k} x{v}" for k, v in r["picked_by"].items()),
+                " / ".join(_share(r[f"marker_{k}"]) for k in ("frozen", "other", "nobody")),
+                f"{_f(r['marker_kept_max_s'])}, {r['marker_kept_freezes']} of {r['freezes']}",
+                _share(r["baseline_awake"]),
+                f"{r['claim_open']} of {r['freezes']}",
+                _f(r["held_keys_median"], 0),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    freezes = [(c, f) for c in result.get("cells", []) if "phases" in c for f in c["freezes"]]
+    if freezes:
+        lines += ["", "## Every freeze", ""]
+        lines += _table(
+            [
+                "mode",
+                "keys",
+                "round",
+                "#",
+                "relay",
+                "picked by",
+                "p50 / p99 / max",
+                "keys free p99",
+                "keys held (events)",
+                "rate %",
+                "in transaction (oldest, s)",
+                "buckets held",
+                "marker kept (s)",
+            ],
+            [
+                [
+                    c["notify_mode"],
+                    f"{c['keys']:,}",
+                    str(c["round"] + 1),
+                    str(f["n"]),
+                    str(f["relay"] + 1),
+                    f["picked_by"],
+                    " / ".join(_f(f["latency"][k], 1) for k in ("p50", "p99", "max")),
+                    _f(f["free_keys_latency"]["p99"], 1),
+                    f"{len(f['frozen'].get('held_keys', []))} ({f['held_keys_latency']['count']})",
+                    _share(f["rate_share"]),
+                    f"{f['frozen'].get('in_transaction', '-')} "
+                    f"({_f(f['frozen'].get('oldest_xact_s'))})",
+                    str(len(f["frozen"].get("claim_buckets", []))),
+                    _f(f["marker"].get("frozen_held_until_s"), 3),
+                ]
+                for c, f in freezes
+            ],
+        )
+    lines += _modes_lines(result)
+    return _finish(lines, result, plots, stalled_relay_problems(result))
+
+
+def _pc(v: float | None) -> float | None:
+    return None if v is None else 100 * v
+
+
 def compact_table(result: dict[str, Any]) -> list[str]:
-    """The main table and the targets of a held-snapshot or failing-head result, for the
-    terminal at the end of a run."""
+    """The main table and the targets of a held-snapshot, failing-head or stalled-relay
+    result, for the terminal at the end of a run."""
     phase = result["phase"]
     if phase == "held-snapshot":
         summary = summarize_held_snapshot(result)
         text = _held_markdown(result, summary, [])
         first = "## Per window"
+    elif phase == "stalled-relay":
+        summary = summarize_stalled_relay(result)
+        text = _stalled_markdown(result, summary, [])
+        first = "## Latency per phase"
     else:
         summary = summarize_failing_head(result)
         text = _failing_markdown(result, summary, [])
@@ -481,9 +639,15 @@ def _plot_failing(summary: dict[str, Any], result: dict[str, Any], path: Path) -
     return failing_head_figure(summary["rows"], result["config"], path)
 
 
+def _plot_stalled(summary: dict[str, Any], result: dict[str, Any], path: Path) -> bool:
+    from bench.plots import stalled_relay_figure  # matplotlib only when plotting
+
+    return stalled_relay_figure(summary["rows"], result["config"], path)
+
+
 def write_phase_report(json_path: Path, *, plots: bool = True) -> Path:
-    """Write ``<stem>.md`` (and a PNG) next to a drain, recovery, held-snapshot or
-    failing-head result JSON."""
+    """Write ``<stem>.md`` (and a PNG) next to a drain, recovery, held-snapshot, failing-head
+    or stalled-relay result JSON."""
     result = json.loads(json_path.read_text())
     phase = result["phase"]
     names: list[str] = []
@@ -508,6 +672,11 @@ def write_phase_report(json_path: Path, *, plots: bool = True) -> Path:
         if plots and _try_plot(lambda: _plot_failing(summary, result, png), result):
             names.append(png.name)
         text = _failing_markdown(result, summary, names)
+    elif phase == "stalled-relay":
+        summary = summarize_stalled_relay(result)
+        if plots and _try_plot(lambda: _plot_stalled(summary, result, png), result):
+            names.append(png.name)
+        text = _stalled_markdown(result, summary, names)
     else:
         raise ValueError(f"{json_path}: unknown phase {phase!r}")
     md = json_path.with_suffix(".md")

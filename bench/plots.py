@@ -271,3 +271,31 @@ def failing_head_figure(rows: list[dict[str, Any]], cfg: dict[str, Any], path: P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def stalled_relay_figure(rows: list[dict[str, Any]], cfg: dict[str, Any], path: Path) -> bool:
+    """Per cell (notify mode x key mix): commit ack -> receive p99 of the baseline, of the
+    events committed during the freezes, and of those of keys the frozen relay did not hold
+    (log scale; grey line: the 100 ms target)."""
+    if not rows:
+        return False
+    bars = (
+        ("baseline_p99", "baseline"),
+        ("freeze_p99", "during the freezes"),
+        ("freeze_free_p99", "during the freezes, keys the frozen relay did not hold"),
+    )
+    fig, ax = bar_figure(max(7.0, 1.8 * len(rows)))
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [max(r[key] or 0.0, 0.1) for r in rows], width, label=label)
+    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['notify_mode']}\n{r['keys']:,} keys" for r in rows])
+    ax.set_yscale("log")
+    ax.axhline(100, color="grey", linewidth=0.8)
+    ax.set_ylabel("commit ack -> receive p99 (ms), median of rounds")
+    ax.set_title(
+        f"Stalled relay: {cfg['relays']} relays, {cfg['rate']:g} ev/s, {cfg['freezes']} "
+        f"freezes of {cfg['freeze']:g} s"
+    )
+    return save_bar_chart(fig, ax, path)

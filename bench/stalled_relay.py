@@ -1,0 +1,822 @@
+"""The stalled-relay regime (``python -m bench stalled-relay``): what one frozen relay costs
+the rest of a fleet.
+
+Per key mix, notify mode and round, on a fresh database and topic: ``relays`` relay processes
+(``python -m notify_outbox run``, default settings), open-loop writers at ``rate`` ev/s
+(single-row transactions over ``keys`` keys, ``bench/loadgen.py``) and the latency consumer.
+After ``baseline`` seconds, ``freezes`` times: one relay is frozen with SIGSTOP for ``freeze``
+seconds (a VM stall, a debugger, a long GC pause), then continued, then ``gap`` seconds; then
+``recovery`` seconds. The relay frozen is the one holding the awake marker of the gated notify
+(migration 0006: an advisory lock per epoch, on the relay's listening session), found in
+``pg_locks`` and mapped to a process by the session's client port; when no relay holds it (or
+with ``pick="alternate"``), the relays take turns. A watch samples, every ``look_every``
+seconds, which relay holds the current epoch's marker.
+
+Afterwards every event is put into a phase by its commit ack (baseline, a freeze, between
+freezes, recovery); per phase: commit ack -> consumer receipt p50 / p99 / max and the
+producers' achieved rate. Events committed during a freeze are also split by key: keys whose
+claim bucket the frozen relay held in an open claim transaction (they must wait for it: per-key
+order) and the others. See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import dataclasses
+import json
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench import envinfo
+from bench.arrays import load_arrays
+from bench.config import Mode, writers_for
+from bench.hist import Histogram
+from bench.loadgen import LoadConfig
+from bench.phase import PhaseRun, loadavg, utc, wait_mode_ready
+from bench.procs import BenchError, Child, python_argv, tcp_ports
+from bench.regimes import add_cell, latency_ms, median, received_at, regime_mode, unfinished
+from bench.services import Services, open_services, prepare_mode
+from devstack.relayproc import child_env
+from notify_outbox import OutboxNames
+
+__all__ = [
+    "NOTIFY_MODES",
+    "StalledRelayConfig",
+    "run_stalled_relay",
+    "stalled_relay_problems",
+    "summarize_stalled_relay",
+]
+
+NOTIFY_MODES = ("gated", "always")
+PHASES = ("baseline", "freeze", "between", "recovery")
+_QUERY_TIMEOUT = 10.0
+_FREEZER_TIMEOUT = 10.0
+# Codes of the watch's timeline besides a relay's index: who held the current epoch's marker.
+_UNMAPPED, _NOBODY, _UNKNOWN = -1, -2, -3
+
+# Every session of a relay in the cell's database, its transaction, and the advisory locks it
+# holds of two namespaces ($1: the awake marker, $2: the claim's key buckets; two-key locks show
+# the first key as classid and the second as objid, objsubid 2), plus the current epoch.
+_LOOK = """
+WITH cur AS MATERIALIZED (SELECT {cur}::bigint AS e),
+l AS MATERIALIZED (
+    SELECT pid, classid::bigint AS ns, objid::bigint AS k FROM pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND mode = 'ExclusiveLock'
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid::bigint IN ($1, $2)
+),
+s AS (
+    SELECT a.pid, a.client_port, a.application_name,
+           extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS xact_age,
+           a.backend_xid IS NOT NULL AS has_xid,
+           ARRAY(SELECT l.k FROM l WHERE l.pid = a.pid AND l.ns = $1 ORDER BY l.k) AS awake,
+           ARRAY(SELECT l.k FROM l WHERE l.pid = a.pid AND l.ns = $2 ORDER BY l.k) AS buckets
+    FROM pg_stat_activity AS a
+    WHERE a.datname = current_database() AND a.application_name LIKE 'notify-outbox-%'
+)
+SELECT cur.e AS cur, s.* FROM cur LEFT JOIN s ON true
+"""
+_CURRENT_EPOCH = "(SELECT outbox_awake_epoch(c.awake_epoch_ms) FROM outbox_config AS c)"
+# The claim bucket of each of the writers' keys k0 .. k<n-1> (migration 0005's bucket).
+_KEY_BUCKETS = (
+    "SELECT array_agg(hashtext('k' || g) & 255 ORDER BY g) FROM generate_series(0, $1 - 1) AS g"
+)
+
+
+@dataclass
+class StalledRelayConfig:
+    """Everything one stalled-relay run does; recorded in the result JSON."""
+
+    rate: float = 1200.0
+    keys: list[int] = field(default_factory=lambda: [20, 5000])
+    notify_modes: list[str] = field(default_factory=lambda: list(NOTIFY_MODES))
+    relays: int = 2
+    warmup: float = 2.0  # load before the baseline (relays' first claims), in no phase
+    baseline: float = 20.0
+    freezes: int = 6
+    freeze: float = 6.0
+    gap: float = 6.0
+    recovery: float = 10.0
+    pick: str = "marker"  # "marker": the relay holding the awake marker; "alternate"
+    repeat: int = 3
+    look_every: float = 0.1
+    drain_timeout: float = 120.0  # after the load: until every committed event arrived
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    partitions: int = 3
+    fsync_test_seconds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+    def cell_seconds(self) -> float:
+        """The length of a cell's load, set-up and drain left out."""
+        return (
+            self.warmup
+            + self.baseline
+            + self.freezes * self.freeze
+            + max(0, self.freezes - 1) * self.gap
+            + self.recovery
+        )
+
+
+class _Fleet:
+    """The relay processes of a cell, and which of them a database session belongs to: the
+    session's ``client_port`` is the local port of one of the process's sockets."""
+
+    def __init__(self, relays: list[Child]) -> None:
+        self.relays = relays
+        self._relay_of_port: dict[int, int | None] = {}
+
+    def relay_of(self, port: int | None) -> int | None:
+        """The index of the relay whose socket has local port ``port`` (None if none has)."""
+        if port is None:
+            return None
+        if port not in self._relay_of_port:
+            for k, relay in enumerate(self.relays):  # a new connection: look again
+                for p in tcp_ports(relay.pid):
+                    self._relay_of_port[p] = k
+            self._relay_of_port.setdefault(port, None)
+        return self._relay_of_port[port]
+
+
+@dataclass
+class _Session:
+    relay: int | None  # None: not mapped to a relay process
+    app: str
+    xact_age: float | None  # seconds; None: not in a transaction
+    has_xid: bool
+    awake: list[int]  # epochs of the awake marker it holds
+    buckets: list[int]  # claim buckets it holds (in an open claim transaction)
+
+
+@dataclass
+class _Look:
+    t: int  # monotonic ns
+    cur: int | None  # the current epoch (None: no marker of migration 0006)
+    sessions: list[_Session]
+
+    def holder(self) -> int:
+        """Who holds the current epoch's marker: a relay's index, ``_UNMAPPED``, ``_NOBODY``
+        or ``_UNKNOWN`` (no epoch marker in this schema)."""
+        if self.cur is None:
+            return _UNKNOWN
+        for s in self.sessions:
+            if self.cur in s.awake:
+                return s.relay if s.relay is not None else _UNMAPPED
+        return _NOBODY
+
+    def latest_holder(self) -> int | None:
+        """The relay holding the latest epoch of the marker that any relay holds."""
+        best: tuple[int, int] | None = None
+        for s in self.sessions:
+            if s.relay is not None and s.awake and (best is None or max(s.awake) > best[0]):
+                best = (max(s.awake), s.relay)
+        return best[1] if best else None
+
+    def of(self, relay: int) -> list[_Session]:
+        """The sessions of one relay."""
+        return [s for s in self.sessions if s.relay == relay]
+
+
+class _Watch:
+    """Looks at the relays' sessions and locks every ``every`` seconds (and on demand), on
+    its own connection to the cell's database; keeps the timeline of the marker's holder."""
+
+    def __init__(self, dsn: str, fleet: _Fleet, every: float) -> None:
+        self.dsn = dsn
+        self.fleet = fleet
+        self.every = every
+        names = OutboxNames()
+        self.namespaces = (names.awake_namespace & 0xFFFFFFFF, names.claim_namespace & 0xFFFFFFFF)
+        self.timeline: list[tuple[int, int]] = []  # (monotonic ns, holder code)
+        self.errors: list[str] = []
+        self.marker = False  # whether the schema has the epoch marker (migration 0006)
+        self._sql = ""
+        self._conn: asyncpg.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Connect, take the first look, then look in the background."""
+        self._conn = await asyncpg.connect(
+            self.dsn, timeout=30, server_settings={"application_name": "bench-marker-watch"}
+        )
+        self.marker = bool(
+            await self._conn.fetchval(
+                "SELECT to_regprocedure('outbox_awake_epoch(integer)') IS NOT NULL"
+            )
+        )
+        self._sql = _LOOK.format(cur=_CURRENT_EPOCH if self.marker else "NULL")
+        await self.look()
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        due = time.monotonic()
+        while True:
+            due += self.every
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await self.look()
+
+    async def look(self) -> _Look | None:
+        """One look now (None if the query failed: recorded as an error)."""
+        async with self._lock:  # the loop and the cell's own calls share one connection
+            assert self._conn is not None
+            t0 = time.monotonic_ns()
+            try:
+                rows = await self._conn.fetch(self._sql, *self.namespaces, timeout=_QUERY_TIMEOUT)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
+                if len(self.errors) < 5:
+                    self.errors.append(f"{type(e).__name__}: {e}")
+                self.timeline.append((t0, _UNKNOWN))
+                return None
+            t = (t0 + time.monotonic_ns()) // 2
+        look = _Look(
+            t,
+            rows[0]["cur"] if rows else None,
+            [
+                _Session(
+                    self.fleet.relay_of(r["client_port"]),
+                    r["application_name"],
+                    r["xact_age"],
+                    bool(r["has_xid"]),
+                    list(r["awake"]),
+                    list(r["buckets"]),
+                )
+                for r in rows
+                if r["pid"] is not None
+            ],
+        )
+        self.timeline.append((t, look.holder()))
+        return look
+
+    async def stop(self) -> None:
+        """Stop looking and close the connection."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close(timeout=5)
+
+
+def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str, Any]:
+    """What the frozen relay held in the database, from a look taken at the end of its freeze
+    (its locks cannot change while it is stopped): its sessions, those in a transaction, the
+    claim buckets it held and how many of the writers' keys fall in them."""
+    if look is None:
+        return {"looked": False}
+    own = look.of(relay)
+    held = sorted({b for s in own for b in s.buckets})
+    ages = [s.xact_age for s in own if s.xact_age is not None]
+    held_set = set(held)
+    return {
+        "looked": True,
+        "sessions": len(own),
+        "unmapped_sessions": sum(1 for s in look.sessions if s.relay is None),
+        "in_transaction": len(ages),
+        "oldest_xact_s": max(ages) if ages else None,
+        "xid": any(s.has_xid for s in own),
+        "claim_buckets": held,
+        "held_keys": sorted(k for k, b in enumerate(buckets) if b in held_set),
+        "awake_epochs": sum(len(s.awake) for s in own),
+        "marker_holder_at_end": look.holder(),
+    }
+
+
+def _spans(freezes: list[dict[str, Any]], t0: int, t_end: int) -> list[tuple[str, int, int, int]]:
+    """(phase, start ns, end ns, freeze index or -1) of every part of a cell, in order."""
+    out = [("baseline", t0, freezes[0]["t_stop_ns"], -1)]
+    for k, f in enumerate(freezes):
+        out.append(("freeze", f["t_stop_ns"], f["t_cont_ns"], k))
+        last = k + 1 == len(freezes)
+        nxt = t_end if last else freezes[k + 1]["t_stop_ns"]
+        out.append(("recovery" if last else "between", f["t_cont_ns"], nxt, k))
+    return out
+
+
+def _marker_shares(
+    timeline: list[tuple[int, int]], start: int, end: int, frozen: int | None
+) -> dict[str, Any]:
+    """Of the watch's looks in [start, end): the share in which the current epoch's marker was
+    held by the frozen relay, by another relay, by nobody (or by a session not mapped to a
+    relay, or unknown); and, with a frozen relay, the last look at which it held it (seconds
+    after ``start``)."""
+    looks = [(t, h) for t, h in timeline if start <= t < end]
+    n = len(looks)
+    if n == 0:
+        return {"looks": 0}
+    count = Counter(
+        "frozen"
+        if h == frozen
+        else "other"
+        if h >= 0
+        else {_UNMAPPED: "unmapped", _NOBODY: "nobody"}.get(h, "unknown")
+        for _, h in looks
+    )
+    kept = [t for t, h in looks if frozen is not None and h == frozen]
+    return {
+        "looks": n,
+        **{k: count.get(k, 0) / n for k in ("frozen", "other", "nobody", "unmapped", "unknown")},
+        "frozen_held_until_s": (max(kept) - start) / 1e9 if kept else None,
+    }
+
+
+@dataclass
+class _FreezeTally:
+    """One freeze's events: all, those of keys the frozen relay held, the others."""
+
+    all: Histogram = field(default_factory=Histogram)
+    held: Histogram = field(default_factory=Histogram)
+    free: Histogram = field(default_factory=Histogram)
+    committed: int = 0
+
+
+def analyse_cell(
+    cfg: StalledRelayConfig,
+    keys: int,
+    gen: dict[str, Any],
+    got: dict[str, Any],
+    freezes: list[dict[str, Any]],
+    timeline: list[tuple[int, int]],
+    t_base: int,
+    t_end: int,
+) -> dict[str, Any]:
+    """Per phase (all its events pooled): commit ack -> receipt latency, commits and the
+    producers' achieved rate; the same per freeze, and a freeze's events split by whether the
+    frozen relay held their key's claim bucket; the marker's holders per phase."""
+    spans = _spans(freezes, t_base, t_end)
+    starts = [s[1] for s in spans]
+    hist = {p: Histogram() for p in PHASES}
+    held_h, free_h = Histogram(), Histogram()
+    committed = dict.fromkeys(PHASES, 0)
+    missing = dict.fromkeys(PHASES, 0)
+    seconds = dict.fromkeys(PHASES, 0.0)
+    for phase, a, b, _ in spans:
+        seconds[phase] += (b - a) / 1e9
+    per = [_FreezeTally() for _ in freezes]
+    held_keys = [set(f["frozen"].get("held_keys", [])) for f in freezes]
+    recv_of = received_at(got)
+    ack = gen["ack"]
+    acked = received = 0
+    for i in range(len(ack)):
+        a = ack[i]
+        if not a:
+            continue
+        acked += 1
+        r = recv_of.get(i)
+        received += r is not None
+        j = bisect.bisect_right(starts, a) - 1
+        if j < 0 or a >= t_end:
+            continue
+        phase, _, _, k = spans[j]
+        committed[phase] += 1
+        if phase == "freeze":
+            per[k].committed += 1
+        if r is None:
+            missing[phase] += 1
+            continue
+        us = (r - a) // 1000
+        hist[phase].record(us)
+        if phase == "freeze":
+            held = (i % keys) in held_keys[k]
+            for h in (per[k].all, per[k].held if held else per[k].free):
+                h.record(us)
+            (held_h if held else free_h).record(us)
+    phases = {
+        p: {
+            **latency_ms(hist[p]),
+            "committed": committed[p],
+            "missing": missing[p],
+            "seconds": round(seconds[p], 3),
+            "rate": committed[p] / seconds[p] if seconds[p] > 0 else None,
+            "rate_share": committed[p] / (cfg.rate * seconds[p]) if seconds[p] > 0 else None,
+        }
+        for p in PHASES
+    }
+    for k, f in enumerate(freezes):
+        secs = (f["t_cont_ns"] - f["t_stop_ns"]) / 1e9
+        f.update(
+            {
+                "latency": latency_ms(per[k].all),
+                "held_keys_latency": latency_ms(per[k].held),
+                "free_keys_latency": latency_ms(per[k].free),
+                "committed": per[k].committed,
+                "rate_share": per[k].committed / (cfg.rate * secs) if secs > 0 else None,
+                "marker": _marker_shares(timeline, f["t_stop_ns"], f["t_cont_ns"], f["relay"]),
+            }
+        )
+    freeze_looks = [
+        (t, h) for t, h in timeline if any(a <= t < b for p, a, b, _ in spans if p == "freeze")
+    ]
+    return {
+        "phases": phases,
+        "freeze_held_keys": latency_ms(held_h),
+        "freeze_free_keys": latency_ms(free_h),
+        "marker": {
+            "baseline": _marker_shares(timeline, t_base, spans[0][2], None),
+            # Pooled over the freezes: "frozen" is counted per freeze, so it is left out here.
+            "freezes": {
+                k: v
+                for k, v in _marker_shares(freeze_looks, 0, 1 << 62, None).items()
+                if k not in ("frozen", "frozen_held_until_s")
+            },
+        },
+        "events": {"acked": acked, "received": received, "missing": acked - received},
+    }
+
+
+class _StalledRelay:
+    def __init__(self, cfg: StalledRelayConfig, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+        base = regime_mode("notify-alt" if cfg.alt_relay else "notify", cfg.alt_relay)
+        self.modes = {
+            nm: dataclasses.replace(
+                base,
+                name=nm,
+                description=f"{cfg.relays} x {base.description}; notify_mode '{nm}'",
+                notify=nm,
+            )
+            for nm in cfg.notify_modes
+        }
+        self.cells: list[dict[str, Any]] = []
+        run.progress.total = cfg.repeat * len(cfg.keys) * len(cfg.notify_modes)
+        run.result["modes"] = {m.name: m.to_json() for m in self.modes.values()}
+        run.result["cells"] = self.cells
+
+    async def body(self, services: Services) -> None:
+        for rnd in range(self.cfg.repeat):
+            for keys in self.cfg.keys:
+                for nm in self.cfg.notify_modes:
+                    label = f"{nm}, {keys} keys, round {rnd + 1}"
+                    await add_cell(
+                        self.run,
+                        self.cells,
+                        {"round": rnd, "notify_mode": nm, "keys": keys},
+                        label,
+                        self._cell(services, rnd, nm, keys, label),
+                    )
+
+    async def _cell(
+        self, services: Services, rnd: int, nm: str, keys: int, label: str
+    ) -> dict[str, Any]:
+        run = self.run
+        n = len(self.cells) + 1
+        name = f"bench_stalled_{run.run_id.lower()}_{n}"
+        topic = f"bench-stalled-{run.run_id.lower()}-{n}"
+        cell: dict[str, Any] = {
+            "cell": n,
+            "round": rnd,
+            "notify_mode": nm,
+            "keys": keys,
+            "started_utc": utc(),
+            "load_average_start": loadavg(),
+        }
+        run.progress.status(f"{label}: database and topic")
+        mode = self.modes[nm]
+        try:
+            dsn, cell["database_setup"] = await prepare_mode(
+                services, mode, name, topic, partitions=self.cfg.partitions
+            )
+            await self._measure(services, mode, dsn, topic, cell, label)
+        finally:
+            await run.drop_database(services, name)
+        ph = cell["phases"]
+        run.progress.line(
+            f"{label:<26} baseline p50/p99 {_ms(ph['baseline']['p50'])} / "
+            f"{_ms(ph['baseline']['p99'])}; during freezes {_ms(ph['freeze']['p50'])} / "
+            f"{_ms(ph['freeze']['p99'])} (max {_ms(ph['freeze']['max'])}; keys not held by "
+            f"the frozen relay p99 {_ms(cell['freeze_free_keys']['p99'])}); producers "
+            f"{_pct(ph['freeze']['rate_share'])} of the rate during freezes; "
+            f"{cell['events']['missing']} missing",
+            cell=True,
+        )
+        return cell
+
+    async def _measure(
+        self, services: Services, mode: Mode, dsn: str, topic: str, cell: dict[str, Any], label: str
+    ) -> None:
+        run, cfg = self.run, self.cfg
+        cells_dir = run.work / "cells"
+        cells_dir.mkdir(parents=True, exist_ok=True)
+        gen_path = cells_dir / f"stalled-{cell['cell']}-gen.bin"
+        got_path = cells_dir / f"stalled-{cell['cell']}-got.bin"
+        consumer = await run.start_consumer(services.bootstrap, topic, name=f"consumer-{label}")
+        relays: list[Child] = []
+        freezer: Child | None = None
+        gen: Child | None = None
+        watch: _Watch | None = None
+        keys = int(cell["keys"])
+        host0 = envinfo.cpu_times()
+        try:
+            for i in range(cfg.relays):
+                relays.append(
+                    await run.start(
+                        services,
+                        mode,
+                        dsn,
+                        name=f"relay-{i + 1}-{label}",
+                        extra_env=cfg.relay_env,
+                        wait_ready=False,
+                    )
+                )
+            await asyncio.gather(*(wait_mode_ready(r, mode) for r in relays))
+            cell["relay_pids"] = [r.pid for r in relays]
+            freezer = await Child.start(
+                f"freezer-{label}",
+                python_argv("-m", "bench", "_freezer", *(str(r.pid) for r in relays)),
+                env=child_env(),
+                log_path=run.log_path(f"freezer-{label}"),
+                pipes=True,
+                cwd=run.src,
+            )
+            if not json.loads(await freezer.read_line(_FREEZER_TIMEOUT * 3)).get("ready"):
+                raise BenchError(f"the freezer of {label} did not get ready")
+            watch = _Watch(dsn, _Fleet(relays), cfg.look_every)
+            await watch.start()
+            cell["marker_in_schema"] = watch.marker
+            buckets = list(await _fetchval(dsn, _KEY_BUCKETS, keys))
+            lc = LoadConfig(
+                dsn=dsn,
+                topic=topic,
+                cell=1,
+                rate=cfg.rate,
+                warmup=0.0,
+                # Longer than the cell: the bench ends it (stdin) after the recovery.
+                duration=cfg.cell_seconds() + 600.0,
+                writers=writers_for(cfg.rate),
+                out=str(gen_path),
+                keys=keys,
+                stop_on_input=True,
+                announce=True,
+            )
+            gen = await run.start_loadgen(lc, name=f"writers-{label}")
+            t0 = int(json.loads(await gen.read_line(60))["t0"])
+            freezes = await self._freezes(label, t0, relays, gen, freezer, watch, buckets)
+            await self._until(
+                label, "recovery", freezes[-1]["t_cont_ns"] + int(cfg.recovery * 1e9), relays, gen
+            )
+            t_end = time.monotonic_ns()
+            await gen.send_line("stop")
+            cell["writers"] = json.loads(await gen.read_line(120))
+            run.progress.status(f"{label}: waiting for {cell['writers']['acked']} events")
+            cell["consumer"] = await run.collect(
+                consumer,
+                cell=1,
+                expect=int(cell["writers"]["acked"]),
+                within=cfg.drain_timeout,
+                out=got_path,
+            )
+            await watch.stop()
+            host1 = envinfo.cpu_times()
+            cell.update(
+                analyse_cell(
+                    cfg,
+                    keys,
+                    load_arrays(gen_path),
+                    load_arrays(got_path),
+                    freezes,
+                    watch.timeline,
+                    t0 + int(cfg.warmup * 1e9),
+                    t_end,
+                )
+            )
+            for f in freezes:  # relative times for the record (ns stay for re-analysis)
+                f["stop_s"] = round((f["t_stop_ns"] - t0) / 1e9, 3)
+                f["seconds"] = round((f["t_cont_ns"] - f["t_stop_ns"]) / 1e9, 3)
+            cell.update(
+                {
+                    "freezes": freezes,
+                    "seconds": round((t_end - t0) / 1e9, 3),
+                    "watch_looks": len(watch.timeline),
+                    "watch_errors": watch.errors,
+                    "host_cpu_busy": (
+                        (host1[0] - host0[0]) / (host1[1] - host0[1])
+                        if host1[1] > host0[1]
+                        else None
+                    ),
+                    "load_average_end": loadavg(),
+                }
+            )
+        finally:
+            if freezer is not None:
+                with contextlib.suppress(Exception):
+                    await freezer.send_line("cont")
+                await freezer.stop(5)  # it continues every relay as it exits
+            for r in relays:  # and in case the freezer could not
+                with contextlib.suppress(ProcessLookupError):
+                    r.proc.send_signal(signal.SIGCONT)
+            if gen is not None:
+                await gen.stop(10)
+            if watch is not None:
+                await watch.stop()
+            cell["exit_codes"] = [await run.stop(r) for r in relays]
+            await run.quit_consumer(consumer)
+            for p in (gen_path, got_path):
+                p.unlink(missing_ok=True)
+
+    async def _freezes(
+        self,
+        label: str,
+        t0: int,
+        relays: list[Child],
+        gen: Child,
+        freezer: Child,
+        watch: _Watch,
+        buckets: list[int],
+    ) -> list[dict[str, Any]]:
+        """The baseline, then every freeze and the gap after it (the last gap is the
+        recovery, paced by the caller)."""
+        cfg = self.cfg
+        freezes: list[dict[str, Any]] = []
+        due = t0 + int((cfg.warmup + cfg.baseline) * 1e9)
+        last = -1
+        for k in range(cfg.freezes):
+            phase = "warm-up and baseline" if k == 0 else f"between freezes {k} and {k + 1}"
+            await self._until(label, phase, due, relays, gen)
+            relay, picked_by = await self._pick(watch, last, len(relays))
+            stopped = await _command(freezer, f"stop {relay}")
+            t_stop = int(stopped["t"])
+            await self._until(
+                label, f"freeze {k + 1}/{cfg.freezes}", t_stop + int(cfg.freeze * 1e9), relays, gen
+            )
+            # Its locks cannot change while it is stopped: what it holds now it held throughout
+            # (statements in flight at the stop have finished by now).
+            state = frozen_state(await watch.look(), relay, buckets)
+            t_cont = int((await _command(freezer, "cont"))["t"])
+            freezes.append(
+                {
+                    "n": k + 1,
+                    "relay": relay,
+                    "picked_by": picked_by,
+                    "confirmed_stopped": bool(stopped.get("confirmed")),
+                    "t_stop_ns": t_stop,
+                    "t_cont_ns": t_cont,
+                    "frozen": state,
+                }
+            )
+            last = relay
+            due = t_cont + int(cfg.gap * 1e9)
+        return freezes
+
+    async def _pick(self, watch: _Watch, last: int, count: int) -> tuple[int, str]:
+        """The relay to freeze: the one holding the current epoch's marker, else the one
+        holding the latest epoch of it, else the next in turn."""
+        if self.cfg.pick == "marker":
+            look = await watch.look()
+            if look is not None:
+                holder = look.holder()
+                if holder >= 0:
+                    return holder, "marker (current epoch)"
+                latest = look.latest_holder()
+                if latest is not None:
+                    return latest, "marker (latest epoch)"
+        return (last + 1) % count, "alternate"
+
+    async def _until(
+        self, label: str, phase: str, t_ns: int, relays: list[Child], gen: Child
+    ) -> None:
+        """Wait until ``t_ns`` (this paces the schedule), failing early if the writers or a
+        relay exited."""
+        while (left := (t_ns - time.monotonic_ns()) / 1e9) > 0:
+            if not gen.running():
+                raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
+            for r in relays:
+                if not r.running():
+                    raise BenchError(f"{r.name} exited ({r.proc.returncode}):\n{r.tail()}")
+            self.run.progress.status(f"{label}: {phase}, {left:.0f}s left")
+            await asyncio.sleep(min(0.5, left))
+
+
+async def _command(freezer: Child, line: str) -> dict[str, Any]:
+    """One command of the freezer's line protocol, and its answer."""
+    await freezer.send_line(line)
+    answer: dict[str, Any] = json.loads(await freezer.read_line(_FREEZER_TIMEOUT))
+    if "error" in answer:
+        raise BenchError(f"freezer: {answer['error']}")
+    return answer
+
+
+async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
+    conn = await asyncpg.connect(dsn, timeout=30)
+    try:
+        return await conn.fetchval(sql, *args, timeout=_QUERY_TIMEOUT)
+    finally:
+        await conn.close(timeout=5)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
+    """Per notify mode and key mix: medians over rounds of every phase's latency and rate,
+    the freezes' split by held keys, the marker's holders; the issue's target (p99 of the
+    events committed during the freezes <= 100 ms)."""
+    cfg = result["config"]
+    rows: list[dict[str, Any]] = []
+    targets: list[dict[str, Any]] = []
+    for keys in cfg["keys"]:
+        for nm in cfg["notify_modes"]:
+            cells = [
+                c
+                for c in result.get("cells", [])
+                if c["keys"] == keys and c["notify_mode"] == nm and "phases" in c
+            ]
+            if not cells:
+                continue
+            freezes = [f for c in cells for f in c["freezes"]]
+            row: dict[str, Any] = {"notify_mode": nm, "keys": keys, "rounds": len(cells)}
+            for p in PHASES:
+                for k in ("p50", "p99", "max", "rate_share"):
+                    row[f"{p}_{k}"] = median(c["phases"][p][k] for c in cells)
+            for part in ("held", "free"):
+                for k in ("p50", "p99", "max"):
+                    row[f"freeze_{part}_{k}"] = median(c[f"freeze_{part}_keys"][k] for c in cells)
+            row["freeze_held_share"] = median(
+                c["freeze_held_keys"]["count"] / c["phases"]["freeze"]["committed"]
+                for c in cells
+                if c["phases"]["freeze"]["committed"]
+            )
+            row["rate_share"] = median(
+                c["writers"]["acked"] / (cfg["rate"] * c["seconds"]) for c in cells if c["seconds"]
+            )
+            row["lost"] = sum(c["events"]["missing"] for c in cells)
+            row["freezes"] = len(freezes)
+            row["picked_by"] = dict(Counter(f["picked_by"] for f in freezes))
+            row["claim_open"] = sum(1 for f in freezes if f["frozen"].get("in_transaction"))
+            row["held_keys_median"] = median(len(f["frozen"].get("held_keys", [])) for f in freezes)
+            kept = [
+                f["marker"]["frozen_held_until_s"]
+                for f in freezes
+                if f["marker"].get("frozen_held_until_s") is not None
+            ]
+            row["marker_kept_max_s"] = max(kept) if kept else None
+            row["marker_kept_freezes"] = len(kept)
+            for k in ("frozen", "other", "nobody"):
+                row[f"marker_{k}"] = median(f["marker"].get(k) for f in freezes)
+            row["baseline_awake"] = median(
+                m["other"] + m["unmapped"]
+                for c in cells
+                if (m := c["marker"]["baseline"]).get("looks") and m["unknown"] < 1.0
+            )
+            rows.append(row)
+            p99 = row["freeze_p99"]
+            if p99 is not None:
+                targets.append(
+                    {
+                        "target": f"{nm}, {keys:,} keys: p99 of the events committed during the "
+                        "freezes <= 100 ms",
+                        "measured": f"{p99:.1f} ms (baseline {_ms(row['baseline_p99'])}; "
+                        f"keys the frozen relay did not hold {_ms(row['freeze_free_p99'])})",
+                        "verdict": "met" if p99 <= 100.0 else "MISSED",
+                    }
+                )
+    return {"rows": rows, "targets": targets}
+
+
+def stalled_relay_problems(result: dict[str, Any]) -> list[str]:
+    """What makes a stalled-relay result wrong (not slow): a cell that failed, committed
+    events that never arrived, a freeze the kernel did not confirm."""
+    problems = []
+    for c in result.get("cells", []):
+        where = f"cell {c['cell']} ({c['notify_mode']}, {c['keys']} keys, round {c['round'] + 1})"
+        if bad := unfinished(c, where, "events"):
+            problems += bad
+            continue
+        if c["events"]["missing"]:
+            problems.append(f"{where}: {c['events']['missing']} committed events never arrived")
+        for f in c["freezes"]:
+            if not f["confirmed_stopped"]:
+                problems.append(f"{where}: freeze {f['n']}: the relay was not seen stopped")
+    return problems
+
+
+async def run_stalled_relay(cfg: StalledRelayConfig, out_dir: Path, *, keep: bool) -> Path:
+    """Run the stalled-relay regime; returns the result JSON's path (written even on
+    failure)."""
+    run = PhaseRun("stalled-relay", cfg.to_json(), out_dir, keep=keep)
+    stalled = _StalledRelay(cfg, run)
+    run.progress.line(
+        f"stalled-relay: {cfg.relays} relays, notify modes {' '.join(cfg.notify_modes)}, keys "
+        f"{' '.join(str(k) for k in cfg.keys)}, {cfg.repeat} round(s): {cfg.rate:g} ev/s, "
+        f"baseline {cfg.baseline:g}s, {cfg.freezes} freezes of {cfg.freeze:g}s "
+        f"{cfg.gap:g}s apart, recovery {cfg.recovery:g}s (~{cfg.cell_seconds():.0f}s of load "
+        "per cell)"
+    )
+    return await run.run(open_services, stalled.body, fsync_seconds=cfg.fsync_test_seconds)
