@@ -1,7 +1,7 @@
-"""The backlog-drain, outage-recovery, held-snapshot and failing-head phases of the bench, tiny,
-end to end: they must run, deliver every row (in per-key order where that is checked), and
-write their result and report. Nothing here looks at speed (the machines are shared and
-noisy)."""
+"""The backlog-drain, outage-recovery, held-snapshot, failing-head and stalled-relay phases of
+the bench, tiny, end to end: they must run, deliver every row (in per-key order where that is
+checked), and write their result and report. Nothing here looks at speed (the machines are
+shared and noisy)."""
 
 from __future__ import annotations
 
@@ -133,5 +133,37 @@ def test_failing_head_runs_both_modes(services: Services, tmp_path: Path) -> Non
         # The failing topic must still not exist: the broker did not create it.
         assert c["failing_topic_exists_after"] is False, c
         assert c["end_state"]["failing_left"] > 0, c["end_state"]
+    assert path.with_suffix(".md").is_file()
+    assert path.with_suffix(".png").is_file()
+
+
+STALLED_TIMEOUT = 150
+
+
+@pytest.mark.timeout(STALLED_TIMEOUT + 30)
+def test_stalled_relay_freezes_one_relay_and_loses_nothing(
+    services: Services, tmp_path: Path
+) -> None:
+    args = ["stalled-relay", "--keys", "20", "--rate", "100", "--repeat", "1"]
+    args += ["--warmup", "1", "--baseline", "2", "--freezes", "2", "--freeze", "1"]
+    args += ["--gap", "1", "--recovery", "1", "--out", str(tmp_path)]
+    done = _bench(args, relay_env(services.dsn, services.bootstrap), STALLED_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("stalled-relay-*.json")
+    result = json.loads(path.read_text())
+    cells = result["cells"]
+    assert {c["notify_mode"] for c in cells} == {"gated", "always"}
+    for c in cells:
+        assert c["events"]["acked"] > 0, c["events"]
+        assert c["events"]["missing"] == 0, c["events"]
+        assert c["phases"]["baseline"]["committed"] > 0, c["phases"]
+        assert c["phases"]["freeze"]["committed"] > 0, c["phases"]
+        assert len(c["freezes"]) == 2
+        for f in c["freezes"]:
+            assert f["confirmed_stopped"], f
+            # The frozen relay's sessions were found by their client ports.
+            assert f["frozen"]["sessions"] >= 1, f["frozen"]
+        # Both relays were continued, and stopped cleanly.
+        assert c["exit_codes"] == [0, 0], c["exit_codes"]
     assert path.with_suffix(".md").is_file()
     assert path.with_suffix(".png").is_file()
