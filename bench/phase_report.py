@@ -183,6 +183,7 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
             for r in result.get("restarts", [])
         ],
     )
+    lines += _xact_lines(result, summary)
     kinds = [
         (r["service"], r["n"], k)
         for r in result.get("restarts", [])
@@ -192,6 +193,71 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
         lines += ["", "Most frequent relay log lines during each outage (digits as N):", ""]
         lines += [f"- {s} #{n}: {c} x `{text}`" for s, n, (text, c) in kinds]
     return _finish(lines, result, plots, recovery_problems(result))
+
+
+def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """The relay's transactions while Kafka was down (restarts that sampled them)."""
+    rs = [r for r in result.get("restarts", []) if r.get("xact")]
+    if not rs:
+        return []
+    lines = [
+        "",
+        "## Relay transactions during the Kafka outages",
+        "",
+        "`pg_stat_activity` every 50 ms from just before the stop: the relay's worker sessions "
+        "(`notify-outbox-worker`) in a transaction. **Oldest while down** is the age of the "
+        "longest-open transaction seen from the stop until Kafka accepted connections, **xid** "
+        "whether any of them held a transaction id (then it holds the database's horizon: "
+        "vacuum keeps every tuple that dies meanwhile); **longest** how long the longest "
+        "transaction begun before Kafka came back stayed open in all; **none open** the first "
+        "look from which no such transaction was open any more, after the stop and after "
+        "accepting connections (negative: before). PostgreSQL restarts are not sampled: the "
+        "stop ends every session.",
+        "",
+    ]
+    for service, row in summary["services"].items():
+        x = row.get("xact")
+        if x is not None:
+            left = x["never_clear"]
+            lines.append(
+                f"- {service}: oldest while down max {_f(x['max_age_down_s'])} s, longest "
+                f"{_f(x['longest_outage_xact_s'])} s, an xid held in {x['xid_restarts']} of "
+                f"{row['restarts']} outages; none open {_f(x['clear_after_stop_median_s'])} s "
+                f"after the stop (median; max {_f(x['clear_after_stop_max_s'])} s)"
+                + (f"; one still open at the end of the looks in {left}" if left else "")
+            )
+    lines.append("")
+    lines += _table(
+        [
+            "service",
+            "#",
+            "open at the stop (oldest, s)",
+            "oldest while down (s)",
+            "xid",
+            "looks with one open %",
+            "longest (s)",
+            "none open, s after stop",
+            "after accepting",
+            "looks",
+        ],
+        [
+            [
+                r["service"],
+                str(r["n"]),
+                f"{x['open_at_stop']} ({_f(x['oldest_at_stop_s'])})",
+                _f(x["max_age_down_s"]),
+                "yes" if x["xid_down"] else "no",
+                _f(100 * x["open_share_down"] if x["open_share_down"] is not None else None, 0),
+                _f(x["longest_outage_xact_s"]),
+                _f(x["clear_after_stop_s"]),
+                _f(x["clear_after_up_s"]),
+                str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
+            ]
+            for r in rs
+            for x in [r["xact"]]
+        ],
+    )
+    return lines
 
 
 def _targets(summary: dict[str, Any], source: str) -> list[str]:

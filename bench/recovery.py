@@ -41,6 +41,18 @@ _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy mac
 _SAMPLE_S = 0.1
 _POLL_S = 0.02
 _TS = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+_XACT_SAMPLE_S = 0.05
+_XACT_CLEAR_TIMEOUT = 60.0  # after the restart: until no transaction of the outage is open
+# The relay's worker sessions in a transaction: when it began (the identity of a transaction,
+# with the pid), how long it has been open, and whether it holds a transaction id.
+_WORKER_XACTS = """
+SELECT pid, extract(epoch FROM xact_start)::float8 AS began,
+       extract(epoch FROM clock_timestamp() - xact_start)::float8 AS age,
+       backend_xid IS NOT NULL AS has_xid
+FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'notify-outbox-worker'
+  AND xact_start IS NOT NULL
+"""
 _DIGITS = re.compile(r"\d+")
 
 
@@ -164,6 +176,137 @@ class _LogCounter:
         return kinds.most_common(top)
 
 
+@dataclass
+class _Xact:
+    pid: int
+    began: float  # xact_start, epoch seconds (with the pid: which transaction)
+    age: float  # seconds open at the sample
+    has_xid: bool
+
+
+class _XactSampler:
+    """Every 50 ms, on its own connection to the relay's database: the relay's worker sessions
+    that are in a transaction (``pg_stat_activity``, ``application_name`` 'notify-outbox-worker'),
+    from just before a Kafka stop until every transaction begun before Kafka came back has
+    ended. A claim transaction that waits for Kafka's acks keeps the database's horizon
+    (vacuum) where it was, and its rows and key buckets locked."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.samples: list[tuple[int, list[_Xact]]] = []  # (monotonic ns, open transactions)
+        self.errors: list[str] = []
+        self.up_at: int | None = None  # the service accepts connections again (monotonic ns)
+        self.clear = asyncio.Event()  # set once no transaction begun before up_at is open
+        self._conn: asyncpg.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect and take the first sample, then sample in the background."""
+        self._conn = await asyncpg.connect(
+            self.dsn, timeout=30, server_settings={"application_name": "bench-xact-sampler"}
+        )
+        await self._sample()
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        due = time.monotonic()
+        while True:
+            due += _XACT_SAMPLE_S
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await self._sample()
+
+    async def _sample(self) -> None:
+        assert self._conn is not None
+        t0 = time.monotonic_ns()
+        try:
+            rows = await self._conn.fetch(_WORKER_XACTS, timeout=5)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
+            if len(self.errors) < 5:
+                self.errors.append(f"{type(e).__name__}: {e}")
+            return
+        t = (t0 + time.monotonic_ns()) // 2
+        xacts = [_Xact(r["pid"], r["began"], r["age"], bool(r["has_xid"])) for r in rows]
+        self.samples.append((t, xacts))
+        if self.up_at is not None and t >= self.up_at and not _outage_xacts(xacts, t, self.up_at):
+            self.clear.set()
+
+    async def wait_clear(self, up_at: int, within: float) -> bool:
+        """Wait (bounded) until a sample after ``up_at`` shows no transaction begun before it."""
+        self.up_at = up_at
+        try:
+            await asyncio.wait_for(self.clear.wait(), within)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        """Stop sampling and close the connection."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close(timeout=5)
+
+
+def _outage_xacts(xacts: list[_Xact], t: int, up_at: int) -> list[_Xact]:
+    """The transactions of a sample taken at ``t`` that began before ``up_at``."""
+    return [x for x in xacts if t - int(x.age * 1e9) < up_at]
+
+
+def xact_record(
+    samples: list[tuple[int, list[_Xact]]], t_stop: int, t_up: int, errors: list[str]
+) -> dict[str, Any]:
+    """The relay's transactions around one outage: while the service was down (the stop to
+    accepting connections), the oldest transaction's age and whether any held an xid; for
+    every transaction begun before the service came back, how long it stayed open; and when
+    none of those was open any more (seconds after the stop; None if one still was when the
+    sampling ended)."""
+    down = [(t, xs) for t, xs in samples if t_stop <= t <= t_up]
+    longest: dict[tuple[int, float], float] = {}
+    last_open: int | None = None
+    for k, (t, xs) in enumerate(samples):
+        outage = _outage_xacts(xs, t, t_up)
+        for x in outage:
+            key = (x.pid, x.began)
+            longest[key] = max(longest.get(key, 0.0), x.age)
+        if outage:
+            last_open = k
+    if last_open is None:
+        clear_at: int | None = samples[0][0] if samples else None
+    elif last_open + 1 < len(samples):
+        clear_at = samples[last_open + 1][0]
+    else:
+        clear_at = None
+    first = samples[0][1] if samples else []
+    return {
+        "samples": len(samples),
+        "down_samples": len(down),
+        "interval_s": _XACT_SAMPLE_S,
+        "open_at_stop": len(first),
+        "oldest_at_stop_s": max((x.age for x in first), default=None),
+        "max_age_down_s": max((x.age for _, xs in down for x in xs), default=0.0),
+        "xid_down": any(x.has_xid for _, xs in down for x in xs),
+        "open_share_down": (sum(1 for _, xs in down if xs) / len(down)) if down else None,
+        "outage_xacts": len(longest),
+        "longest_outage_xact_s": max(longest.values(), default=0.0),
+        "clear_after_stop_s": (clear_at - t_stop) / 1e9 if clear_at is not None else None,
+        "clear_after_up_s": (clear_at - t_up) / 1e9 if clear_at is not None else None,
+        # Per sample: ms after the stop, transactions open, the oldest's age (ms), any xid.
+        "timeline": [
+            [
+                round((t - t_stop) / 1e6, 1),
+                len(xs),
+                round(1000 * max((x.age for x in xs), default=0.0), 1),
+                any(x.has_xid for x in xs),
+            ]
+            for t, xs in samples
+        ],
+        "errors": errors,
+    }
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -277,9 +420,23 @@ class _Recovery:
                 p.unlink(missing_ok=True)
 
     async def _restart(self, service: str, i: int, dsn: str) -> dict[str, Any]:
+        label = f"{service} restart {i + 1}/{self.cfg.repeat}"
+        # While Kafka is away the relay's transactions are watched (PostgreSQL's stop ends
+        # every session, and there is nothing to look at while it is down).
+        sampler = _XactSampler(dsn) if service == "kafka" else None
+        try:
+            if sampler is not None:
+                await sampler.start()
+            return await self._restart_with(service, i, dsn, label, sampler)
+        finally:
+            if sampler is not None:
+                await sampler.stop()
+
+    async def _restart_with(
+        self, service: str, i: int, dsn: str, label: str, sampler: _XactSampler | None
+    ) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
         h = self.handles
-        label = f"{service} restart {i + 1}/{cfg.repeat}"
         run.progress.status(f"{label}: stopping")
         t_stop = time.monotonic_ns()
         if service == "kafka":
@@ -319,6 +476,11 @@ class _Recovery:
         run.progress.status(f"{label}: up; waiting for the relay to catch up")
         caught_up = await self._caught_up(dsn, cfg.recover_timeout)
         t_caught_up = time.monotonic_ns()
+        xact: dict[str, Any] | None = None
+        if sampler is not None:
+            run.progress.status(f"{label}: waiting for the outage's transactions to end")
+            await sampler.wait_clear(t_up, _XACT_CLEAR_TIMEOUT)
+            xact = xact_record(sampler.samples, t_stop, t_up, sampler.errors)
         record = {
             "service": service,
             "n": i + 1,
@@ -332,11 +494,23 @@ class _Recovery:
             "stop_s": (t_stopped - t_stop) / 1e9,
             "up_after_stop_s": (t_up - t_stop) / 1e9,
             "ready_after_up_s": (t_started - t_up) / 1e9,
+            "xact": xact,
         }
         run.progress.line(
             f"{label}: stopped in {record['stop_s']:.1f}s, accepting connections "
             f"{record['up_after_stop_s']:.1f}s after the stop"
-            + ("" if caught_up else "; the relay did NOT catch up in time"),
+            + ("" if caught_up else "; the relay did NOT catch up in time")
+            + (
+                f"; relay transactions: oldest {xact['max_age_down_s']:.2f}s while down"
+                f"{' (with an xid)' if xact['xid_down'] else ''}, none open "
+                + (
+                    f"{xact['clear_after_stop_s']:.2f}s after the stop"
+                    if xact["clear_after_stop_s"] is not None
+                    else "never seen"
+                )
+                if xact is not None
+                else ""
+            ),
             cell=True,
         )
         return record
@@ -447,6 +621,17 @@ def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
             "log_lines_per_s_median": statistics.median(lps) if lps else None,
             "log_lines_per_s_max": max(lps) if lps else None,
         }
+        xs = [r["xact"] for r in rs if r.get("xact")]
+        if xs:
+            clear = [x["clear_after_stop_s"] for x in xs if x["clear_after_stop_s"] is not None]
+            row["xact"] = {
+                "max_age_down_s": max(x["max_age_down_s"] for x in xs),
+                "longest_outage_xact_s": max(x["longest_outage_xact_s"] for x in xs),
+                "xid_restarts": sum(1 for x in xs if x["xid_down"]),
+                "clear_after_stop_median_s": statistics.median(clear) if clear else None,
+                "clear_after_stop_max_s": max(clear) if clear else None,
+                "never_clear": len(xs) - len(clear),
+            }
         out["services"][service] = row
         if row["recovery_median_s"] is not None:
             v = row["recovery_median_s"]
