@@ -88,6 +88,11 @@ def test_recovery_after_a_kafka_restart(services: Services, tmp_path: Path) -> N
     assert restart["service"] == "kafka"
     assert restart["first_delivery_after_up_s"] is not None, restart
     assert restart["log_lines"] >= 0
+    # The relay's transactions were looked at through the outage, and all of them ended.
+    xact = restart["xact"]
+    assert xact["samples"] > 0, xact
+    assert not xact["errors"], xact
+    assert xact["clear_after_stop_s"] is not None, xact
     assert path.with_suffix(".md").is_file()
 
 
