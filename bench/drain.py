@@ -394,9 +394,7 @@ class _Drain:
                 "pending_after": pending,
                 "mode_cpu_s": round(cpu, 3),
                 "mode_cpu_us_per_event": round(1e6 * cpu / unique, 1) if unique else None,
-                "host_cpu_busy": (
-                    (host1[0] - host0[0]) / (host1[1] - host0[1]) if host1[1] > host0[1] else None
-                ),
+                "host_cpu_busy": envinfo.busy_share(host0, host1),
                 "load_average": loadavg(),
                 "exit_codes": codes,
                 "relay_env": extra,

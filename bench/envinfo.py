@@ -125,6 +125,12 @@ def cpu_times() -> tuple[float, float]:
     return total - idle, total
 
 
+def busy_share(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The host's CPU busy share between two ``cpu_times()`` readings (None if no time
+    passed)."""
+    return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else None
+
+
 def fdatasync_probe(directory: Path, seconds: float = 1.0) -> dict[str, Any]:
     """8 kB write + fdatasync in a loop for ``seconds`` in ``directory``."""
     path = directory / "fdatasync-probe.tmp"

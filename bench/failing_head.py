@@ -32,13 +32,15 @@ from bench.arrays import load_arrays
 from bench.config import Mode, writers_for
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
-from bench.phase import PhaseRun, loadavg, utc
+from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
     CpuMeter,
     add_cell,
+    cell_record,
     database_postmaster,
+    in_fresh_database,
     latency_ms,
     median,
     received_at,
@@ -49,7 +51,6 @@ from bench.services import (
     Services,
     db_counters,
     open_services,
-    prepare_mode,
     statement_calls,
 )
 
@@ -222,26 +223,26 @@ class _FailingHead:
         name = f"bench_fhead_{run.run_id.lower()}_{n}"
         topic = f"bench-fhead-{run.run_id.lower()}-{n}"
         missing = f"bench-fhead-missing-{run.run_id.lower()}-{n}"
-        cell: dict[str, Any] = {
-            "cell": n,
-            "round": rnd,
-            "failing_rows": size,
-            "mode": mode.name,
-            "started_utc": utc(),
-            "load_average_start": loadavg(),
-            "failing_topic": missing,
-        }
+        cell = cell_record(n, round=rnd, failing_rows=size, mode=mode.name)
+        cell["failing_topic"] = missing
         run.progress.status(f"{label}: database, topic, {size} failing rows")
-        try:
-            dsn, cell["database_setup"] = await prepare_mode(
-                services, mode, name, topic, partitions=cfg.partitions
-            )
+
+        async def measure(dsn: str) -> None:
             cell["failing_topic_exists_before"] = await topic_exists(services.bootstrap, missing)
             cell.update(await fill_failing(dsn, missing, size, cfg.failing_keys))
             await self._measure(services, mode, dsn, name, topic, cell, label)
             cell["failing_topic_exists_after"] = await topic_exists(services.bootstrap, missing)
-        finally:
-            await run.drop_database(services, name)
+
+        await in_fresh_database(
+            run,
+            services,
+            mode,
+            cell,
+            database=name,
+            topic=topic,
+            partitions=cfg.partitions,
+            measure=measure,
+        )
         h, q = cell["healthy"], cell["quiet"]
         run.progress.line(
             f"{label:<34} healthy rows: {h['within_1s']}/{h['acked']} within 1 s, "
@@ -264,10 +265,7 @@ class _FailingHead:
         label: str,
     ) -> None:
         run, cfg = self.run, self.cfg
-        cells_dir = run.work / "cells"
-        cells_dir.mkdir(parents=True, exist_ok=True)
-        gen_path = cells_dir / f"fhead-{cell['cell']}-gen.bin"
-        got_path = cells_dir / f"fhead-{cell['cell']}-got.bin"
+        gen_path, got_path = run.array_paths(f"fhead-{cell['cell']}")
         consumer = await run.start_consumer(services.bootstrap, topic, name=f"consumer-{label}")
         proc: Child | None = None
         gen: Child | None = None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,23 +25,27 @@ import asyncpg
 
 from bench import envinfo
 from bench.arrays import load_arrays
-from bench.config import Mode, writers_for
+from bench.config import Mode
 from bench.hist import Histogram
-from bench.loadgen import LoadConfig
-from bench.phase import PhaseRun, loadavg, utc
+from bench.phase import PhaseRun, loadavg
 from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
     CpuMeter,
+    Looker,
+    acked_events,
     add_cell,
+    cell_record,
     database_postmaster,
+    event_counts,
+    in_fresh_database,
     latency_ms,
     median,
     received_at,
     regime_mode,
     unfinished,
 )
-from bench.services import Services, open_services, prepare_mode
+from bench.services import Services, open_services
 
 __all__ = [
     "HeldSnapshotConfig",
@@ -108,61 +111,28 @@ class _Sample:
     total_bytes: int | None = None
 
 
-class _Sampler:
+class _Sampler(Looker):
     """Every ``every`` seconds: the mode's CPU, the cluster's CPU, and the outbox's
     ``pg_stat_user_tables`` figures and size, on one connection to the mode's database."""
 
     def __init__(self, dsn: str, meter: CpuMeter, every: float) -> None:
-        self.dsn = dsn
+        super().__init__(dsn, every, "bench-sampler")
         self.meter = meter
-        self.every = every
         self.samples: list[_Sample] = []
-        self.errors: list[str] = []
-        self._task: asyncio.Task[None] | None = None
-        self._conn: asyncpg.Connection | None = None
-        self._lock = asyncio.Lock()
 
-    async def start(self) -> None:
-        """Connect and take the first sample; then sample in the background."""
-        self._conn = await asyncpg.connect(
-            self.dsn, timeout=30, server_settings={"application_name": "bench-sampler"}
-        )
-        await self.sample()
-        self._task = asyncio.create_task(self._loop())
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.every)
-            await self.sample()
-
-    async def sample(self) -> _Sample:
+    async def look(self) -> _Sample:
         """Take one sample now."""
-        async with self._lock:  # the loop and the bench's own calls share one connection
+        async with self.lock:  # the loop and the bench's own calls share one connection
             mode_cpu, db_cpu = self.meter.read()
-            row: Any = None
-            try:
-                assert self._conn is not None
-                row = await self._conn.fetchrow(_STATS, timeout=_QUERY_TIMEOUT)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
-                if len(self.errors) < 5:
-                    self.errors.append(f"{type(e).__name__}: {e}")
+            rows = await self.fetch(_STATS, within=_QUERY_TIMEOUT)
             s = _Sample(time.monotonic_ns(), mode_cpu, db_cpu)
-            if row is not None:
+            if rows:
+                row = rows[0]
                 s.dead, s.live = row["n_dead_tup"], row["n_live_tup"]
                 s.autovacuums = row["autovacuum_count"]
                 s.heap_bytes, s.total_bytes = row["heap_bytes"], row["total_bytes"]
             self.samples.append(s)
             return s
-
-    async def stop(self) -> None:
-        """Stop sampling and close the connection."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                await self._conn.close(timeout=5)
 
     def cpu_at(self, t: int) -> tuple[float | None, float | None]:
         """(mode, database) CPU seconds at ``t``, linear between the samples around it."""
@@ -226,15 +196,8 @@ def analyse_cell(
     e2e_hist = [Histogram() for _ in range(n)]
     phase_hist = {p: Histogram() for p in PHASES}
     recv_of = received_at(got)
-    sched, ack = gen["sched"], gen["ack"]
-    acked = received = 0
-    for i in range(len(ack)):
-        a = ack[i]
-        if not a:
-            continue
-        acked += 1
-        r = recv_of.get(i)
-        received += r is not None
+    sched = gen["sched"]
+    for i, a, r in acked_events(gen["ack"], recv_of):
         k = bisect.bisect_right(edges, a) - 1
         if k < 0 or k >= n:
             continue
@@ -295,7 +258,7 @@ def analyse_cell(
             }
         )
     phases = {p: latency_ms(h) for p, h in phase_hist.items()}
-    return windows, phases, {"acked": acked, "received": received}
+    return windows, phases, event_counts(gen["ack"], recv_of)
 
 
 class _HeldSnapshot:
@@ -327,21 +290,18 @@ class _HeldSnapshot:
         label = f"{mode.name} round {rnd + 1}"
         name = f"bench_held_{run.run_id.lower()}_{n}"
         topic = f"bench-held-{run.run_id.lower()}-{n}"
-        cell: dict[str, Any] = {
-            "cell": n,
-            "round": rnd,
-            "mode": mode.name,
-            "started_utc": utc(),
-            "load_average_start": loadavg(),
-        }
+        cell = cell_record(n, round=rnd, mode=mode.name)
         run.progress.status(f"{label}: database and topic")
-        try:
-            dsn, cell["database_setup"] = await prepare_mode(
-                services, mode, name, topic, partitions=cfg.partitions
-            )
-            await self._measure(services, mode, dsn, topic, cell, label)
-        finally:
-            await run.drop_database(services, name)
+        await in_fresh_database(
+            run,
+            services,
+            mode,
+            cell,
+            database=name,
+            topic=topic,
+            partitions=cfg.partitions,
+            measure=lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
+        )
         hold = [w for w in cell["windows"] if w["phase"] == "hold"]
         worst = max((w["ack_to_recv"]["p99"] or 0.0 for w in hold), default=0.0)
         share = min((w["rate_share"] or 0.0 for w in hold), default=0.0)
@@ -361,10 +321,7 @@ class _HeldSnapshot:
         self, services: Services, mode: Mode, dsn: str, topic: str, cell: dict[str, Any], label: str
     ) -> None:
         run, cfg = self.run, self.cfg
-        cells_dir = run.work / "cells"
-        cells_dir.mkdir(parents=True, exist_ok=True)
-        gen_path = cells_dir / f"held-{cell['cell']}-gen.bin"
-        got_path = cells_dir / f"held-{cell['cell']}-got.bin"
+        gen_path, got_path = run.array_paths(f"held-{cell['cell']}")
         consumer = await run.start_consumer(services.bootstrap, topic, name=f"consumer-{label}")
         proc: Child | None = None
         gen: Child | None = None
@@ -378,23 +335,15 @@ class _HeldSnapshot:
             )
             sampler = _Sampler(dsn, CpuMeter([proc], self.postmaster), cfg.sample_every)
             await sampler.start()
-            total = cfg.baseline + cfg.hold + cfg.recovery
-            lc = LoadConfig(
-                dsn=dsn,
-                topic=topic,
-                cell=1,
+            gen, t0 = await run.start_steady_writers(
+                dsn,
+                topic,
                 rate=cfg.rate,
-                warmup=0.0,
-                # Longer than the run: the bench ends it (stdin) when the recovery is over.
-                duration=total + 600.0,
-                writers=writers_for(cfg.rate),
-                out=str(gen_path),
                 keys=cfg.keys,
-                stop_on_input=True,
-                announce=True,
+                seconds=cfg.baseline + cfg.hold + cfg.recovery,
+                out=gen_path,
+                name=f"writers-{label}",
             )
-            gen = await run.start_loadgen(lc, name=f"writers-{label}")
-            t0 = int(json.loads(await gen.read_line(60))["t0"])
             await self._phase(label, "baseline", t0, cfg.baseline, sampler, gen)
             # The snapshot: taken by the first statement of the REPEATABLE READ transaction.
             holder = await asyncpg.connect(
@@ -411,22 +360,16 @@ class _HeldSnapshot:
             t_release = time.monotonic_ns()
             await holder.close(timeout=5)
             holder = None
-            at_release = await sampler.sample()
+            at_release = await sampler.look()
             cell["dead_tuples_at_release"] = at_release.dead
             await self._phase(label, "recovery", t_release, cfg.recovery, sampler, gen)
             t_end = time.monotonic_ns()
-            await gen.send_line("stop")
-            cell["writers"] = json.loads(await gen.read_line(120))
-            await sampler.sample()
-            run.progress.status(f"{label}: waiting for {cell['writers']['acked']} events")
-            cell["consumer"] = await run.collect(
-                consumer,
-                cell=1,
-                expect=int(cell["writers"]["acked"]),
-                within=cfg.drain_timeout,
-                out=got_path,
+            cell["writers"] = await run.stop_writers(gen)
+            await sampler.look()
+            cell["consumer"] = await run.collect_writers(
+                consumer, cell["writers"], label=label, within=cfg.drain_timeout, out=got_path
             )
-            await sampler.sample()
+            await sampler.look()
             host1 = envinfo.cpu_times()
             bounds = {
                 "baseline": (t0, t_hold),
@@ -443,11 +386,7 @@ class _HeldSnapshot:
                     "phases": phases,
                     "events": events,
                     "sampler_errors": sampler.errors,
-                    "host_cpu_busy": (
-                        (host1[0] - host0[0]) / (host1[1] - host0[1])
-                        if host1[1] > host0[1]
-                        else None
-                    ),
+                    "host_cpu_busy": envinfo.busy_share(host0, host1),
                     "load_average_end": loadavg(),
                 }
             )

@@ -21,7 +21,7 @@ from typing import Any
 import asyncpg
 
 from bench import envinfo
-from bench.config import Mode
+from bench.config import Mode, writers_for
 from bench.loadgen import LoadConfig
 from bench.pooler import end_record, mode_dsns, start_pgbouncer
 from bench.procs import ROOT, BenchError, Child, python_argv
@@ -238,6 +238,13 @@ class PhaseRun:
             wait_ready=wait_ready,
         )
 
+    def array_paths(self, stem: str) -> tuple[Path, Path]:
+        """Where the writers' and the consumer's per-event arrays of a cell go (in the work
+        directory): ``<stem>-gen.bin``, ``<stem>-got.bin``."""
+        cells = self.work / "cells"
+        cells.mkdir(parents=True, exist_ok=True)
+        return cells / f"{stem}-gen.bin", cells / f"{stem}-got.bin"
+
     async def start_consumer(self, bootstrap: str, topic: str, *, name: str) -> Child:
         """Start the latency consumer (``bench/consumer.py``) on ``topic`` and wait (bounded)
         until it is positioned at the end of every partition."""
@@ -286,6 +293,51 @@ class PhaseRun:
             log_path=self.log_path(name),
             pipes=True,
             cwd=self.src,
+        )
+
+    async def start_steady_writers(
+        self, dsn: str, topic: str, *, rate: float, keys: int, seconds: float, out: Path, name: str
+    ) -> tuple[Child, int]:
+        """Open-loop writers (single-row autocommit INSERTs over ``keys`` keys) at ``rate``
+        ev/s, on a schedule 10 minutes longer than ``seconds``: ``stop_writers`` ends it. Returns
+        them and the schedule's start (monotonic ns), which they announce before the first
+        event."""
+        lc = LoadConfig(
+            dsn=dsn,
+            topic=topic,
+            cell=1,
+            rate=rate,
+            warmup=0.0,
+            duration=seconds + 600.0,
+            writers=writers_for(rate),
+            out=str(out),
+            keys=keys,
+            stop_on_input=True,
+            announce=True,
+        )
+        gen = await self.start_loadgen(lc, name=name)
+        try:
+            t0 = int(json.loads(await gen.read_line(60))["t0"])
+        except BaseException:
+            await gen.stop(10)
+            raise
+        return gen, t0
+
+    async def stop_writers(self, gen: Child) -> dict[str, Any]:
+        """End steady writers' schedule (their stdin) and return their summary (events sent,
+        acked, errors) once they have written their arrays."""
+        await gen.send_line("stop")
+        summary: dict[str, Any] = json.loads(await gen.read_line(120))
+        return summary
+
+    async def collect_writers(
+        self, consumer: Child, writers: dict[str, Any], *, label: str, within: float, out: Path
+    ) -> dict[str, Any]:
+        """Wait (up to ``within`` seconds) until the consumer has every event the writers
+        committed; its answer (``collect``)."""
+        self.progress.status(f"{label}: waiting for {writers['acked']} events")
+        return await self.collect(
+            consumer, cell=1, expect=int(writers["acked"]), within=within, out=out
         )
 
     async def drop_database(self, services: Services, name: str) -> None:
@@ -350,11 +402,8 @@ class PhaseRun:
             self.errors.append(str(e))
             raise
         finally:
-            busy1, total1 = envinfo.cpu_times()
             self.result["load_average_end"] = loadavg()
-            self.result["host_cpu_busy"] = (
-                (busy1 - cpu0[0]) / (total1 - cpu0[1]) if total1 > cpu0[1] else None
-            )
+            self.result["host_cpu_busy"] = envinfo.busy_share(cpu0, envinfo.cpu_times())
             self.result["wall_seconds"] = round(time.monotonic() - t0, 1)
             self.result["finished_utc"] = utc()
             self.result["errors"] = self.errors

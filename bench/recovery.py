@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import socket
 import time
@@ -31,6 +30,7 @@ from bench.config import Mode, writers_for
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
+from bench.regimes import QUERY_ERRORS, Looker, received_at
 from bench.services import Services, check_loopback, open_services, set_notify
 from devstack.relayproc import create_topics
 
@@ -184,7 +184,7 @@ class _Xact:
     has_xid: bool
 
 
-class _XactSampler:
+class _XactSampler(Looker):
     """Every 50 ms, on its own connection to the relay's database: the relay's worker sessions
     that are in a transaction (``pg_stat_activity``, ``application_name`` 'notify-outbox-worker'),
     from just before a Kafka stop until every transaction begun before Kafka came back has
@@ -192,37 +192,15 @@ class _XactSampler:
     (vacuum) where it was, and its rows and key buckets locked."""
 
     def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
+        super().__init__(dsn, _XACT_SAMPLE_S, "bench-xact-sampler")
         self.samples: list[tuple[int, list[_Xact]]] = []  # (monotonic ns, open transactions)
-        self.errors: list[str] = []
         self.up_at: int | None = None  # the service accepts connections again (monotonic ns)
         self.clear = asyncio.Event()  # set once no transaction begun before up_at is open
-        self._conn: asyncpg.Connection | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        """Connect and take the first sample, then sample in the background."""
-        self._conn = await asyncpg.connect(
-            self.dsn, timeout=30, server_settings={"application_name": "bench-xact-sampler"}
-        )
-        await self._sample()
-        self._task = asyncio.create_task(self._loop())
-
-    async def _loop(self) -> None:
-        due = time.monotonic()
-        while True:
-            due += _XACT_SAMPLE_S
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            await self._sample()
-
-    async def _sample(self) -> None:
-        assert self._conn is not None
+    async def look(self) -> None:
         t0 = time.monotonic_ns()
-        try:
-            rows = await self._conn.fetch(_WORKER_XACTS, timeout=5)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
-            if len(self.errors) < 5:
-                self.errors.append(f"{type(e).__name__}: {e}")
+        rows = await self.fetch(_WORKER_XACTS, within=5)
+        if rows is None:
             return
         t = (t0 + time.monotonic_ns()) // 2
         xacts = [_Xact(r["pid"], r["began"], r["age"], bool(r["has_xid"])) for r in rows]
@@ -238,16 +216,6 @@ class _XactSampler:
             return True
         except TimeoutError:
             return False
-
-    async def stop(self) -> None:
-        """Stop sampling and close the connection."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                await self._conn.close(timeout=5)
 
 
 def _outage_xacts(xacts: list[_Xact], t: int, up_at: int) -> list[_Xact]:
@@ -318,12 +286,12 @@ def _port_open(port: int) -> bool:
 async def _pg_accepts(dsn: str) -> bool:
     try:
         conn = await asyncpg.connect(dsn, timeout=1.0)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+    except QUERY_ERRORS:
         return False
     try:
         await conn.fetchval("SELECT 1", timeout=1.0)
         return True
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+    except QUERY_ERRORS:
         return False
     finally:
         with contextlib.suppress(Exception):
@@ -360,9 +328,7 @@ class _Recovery:
         relay: Child | None = None
         gen: Child | None = None
         counter: asyncio.Task[None] | None = None
-        cells = run.work / "cells"
-        cells.mkdir(parents=True, exist_ok=True)
-        gen_path, got_path = cells / "recovery-gen.bin", cells / "recovery-got.bin"
+        gen_path, got_path = run.array_paths("recovery")
         try:
             relay = await run.start(services, self.mode, dsn, name="relay", extra_env=cfg.relay_env)
             log = _LogCounter(relay.log_path)
@@ -397,12 +363,10 @@ class _Recovery:
                     await asyncio.sleep(cfg.settle)
             if not gen.running():
                 raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
-            await gen.send_line("stop")
-            summary = json.loads(await gen.read_line(60))
+            summary = await run.stop_writers(gen)
             run.result["writers"] = summary
-            run.progress.status(f"waiting for {summary['acked']} events at the consumer")
-            run.result["consumer"] = await run.collect(
-                consumer, cell=1, expect=summary["acked"], within=cfg.drain_timeout, out=got_path
+            run.result["consumer"] = await run.collect_writers(
+                consumer, summary, label="recovery", within=cfg.drain_timeout, out=got_path
             )
             counter.cancel()
             log.sample()
@@ -520,9 +484,7 @@ class _Recovery:
         the run (the figures come from the consumer's arrays afterwards)."""
         limit = time.monotonic() + within
         while time.monotonic() < limit:
-            with contextlib.suppress(
-                OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError
-            ):
+            with contextlib.suppress(*QUERY_ERRORS):
                 conn = await asyncpg.connect(dsn, timeout=5)
                 try:
                     left = int(await conn.fetchval("SELECT count(*) FROM outbox", timeout=5))
@@ -535,9 +497,7 @@ class _Recovery:
 
     def _analyse(self, gen: dict[str, Any], got: dict[str, Any], log: _LogCounter) -> None:
         send, ack = gen["send"], gen["ack"]
-        recv_of: dict[int, int] = {}
-        for i, r in zip(got["index"], got["recv"], strict=True):
-            recv_of.setdefault(int(i), int(r))
+        recv_of = received_at(got)
         acked = [i for i in range(len(ack)) if ack[i]]
         missing = [i for i in acked if i not in recv_of]
         self.run.result["events"] = {

@@ -1,28 +1,40 @@
-"""What the production-condition regimes (``held-snapshot``, ``failing-head``) share: their
-modes, the join of the writers' and the consumer's per-event arrays, latency figures, medians
-over rounds and the sampling of a mode's and the database's CPU."""
+"""What the production-condition regimes (``held-snapshot``, ``failing-head``,
+``stalled-relay``) and the outage phase share: their modes, the join of the writers' and the
+consumer's per-event arrays, latency figures, medians over rounds, the sampling of a mode's and
+the database's CPU, and a periodic look at the database on a connection of its own."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import math
 import statistics
+import time
 from array import array
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
+
+import asyncpg
 
 from bench.config import MODES, Mode
 from bench.drain import parse_mode
 from bench.hist import Histogram
-from bench.phase import PhaseRun
+from bench.phase import PhaseRun, loadavg, utc
 from bench.procs import BenchError, Child, cluster_cpu_seconds
-from bench.services import Services, postmaster_pid
+from bench.services import Services, postmaster_pid, prepare_mode
 
 __all__ = [
     "DEFAULT_REGIME_MODES",
+    "QUERY_ERRORS",
     "CpuMeter",
+    "Looker",
+    "acked_events",
     "add_cell",
+    "cell_record",
     "database_postmaster",
+    "event_counts",
+    "in_fresh_database",
     "latency_ms",
     "median",
     "received_at",
@@ -31,6 +43,9 @@ __all__ = [
 ]
 
 DEFAULT_REGIME_MODES = ("notify", "poller")
+# What a look at the database may fail with (it is recorded, and the look is skipped).
+QUERY_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+_LOOK_TIMEOUT = 60.0
 
 
 def regime_mode(name: str, alt_tree: str | None) -> Mode:
@@ -60,6 +75,22 @@ def received_at(got: dict[str, array[int]]) -> dict[int, int]:
     for i, r in zip(got["index"], got["recv"], strict=True):
         out.setdefault(int(i), int(r))
     return out
+
+
+def acked_events(ack: array[int], recv_of: dict[int, int]) -> Iterator[tuple[int, int, int | None]]:
+    """(index, commit ack, first receipt or None) of every event the writers committed."""
+    for i, a in enumerate(ack):
+        if a:
+            yield i, a, recv_of.get(i)
+
+
+def event_counts(ack: array[int], recv_of: dict[int, int]) -> dict[str, int]:
+    """Events committed, received, and committed but never received."""
+    acked = received = 0
+    for _, _, r in acked_events(ack, recv_of):
+        acked += 1
+        received += r is not None
+    return {"acked": acked, "received": received, "missing": acked - received}
 
 
 def latency_ms(h: Histogram) -> dict[str, float | None]:
@@ -135,8 +166,102 @@ async def add_cell(
     run.write()
 
 
+def cell_record(n: int, **identity: Any) -> dict[str, Any]:
+    """The start of a cell's record: its number, what it is (round, mode, ...), when it
+    started and the load average then."""
+    return {"cell": n, **identity, "started_utc": utc(), "load_average_start": loadavg()}
+
+
+async def in_fresh_database(
+    run: PhaseRun,
+    services: Services,
+    mode: Mode,
+    cell: dict[str, Any],
+    *,
+    database: str,
+    topic: str,
+    partitions: int,
+    measure: Callable[[str], Awaitable[None]],
+) -> None:
+    """A fresh database and topic for ``mode`` (what was done is the cell's
+    ``database_setup``), ``measure(dsn)`` on them, and the database dropped afterwards,
+    whatever happened."""
+    try:
+        dsn, cell["database_setup"] = await prepare_mode(
+            services, mode, database, topic, partitions=partitions
+        )
+        await measure(dsn)
+    finally:
+        await run.drop_database(services, database)
+
+
 def unfinished(cell: dict[str, Any], where: str, needs: str) -> list[str]:
     """The problem of a cell that failed or has no ``needs`` (its analysis)."""
     if "error" in cell or needs not in cell:
         return [f"{where}: did not finish: {cell.get('error', 'no analysis')}"]
     return []
+
+
+class Looker:
+    """Looks at a database every ``every`` seconds, on a connection of its own (named
+    ``application_name`` in ``pg_stat_activity``): ``start()`` connects and takes the first look,
+    then looks in the background, paced from the start so that slow looks do not make it drift;
+    ``stop()`` ends it. A subclass's ``look()`` takes one look (under ``lock`` if the bench also
+    calls it: one query at a time on the connection); ``fetch`` records a failed query in
+    ``errors`` (the first five) and returns None."""
+
+    def __init__(self, dsn: str, every: float, application_name: str) -> None:
+        self.dsn = dsn
+        self.every = every
+        self.application_name = application_name
+        self.errors: list[str] = []
+        self.lock = asyncio.Lock()
+        self._conn: asyncpg.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect, take the first look, then look in the background."""
+        self._conn = await asyncpg.connect(
+            self.dsn, timeout=30, server_settings={"application_name": self.application_name}
+        )
+        await self.prepare()
+        await self.look()
+        self._task = asyncio.create_task(self._loop())
+
+    async def prepare(self) -> None:
+        """Once connected, before the first look (nothing by default)."""
+
+    async def look(self) -> object:
+        """One look (by the subclass)."""
+        raise NotImplementedError
+
+    async def _loop(self) -> None:
+        due = time.monotonic()
+        while True:
+            due += self.every
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await self.look()
+
+    async def fetch(
+        self, sql: str, *args: object, within: float = _LOOK_TIMEOUT
+    ) -> list[asyncpg.Record] | None:
+        """The rows of one query on the looker's connection (failing after ``within``
+        seconds); None if it failed."""
+        assert self._conn is not None, "start() first"
+        try:
+            rows: list[asyncpg.Record] = await self._conn.fetch(sql, *args, timeout=within)
+        except QUERY_ERRORS as e:
+            if len(self.errors) < 5:
+                self.errors.append(f"{type(e).__name__}: {e}")
+            return None
+        return rows
+
+    async def stop(self) -> None:
+        """Stop looking and close the connection (bounded); may be called again."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close(timeout=5)

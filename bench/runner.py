@@ -374,9 +374,7 @@ class Runner:
             "mode_cpu_us_per_event": (
                 round(1e6 * cpu_used / total_events, 1) if total_events else None
             ),
-            "host_cpu_busy": (
-                (host1[0] - host0[0]) / (host1[1] - host0[1]) if host1[1] > host0[1] else None
-            ),
+            "host_cpu_busy": envinfo.busy_share(host0, host1),
             "load_average": loadavg(),
             "drained": drained,
             "residual_rows": residual,

@@ -37,13 +37,24 @@ import asyncpg
 
 from bench import envinfo
 from bench.arrays import load_arrays
-from bench.config import Mode, writers_for
+from bench.config import Mode
 from bench.hist import Histogram
-from bench.loadgen import LoadConfig
-from bench.phase import PhaseRun, loadavg, utc, wait_mode_ready
+from bench.phase import PhaseRun, loadavg, wait_mode_ready
 from bench.procs import BenchError, Child, python_argv, tcp_ports
-from bench.regimes import add_cell, latency_ms, median, received_at, regime_mode, unfinished
-from bench.services import Services, open_services, prepare_mode
+from bench.regimes import (
+    Looker,
+    acked_events,
+    add_cell,
+    cell_record,
+    event_counts,
+    in_fresh_database,
+    latency_ms,
+    median,
+    received_at,
+    regime_mode,
+    unfinished,
+)
+from bench.services import Services, open_services
 from devstack.relayproc import child_env
 from notify_outbox import OutboxNames
 
@@ -188,58 +199,33 @@ class _Look:
         return [s for s in self.sessions if s.relay == relay]
 
 
-class _Watch:
+class _Watch(Looker):
     """Looks at the relays' sessions and locks every ``every`` seconds (and on demand), on
     its own connection to the cell's database; keeps the timeline of the marker's holder."""
 
     def __init__(self, dsn: str, fleet: _Fleet, every: float) -> None:
-        self.dsn = dsn
+        super().__init__(dsn, every, "bench-marker-watch")
         self.fleet = fleet
-        self.every = every
         names = OutboxNames()
         self.namespaces = (names.awake_namespace & 0xFFFFFFFF, names.claim_namespace & 0xFFFFFFFF)
         self.timeline: list[tuple[int, int]] = []  # (monotonic ns, holder code)
-        self.errors: list[str] = []
         self.marker = False  # whether the schema has the epoch marker (migration 0006)
-        self._sql = ""
-        self._conn: asyncpg.Connection | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
+        self._sql = _LOOK.format(cur="NULL")
 
-    async def start(self) -> None:
-        """Connect, take the first look, then look in the background."""
-        self._conn = await asyncpg.connect(
-            self.dsn, timeout=30, server_settings={"application_name": "bench-marker-watch"}
-        )
-        self.marker = bool(
-            await self._conn.fetchval(
-                "SELECT to_regprocedure('outbox_awake_epoch(integer)') IS NOT NULL"
-            )
-        )
+    async def prepare(self) -> None:
+        rows = await self.fetch("SELECT to_regprocedure('outbox_awake_epoch(integer)') AS f")
+        self.marker = bool(rows and rows[0]["f"] is not None)
         self._sql = _LOOK.format(cur=_CURRENT_EPOCH if self.marker else "NULL")
-        await self.look()
-        self._task = asyncio.create_task(self._loop())
-
-    async def _loop(self) -> None:
-        due = time.monotonic()
-        while True:
-            due += self.every
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            await self.look()
 
     async def look(self) -> _Look | None:
         """One look now (None if the query failed: recorded as an error)."""
-        async with self._lock:  # the loop and the cell's own calls share one connection
-            assert self._conn is not None
+        async with self.lock:  # the loop and the cell's own calls share one connection
             t0 = time.monotonic_ns()
-            try:
-                rows = await self._conn.fetch(self._sql, *self.namespaces, timeout=_QUERY_TIMEOUT)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
-                if len(self.errors) < 5:
-                    self.errors.append(f"{type(e).__name__}: {e}")
-                self.timeline.append((t0, _UNKNOWN))
-                return None
+            rows = await self.fetch(self._sql, *self.namespaces, within=_QUERY_TIMEOUT)
             t = (t0 + time.monotonic_ns()) // 2
+        if rows is None:
+            self.timeline.append((t, _UNKNOWN))
+            return None
         look = _Look(
             t,
             rows[0]["cur"] if rows else None,
@@ -258,16 +244,6 @@ class _Watch:
         )
         self.timeline.append((t, look.holder()))
         return look
-
-    async def stop(self) -> None:
-        """Stop looking and close the connection."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                await self._conn.close(timeout=5)
 
 
 def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str, Any]:
@@ -367,15 +343,7 @@ def analyse_cell(
     per = [_FreezeTally() for _ in freezes]
     held_keys = [set(f["frozen"].get("held_keys", [])) for f in freezes]
     recv_of = received_at(got)
-    ack = gen["ack"]
-    acked = received = 0
-    for i in range(len(ack)):
-        a = ack[i]
-        if not a:
-            continue
-        acked += 1
-        r = recv_of.get(i)
-        received += r is not None
+    for i, a, r in acked_events(gen["ack"], recv_of):
         j = bisect.bisect_right(starts, a) - 1
         if j < 0 or a >= t_end:
             continue
@@ -432,7 +400,7 @@ def analyse_cell(
                 if k not in ("frozen", "frozen_held_until_s")
             },
         },
-        "events": {"acked": acked, "received": received, "missing": acked - received},
+        "events": event_counts(gen["ack"], recv_of),
     }
 
 
@@ -475,23 +443,19 @@ class _StalledRelay:
         n = len(self.cells) + 1
         name = f"bench_stalled_{run.run_id.lower()}_{n}"
         topic = f"bench-stalled-{run.run_id.lower()}-{n}"
-        cell: dict[str, Any] = {
-            "cell": n,
-            "round": rnd,
-            "notify_mode": nm,
-            "keys": keys,
-            "started_utc": utc(),
-            "load_average_start": loadavg(),
-        }
+        cell = cell_record(n, round=rnd, notify_mode=nm, keys=keys)
         run.progress.status(f"{label}: database and topic")
         mode = self.modes[nm]
-        try:
-            dsn, cell["database_setup"] = await prepare_mode(
-                services, mode, name, topic, partitions=self.cfg.partitions
-            )
-            await self._measure(services, mode, dsn, topic, cell, label)
-        finally:
-            await run.drop_database(services, name)
+        await in_fresh_database(
+            run,
+            services,
+            mode,
+            cell,
+            database=name,
+            topic=topic,
+            partitions=self.cfg.partitions,
+            measure=lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
+        )
         ph = cell["phases"]
         run.progress.line(
             f"{label:<26} baseline p50/p99 {_ms(ph['baseline']['p50'])} / "
@@ -508,10 +472,7 @@ class _StalledRelay:
         self, services: Services, mode: Mode, dsn: str, topic: str, cell: dict[str, Any], label: str
     ) -> None:
         run, cfg = self.run, self.cfg
-        cells_dir = run.work / "cells"
-        cells_dir.mkdir(parents=True, exist_ok=True)
-        gen_path = cells_dir / f"stalled-{cell['cell']}-gen.bin"
-        got_path = cells_dir / f"stalled-{cell['cell']}-got.bin"
+        gen_path, got_path = run.array_paths(f"stalled-{cell['cell']}")
         consumer = await run.start_consumer(services.bootstrap, topic, name=f"consumer-{label}")
         relays: list[Child] = []
         freezer: Child | None = None
@@ -547,36 +508,23 @@ class _StalledRelay:
             await watch.start()
             cell["marker_in_schema"] = watch.marker
             buckets = list(await _fetchval(dsn, _KEY_BUCKETS, keys))
-            lc = LoadConfig(
-                dsn=dsn,
-                topic=topic,
-                cell=1,
+            gen, t0 = await run.start_steady_writers(
+                dsn,
+                topic,
                 rate=cfg.rate,
-                warmup=0.0,
-                # Longer than the cell: the bench ends it (stdin) after the recovery.
-                duration=cfg.cell_seconds() + 600.0,
-                writers=writers_for(cfg.rate),
-                out=str(gen_path),
                 keys=keys,
-                stop_on_input=True,
-                announce=True,
+                seconds=cfg.cell_seconds(),
+                out=gen_path,
+                name=f"writers-{label}",
             )
-            gen = await run.start_loadgen(lc, name=f"writers-{label}")
-            t0 = int(json.loads(await gen.read_line(60))["t0"])
             freezes = await self._freezes(label, t0, relays, gen, freezer, watch, buckets)
             await self._until(
                 label, "recovery", freezes[-1]["t_cont_ns"] + int(cfg.recovery * 1e9), relays, gen
             )
             t_end = time.monotonic_ns()
-            await gen.send_line("stop")
-            cell["writers"] = json.loads(await gen.read_line(120))
-            run.progress.status(f"{label}: waiting for {cell['writers']['acked']} events")
-            cell["consumer"] = await run.collect(
-                consumer,
-                cell=1,
-                expect=int(cell["writers"]["acked"]),
-                within=cfg.drain_timeout,
-                out=got_path,
+            cell["writers"] = await run.stop_writers(gen)
+            cell["consumer"] = await run.collect_writers(
+                consumer, cell["writers"], label=label, within=cfg.drain_timeout, out=got_path
             )
             await watch.stop()
             host1 = envinfo.cpu_times()
@@ -601,11 +549,7 @@ class _StalledRelay:
                     "seconds": round((t_end - t0) / 1e9, 3),
                     "watch_looks": len(watch.timeline),
                     "watch_errors": watch.errors,
-                    "host_cpu_busy": (
-                        (host1[0] - host0[0]) / (host1[1] - host0[1])
-                        if host1[1] > host0[1]
-                        else None
-                    ),
+                    "host_cpu_busy": envinfo.busy_share(host0, host1),
                     "load_average_end": loadavg(),
                 }
             )
