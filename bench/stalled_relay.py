@@ -4,7 +4,8 @@ the rest of a fleet.
 Per key mix, notify mode and round, on a fresh database and topic: ``relays`` relay processes
 (``python -m notify_outbox run``, default settings), open-loop writers at ``rate`` ev/s
 (single-row transactions over ``keys`` keys, ``bench/loadgen.py``) and the latency consumer.
-After ``baseline`` seconds, ``freezes`` times: one relay is frozen with SIGSTOP for ``freeze``
+After ``warmup`` seconds (in no phase) and ``baseline`` seconds, ``freezes`` times: one relay
+is frozen with SIGSTOP for ``freeze``
 seconds (a VM stall, a debugger, a long GC pause), then continued, then ``gap`` seconds; then
 ``recovery`` seconds. The relay frozen is the one holding the awake marker of the gated notify
 (migration 0006: an advisory lock per epoch, on the relay's listening session), found in
