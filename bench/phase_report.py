@@ -483,13 +483,14 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         )
         + f"; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
         "",
-        "Events go into phases by their commit ack: **baseline** (before the first freeze), "
-        "**freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, **recovery** "
-        "(after the last). Latency is commit ack -> consumer receipt (ms). **Keys held** are "
-        "the keys whose claim bucket the frozen relay held in an open claim transaction "
-        "(`pg_locks`, looked at just before the SIGCONT): per-key order makes them wait for "
-        "it; **keys free** are the others. **Rate %** is the producers' commits as a share "
-        "of the offered rate.",
+        "Events go into phases by their commit ack: **baseline** (from the end of the warm-up "
+        "to 1 s before the first freeze: an event committed just before a SIGSTOP may be in the "
+        "claim it freezes), **freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, "
+        "**recovery** (after the last). Latency is commit ack -> consumer receipt (ms). "
+        "**Keys held** are the keys whose claim bucket the frozen relay held in an open claim "
+        "transaction (`pg_locks`, looked at just before the SIGCONT): per-key order makes them "
+        "wait for it; **keys free** are the others. **Rate %** is the producers' commits as a "
+        "share of the offered rate.",
     ]
     lines += _targets(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
     lines += ["", "## Latency per phase (medians over rounds)", ""]

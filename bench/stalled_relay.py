@@ -71,6 +71,7 @@ NOTIFY_MODES = ("gated", "always")
 PHASES = ("baseline", "freeze", "between", "recovery")
 _QUERY_TIMEOUT = 10.0
 _FREEZER_TIMEOUT = 10.0
+_GUARD_NS = 1_000_000_000  # the end of the baseline before the first freeze, in no phase
 # Codes of the watch's timeline besides a relay's index: who held the current epoch's marker.
 _UNMAPPED, _NOBODY, _UNKNOWN = -1, -2, -3
 
@@ -272,8 +273,13 @@ def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str
 
 
 def _spans(freezes: list[dict[str, Any]], t0: int, t_end: int) -> list[tuple[str, int, int, int]]:
-    """(phase, start ns, end ns, freeze index or -1) of every part of a cell, in order."""
-    out = [("baseline", t0, freezes[0]["t_stop_ns"], -1)]
+    """(phase, start ns, end ns, freeze index or -1) of every part of a cell, in order. The
+    baseline ends a guard (1 s, at most half of it) before the first SIGSTOP: an event
+    committed just before it may be in the claim that the SIGSTOP freezes. The guard belongs
+    to no phase."""
+    stop = freezes[0]["t_stop_ns"]
+    guard = min(_GUARD_NS, (stop - t0) // 2)
+    out = [("baseline", t0, stop - guard, -1), ("guard", stop - guard, stop, -1)]
     for k, f in enumerate(freezes):
         out.append(("freeze", f["t_stop_ns"], f["t_cont_ns"], k))
         last = k + 1 == len(freezes)
@@ -340,7 +346,8 @@ def analyse_cell(
     missing = dict.fromkeys(PHASES, 0)
     seconds = dict.fromkeys(PHASES, 0.0)
     for phase, a, b, _ in spans:
-        seconds[phase] += (b - a) / 1e9
+        if phase in seconds:
+            seconds[phase] += (b - a) / 1e9
     per = [_FreezeTally() for _ in freezes]
     held_keys = [set(f["frozen"].get("held_keys", [])) for f in freezes]
     recv_of = received_at(got)
@@ -349,6 +356,8 @@ def analyse_cell(
         if j < 0 or a >= t_end:
             continue
         phase, _, _, k = spans[j]
+        if phase not in committed:
+            continue  # the guard
         committed[phase] += 1
         if phase == "freeze":
             per[k].committed += 1
