@@ -618,6 +618,11 @@ class Relay:
         assert self._publisher is not None
         async with self._store.claim(self.settings.batch_size) as batch:
             rows = batch.rows
+            if batch.busy:
+                # Other claims held buckets with fresh rows. A live one goes on with them
+                # itself; a frozen one loses them when PostgreSQL ends its claim, and nothing
+                # would wake a relay then: look again once that has happened.
+                self._wake_for_retry(self.settings.claim_idle_timeout * 1.1)
             if not rows:
                 self.events.emit("claimed_none")
                 return 0, False

@@ -74,6 +74,11 @@ class ClaimedBatch(Protocol):
         claim again to find out)."""
         ...
 
+    @property
+    def busy(self) -> int:
+        """Buckets with fresh rows that other claims held (their rows were not taken)."""
+        ...
+
     async def complete(self, outcome: BatchOutcome) -> None: ...
 
     async def keepalive(self) -> None:
@@ -169,6 +174,7 @@ class _PgBatch:
         delete: bool,
         full: bool,
         marks: MarkKeeper,
+        busy: int,
     ) -> None:
         self._conn = conn
         self._q = queries
@@ -176,6 +182,7 @@ class _PgBatch:
         self._delete = delete
         self._full = full  # the claim got all it asked for: more is likely due
         self._marks = marks
+        self.busy = busy
         self.committed = False
         self._more_due: bool | None = None
 
@@ -288,6 +295,7 @@ class PgOutboxStore:
                 last = records[-1]
                 self.marks.offer(LowWaterMark(last[12], tuple(last[13]), tuple(last[14])), token)
                 changed = bool(last[15])
+                busy = int(last[16])
                 rows = [OutboxRow(*r[:12]) for r in records[:-1]]
                 batch = _PgBatch(
                     conn,
@@ -296,6 +304,7 @@ class PgOutboxStore:
                     delete=self._delete,
                     full=len(rows) >= limit,
                     marks=self.marks,
+                    busy=busy,
                 )
                 try:
                     yield batch

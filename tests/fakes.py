@@ -29,6 +29,7 @@ class FakeBatch:
         self._rows = rows
         self.outcome: BatchOutcome | None = None
         self.keepalives = 0
+        self.busy = 0
 
     @property
     def rows(self) -> Sequence[OutboxRow]:

@@ -176,13 +176,16 @@ $fn$;
 -- from the floor to choose key buckets. Per key, the rows returned are the key's earliest
 -- pending rows with no gap; the final SELECT re-reads every row under a row lock, so a row
 -- published by a claim that committed meanwhile is left out. The last row has a NULL id and
--- carries the next low-water mark (see 1).
+-- carries the next low-water mark (see 1), whether the claim parked or promoted rows, and how
+-- many buckets with fresh rows other claims held (a frozen relay's claim holds them until
+-- PostgreSQL ends it: the relay looks again then, as nothing else may wake it).
 CREATE FUNCTION @schema@.@prefix@_claim(batch integer, scan integer, low bigint,
                                         wait_xids bigint[], wait_lows bigint[])
 RETURNS TABLE (id bigint, event_id uuid, topic text, key text, payload text, payload_bytes bytea,
                headers text, event_type text, aggregate_type text, aggregate_id text,
                attempts integer, created_at timestamptz,
-               next_low bigint, next_xids bigint[], next_lows bigint[], changed boolean)
+               next_low bigint, next_xids bigint[], next_lows bigint[], changed boolean,
+               busy integer)
 -- No JIT: the scans' estimated cost covers the whole table (they stop early, the planner cannot
 -- know), which would make PostgreSQL compile them at every call. No sequential scan: a queue
 -- table's statistics say it is small while it is full of dead tuples, and a generic plan with
@@ -198,6 +201,7 @@ DECLARE
     v bigint;
     own bigint;
     changed boolean := false;
+    busy integer := 0;  -- buckets other claims held
     taken bigint[] := '{}';
     run bigint[];
     run_keys text[] := '{}';
@@ -310,7 +314,10 @@ BEGIN
         FOREACH b IN ARRAY buckets LOOP
             EXIT WHEN cardinality(taken) >= batch;
             tried := tried || b;
-            CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, b);
+            IF NOT pg_try_advisory_xact_lock(@claim_ns@, b) THEN
+                busy := busy + 1;
+                CONTINUE;
+            END IF;
             -- A new statement, so a new snapshot taken after the lock: rows the bucket's
             -- previous owner published before it committed are seen as published.
             WITH range AS MATERIALIZED (
@@ -378,14 +385,15 @@ BEGIN
     RETURN QUERY
         SELECT o.id, o.event_id, o.topic, o.key, o.payload::text, o.payload_bytes,
                o.headers::text, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts,
-               o.created_at, NULL::bigint, NULL::bigint[], NULL::bigint[], NULL::boolean
+               o.created_at, NULL::bigint, NULL::bigint[], NULL::bigint[], NULL::boolean,
+               NULL::integer
         FROM @table@ AS o
         WHERE o.id = ANY(taken) AND o.published_at IS NULL
         ORDER BY o.id
         FOR UPDATE OF o;
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::text,
                         NULL::bytea, NULL::text, NULL::text, NULL::text, NULL::text,
-                        NULL::integer, NULL::timestamptz, mark, xids, lows, changed;
+                        NULL::integer, NULL::timestamptz, mark, xids, lows, changed, busy;
 END
 $fn$;
 
