@@ -322,7 +322,12 @@ BEGIN
             -- previous owner published before it committed are seen as published.
             WITH range AS MATERIALIZED (
                 SELECT o.id, o.key,
-                       @schema@.@prefix@_held(o.key, o.id) AS held
+                       -- outbox_held(o.key, o.id), written out: a function with a subquery
+                       -- is never inlined, and calling one per row doubled the claim's cost.
+                       (SELECT w.id FROM @table@ AS w
+                        WHERE w.key = o.key AND w.published_at IS NULL
+                          AND w.next_attempt_at IS NOT NULL AND w.id < o.id
+                        ORDER BY w.key, w.id LIMIT 1) IS NOT NULL AS held
                 FROM @table@ AS o
                 WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
                             ELSE hashtext(o.key) & 255 END) = b
@@ -332,7 +337,7 @@ BEGIN
                 -- say, no other index can return the rows in this order without reading all.
                 ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
                                ELSE hashtext(o.key) & 255 END), o.id
-                LIMIT batch - cardinality(taken) + scan
+                LIMIT batch - cardinality(taken)
             )
             SELECT taken || ARRAY(SELECT range.id FROM range WHERE NOT range.held
                                   ORDER BY range.id LIMIT batch - cardinality(taken)),
