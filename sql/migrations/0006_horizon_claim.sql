@@ -48,6 +48,12 @@
 --    keys hid every healthy row behind them until the failures were dead-lettered. Now a claim
 --    that meets a fresh row held back behind a failed row of its key parks it: next_attempt_at
 --    = 'infinity', which moves it to the small indexes of waiting rows, out of the claim's way.
+--    A claim parks at most `scan` / 2 rows (1,000 by default, about 50 ms here), so a claim
+--    that parks stays short, and in a bucket where it met held rows it also takes the other
+--    keys' rows past them: a healthy key whose bucket a failing key shares (hashes collide)
+--    waits for no parking. Measured with claims alone (4 connections, no Kafka): 300 healthy
+--    rows behind 100,000 rows of five failing keys were all claimed 1.7 s after their insert
+--    when claims parked 4,000 rows and read only the head of each bucket, 0.12 s now.
 --    A failed row whose retry time came is claimed alone (it may fail again); once it is
 --    published or dead-lettered, the relay promotes its key's next parked row (next_attempt_at
 --    = now()). A claim takes a promoted row and the key's following waiting rows in order, as
@@ -213,6 +219,8 @@ DECLARE
     n integer;
     saw_held boolean := false;
     widened boolean := false;
+    head_full boolean;
+    past bigint;
     mark bigint;
     xids bigint[];
     lows bigint[];
@@ -259,8 +267,9 @@ BEGIN
     SELECT least(v + 1, (SELECT min(h.id) FROM head AS h)),
            ARRAY(SELECT ru.x FROM running AS ru ORDER BY ru.x),
            ARRAY(SELECT ru.lo FROM running AS ru ORDER BY ru.x),
-           ARRAY(SELECT h.b FROM head AS h GROUP BY h.b ORDER BY min(h.id))
-    INTO mark, xids, lows, heads;
+           ARRAY(SELECT h.b FROM head AS h GROUP BY h.b ORDER BY min(h.id)),
+           (SELECT count(*) FROM head) >= scan
+    INTO mark, xids, lows, heads, head_full;
 
     -- Due rows, each the earliest waiting row of its key (so each key once): a retry whose time
     -- came, or a parked row promoted. Few. A try on a bucket this transaction owns already
@@ -342,12 +351,36 @@ BEGIN
             SELECT taken || ARRAY(SELECT range.id FROM range WHERE NOT range.held
                                   ORDER BY range.id LIMIT batch - cardinality(taken)),
                    ARRAY(SELECT DISTINCT range.key FROM range
-                         WHERE range.held AND range.key <> ALL(run_keys))
-            INTO taken, held_keys;
+                         WHERE range.held AND range.key <> ALL(run_keys)),
+                   (SELECT max(range.id) FROM range)
+            INTO taken, held_keys, past;
             saw_held := saw_held OR cardinality(held_keys) > 0;
-            CONTINUE WHEN cardinality(held_keys) = 0 OR parked >= scan * 2;
-            -- Park the held keys' fresh rows in this bucket (see 2), up to `scan` * 10 per
-            -- claim: one bucket's worth of a failing key at a time, so the claim stays short.
+            CONTINUE WHEN cardinality(held_keys) = 0;
+            -- The bucket's rows of other keys, past the held ones: a key that shares its
+            -- bucket with a failing key must not wait until every row of that key is parked
+            -- (tens of thousands of rows: many claims). This walks the held keys' rows not
+            -- parked yet, a chunk fewer at every claim. Per key still a gapless prefix: all of
+            -- a key's rows are in this bucket, read in id order after those the range read,
+            -- and a held row is followed by held rows only.
+            IF cardinality(taken) < batch THEN
+                taken := taken || ARRAY(
+                    SELECT o.id FROM @table@ AS o
+                    WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                ELSE hashtext(o.key) & 255 END) = b
+                      AND o.published_at IS NULL AND o.next_attempt_at IS NULL
+                      AND o.id > past
+                      AND (o.key IS NULL OR o.key <> ALL(held_keys))
+                      AND (SELECT w.id FROM @table@ AS w
+                           WHERE w.key = o.key AND w.published_at IS NULL
+                             AND w.next_attempt_at IS NOT NULL AND w.id < o.id
+                           ORDER BY w.key, w.id LIMIT 1) IS NULL
+                    ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                   ELSE hashtext(o.key) & 255 END), o.id
+                    LIMIT batch - cardinality(taken));
+            END IF;
+            CONTINUE WHEN parked >= scan / 2;
+            -- Park the held keys' fresh rows in this bucket (see 2), up to `scan` / 2 per
+            -- claim, so that a claim that parks stays short (see 2).
             -- Not the rows of a key whose run this claim took: they are next once the run is
             -- published, and nothing would promote them. By primary key: the re-check is
             -- written so that no partial index's predicate matches it (a full scan of one
@@ -362,12 +395,16 @@ BEGIN
                       AND h.key = ANY(held_keys) AND @schema@.@prefix@_held(h.key, h.id)
                     ORDER BY (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
                                    ELSE hashtext(h.key) & 255 END), h.id
-                    LIMIT scan * 2 - parked))
+                    LIMIT scan / 2 - parked))
               AND coalesce(o.published_at, o.next_attempt_at) IS NULL;
             GET DIAGNOSTICS n = ROW_COUNT;
             parked := parked + n;
         END LOOP;
-        EXIT WHEN cardinality(taken) >= batch OR widened OR NOT saw_held;
+        -- Widen when held rows were met, or when other claims held head buckets and fresh
+        -- rows lie beyond the head (a claim parking a failing key's rows holds its bucket:
+        -- meanwhile the others serve the rest).
+        EXIT WHEN cardinality(taken) >= batch OR widened
+                  OR NOT (saw_held OR (busy > 0 AND head_full));
         widened := true;
         -- Each bucket's first fresh row: one probe of the bucket index each.
         WITH f AS MATERIALIZED (SELECT @schema@.@prefix@_floor(mark, xids, lows) AS lo)
