@@ -542,6 +542,8 @@ class Relay:
                     continue
                 if more is not False:
                     continue
+            elif more:
+                continue  # the claim parked rows and got none: more may be parked
             busy_since = None
             if not await self.gate.settle(self._busy_workers):
                 return
@@ -625,7 +627,9 @@ class Relay:
                 self._wake_for_retry(self.settings.claim_idle_timeout * 1.1)
             if not rows:
                 self.events.emit("claimed_none")
-                return 0, False
+                # Rows parked (a failing key's, a chunk per claim) are no sign of an idle
+                # table: the next chunk waits for the next claim, now rather than at a poll.
+                return 0, batch.parked
             self.events.emit("claimed", len(rows))
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")

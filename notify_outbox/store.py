@@ -79,6 +79,12 @@ class ClaimedBatch(Protocol):
         """Buckets with fresh rows that other claims held (their rows were not taken)."""
         ...
 
+    @property
+    def parked(self) -> bool:
+        """Whether the claim moved rows aside (migration 0006: rows held back behind a failed
+        row of their key), which it does a chunk at a time: claim again, even with no rows."""
+        ...
+
     async def complete(self, outcome: BatchOutcome) -> None: ...
 
     async def keepalive(self) -> None:
@@ -175,6 +181,7 @@ class _PgBatch:
         full: bool,
         marks: MarkKeeper,
         busy: int,
+        parked: bool,
     ) -> None:
         self._conn = conn
         self._q = queries
@@ -183,6 +190,7 @@ class _PgBatch:
         self._full = full  # the claim got all it asked for: more is likely due
         self._marks = marks
         self.busy = busy
+        self.parked = parked
         self.committed = False
         self._more_due: bool | None = None
 
@@ -305,6 +313,7 @@ class PgOutboxStore:
                     full=len(rows) >= limit,
                     marks=self.marks,
                     busy=busy,
+                    parked=changed,
                 )
                 try:
                     yield batch

@@ -30,6 +30,7 @@ class FakeBatch:
         self.outcome: BatchOutcome | None = None
         self.keepalives = 0
         self.busy = 0
+        self.parked = False
 
     @property
     def rows(self) -> Sequence[OutboxRow]:
