@@ -249,9 +249,9 @@ class _Watch(Looker):
 
 
 def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str, Any]:
-    """What the frozen relay held in the database, from a look taken at the end of its freeze
-    (its locks cannot change while it is stopped): its sessions, those in a transaction, the
-    claim buckets it held and how many of the writers' keys fall in them."""
+    """What the frozen relay held in the database, from a look taken just after its stop
+    (see _freezes): its sessions, those in a transaction, the claim buckets it held and how
+    many of the writers' keys fall in them."""
     if look is None:
         return {"looked": False}
     own = look.of(relay)
@@ -602,12 +602,14 @@ class _StalledRelay:
             relay, picked_by = await self._pick(watch, last, len(relays))
             stopped = await _command(freezer, f"stop {relay}")
             t_stop = int(stopped["t"])
-            await self._until(
-                label, f"freeze {k + 1}/{cfg.freezes}", t_stop + int(cfg.freeze * 1e9), relays, gen
-            )
-            # Its locks cannot change while it is stopped: what it holds now it held throughout
-            # (statements in flight at the stop have finished by now).
+            freeze = f"freeze {k + 1}/{cfg.freezes}"
+            # What it holds, once statements in flight at the stop have finished: its client
+            # cannot change it while stopped, but PostgreSQL ends a claim left idle for the
+            # relay's claim_idle_timeout (2 s), so a look just before the SIGCONT would miss
+            # the claim whose keys waited that long.
+            await self._until(label, freeze, t_stop + _HELD_LOOK_NS, relays, gen)
             state = frozen_state(await watch.look(), relay, buckets)
+            await self._until(label, freeze, t_stop + int(cfg.freeze * 1e9), relays, gen)
             t_cont = int((await _command(freezer, "cont"))["t"])
             freezes.append(
                 {
@@ -651,6 +653,10 @@ class _StalledRelay:
                     raise BenchError(f"{r.name} exited ({r.proc.returncode}):\n{r.tail()}")
             self.run.progress.status(f"{label}: {phase}, {left:.0f}s left")
             await asyncio.sleep(min(0.5, left))
+
+
+# When, after the SIGSTOP, the frozen relay's locks are looked at (see _freezes).
+_HELD_LOOK_NS = 200_000_000
 
 
 async def _command(freezer: Child, line: str) -> dict[str, Any]:
