@@ -43,6 +43,8 @@ log = logging.getLogger("notify_outbox.gate")
 # notify again and watches G with a backoff up to _WATCH_CAP seconds.
 _SLEEP_TRIES = 6
 _WATCH_CAP = 2.0
+# The marker is renewed while a claim started or ended within this many epochs.
+_PROGRESS_EPOCHS = 4
 
 
 class Gate:
@@ -79,6 +81,7 @@ class Gate:
         self._marked_on: asyncpg.Connection | None = None
         self._held: list[int] = []
         self._renewed_at = -1e9  # monotonic time of the last renewal (or try)
+        self._progress_at = -1e9  # monotonic time a claim last started or ended
         self._sleep_tries = 0  # try_sleep refused in a row (producers in flight)
         self._lock = asyncio.Lock()  # the marker's state changes one at a time
         self._watch: asyncio.Task[None] | None = None
@@ -107,6 +110,26 @@ class Gate:
             return
         if not self.awake and seconds < self._settings.gate_awake_after:
             return
+        await self._hold(mark=True)
+
+    def progress(self) -> None:
+        """A worker started or ended a claim: the relay is claiming now."""
+        self._progress_at = time.monotonic()
+
+    async def renew_while_claiming(self) -> None:
+        """Renew the marker every half epoch while claims start or end, not only when one
+        ends with rows: under load a claim's round (Kafka's acks included) can outlast the
+        marker's two epochs, and each lapse lets producers NOTIFY, whose commits PostgreSQL
+        serializes. A frozen process renews nothing (this task is frozen too), and a relay
+        whose claims stop moving stops renewing after ``_PROGRESS_EPOCHS`` epochs."""
+        while True:
+            await anyio.sleep(self.epoch_ms / 2000)
+            recent = time.monotonic() - self._progress_at < self.epoch_ms * _PROGRESS_EPOCHS / 1000
+            if self.awake and recent and not self._renewed_lately():
+                await self._hold(mark=False)
+
+    async def _hold(self, *, mark: bool) -> None:
+        """Take the current and the next epoch (``mark``: also when not awake yet)."""
         listener = self.listener
         if listener is None or not listener.direct:
             return  # through a pooler the marker could outlive this relay: producers notify
@@ -115,6 +138,10 @@ class Gate:
         async with self._lock:
             if self._renewed_lately():
                 return  # a sibling worker did it meanwhile
+            if not mark and not self.awake:
+                # The sleep protocol ran meanwhile: only a worker's busy run may mark the
+                # relay awake again (producers that skip their NOTIFY need a relay claiming).
+                return
             if self._marked_on is not None and not self.awake:
                 self._asleep()  # that session is gone, and its locks with it
             held = self._held if self.awake else []

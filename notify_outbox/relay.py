@@ -249,6 +249,7 @@ class Relay:
                     self.gate.listener = self.listener
                     services.start_soon(self.listener.run, name="listener")
                 services.start_soon(self._poller, name="poller")
+                services.start_soon(self.gate.renew_while_claiming, name="gate-renewer")
                 services.start_soon(self._housekeeping, name="housekeeping")
                 services.start_soon(self._shutdown_watchdog, name="watchdog")
                 services.start_soon(self._remind_outages, name="outage-reminders")
@@ -618,7 +619,9 @@ class Relay:
     async def _process_batch(self) -> tuple[int, bool | None]:
         assert self._store is not None
         assert self._publisher is not None
+        self.gate.progress()
         async with self._store.claim(self.settings.batch_size) as batch:
+            self.gate.progress()
             rows = batch.rows
             if batch.busy:
                 # Other claims held buckets with fresh rows. A live one goes on with them
@@ -639,6 +642,7 @@ class Relay:
             # The claim commits at once, even when Kafka became unavailable: its rows that
             # were not acknowledged stay pending, and no transaction waits for the broker.
             await batch.complete(outcome)
+        self.gate.progress()
         self._fault("after_mark")
         self.events.emit("published", len(outcome.published))
         if outcome.retry:
