@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import asyncpg
 
+from . import __version__
 from .admin_cli import (
     add_admin_commands,
     print_requeue,
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO (default), WARNING, ERROR"
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
