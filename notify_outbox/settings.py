@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
+    BeforeValidator,
     Field,
     SecretStr,
     ValidationError,
@@ -18,9 +20,28 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigurationError
 from .names import OutboxNames, validate_identifier
-from .timespec import parse_duration
+from .timespec import duration_seconds
 
-__all__ = ["DatabaseSettings", "OutboxSettings", "load_settings", "redact"]
+__all__ = ["DatabaseSettings", "OutboxSettings", "Seconds", "load_settings", "redact"]
+
+
+def _to_seconds(value: Any) -> Any:
+    # A plain number (or anything float() reads) is left to the field's own float parsing
+    # and bounds, as before units were accepted: "0" and "-1" get the usual messages.
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return duration_seconds(value)
+    return value
+
+
+#: A duration setting, in seconds: a number, a ``timedelta``, or a string with a unit
+#: (``250ms``, ``5s``, ``1m``, ``1h``, ``2d``, ISO-8601 ``PT5S``). Bounds (``gt=0``) are the
+#: field's, applied to the seconds.
+Seconds = Annotated[float, BeforeValidator(_to_seconds)]
 
 
 def _valid_dsn(v: SecretStr) -> SecretStr:
@@ -107,16 +128,16 @@ class OutboxSettings(DatabaseSettings):
     kafka_linger_ms: int = Field(0, ge=0, le=1000)
     kafka_max_request_size: int = Field(1_048_576, ge=1024)
     kafka_request_timeout_ms: int = Field(10_000, ge=100)
-    kafka_idle_check_interval: float = Field(
+    kafka_idle_check_interval: Seconds = Field(
         5.0,
         gt=0,
         description="How often a relay with nothing to send asks Kafka whether it still "
         "answers (a metadata request), so that an outage is seen when it starts",
     )
-    kafka_send_timeout: float = Field(
+    kafka_send_timeout: Seconds = Field(
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )
-    claim_idle_timeout: float = Field(
+    claim_idle_timeout: Seconds = Field(
         2.0,
         gt=0,
         description="A claim's transaction left idle this long is ended by PostgreSQL "
@@ -128,7 +149,7 @@ class OutboxSettings(DatabaseSettings):
     # --- how the relay works ------------------------------------------------------------------
     workers: int = Field(4, ge=1, le=256)
     batch_size: int = Field(200, ge=1, le=10_000)
-    poll_interval: float = Field(5.0, gt=0, description="Fallback poll, seconds")
+    poll_interval: Seconds = Field(5.0, gt=0, description="Fallback poll, seconds")
     poll_only: bool = Field(
         False, description="Never LISTEN: claim on the fallback poll only (poll_interval)"
     )
@@ -138,27 +159,27 @@ class OutboxSettings(DatabaseSettings):
         "a transaction-pooling PgBouncer (LISTEN needs a session: point this at PostgreSQL "
         "itself or at a session-pooling pooler); unset: NOTIFY_OUTBOX_DSN",
     )
-    listen_health_interval: float = Field(10.0, gt=0)
-    listen_health_timeout: float = Field(5.0, gt=0)
-    reconnect_min_delay: float = Field(0.05, gt=0)
-    reconnect_max_delay: float = Field(
+    listen_health_interval: Seconds = Field(10.0, gt=0)
+    listen_health_timeout: Seconds = Field(5.0, gt=0)
+    reconnect_min_delay: Seconds = Field(0.05, gt=0)
+    reconnect_max_delay: Seconds = Field(
         0.5,
         gt=0,
         description="Cap of the backoff between attempts to reach PostgreSQL (and Kafka at "
         "start): short, so that delivery resumes within about a second of a server's return; "
         "a refused connection costs the server nothing, and the log stays quiet meanwhile",
     )
-    db_command_timeout: float = Field(30.0, gt=0)
-    gate_linger: float = Field(
+    db_command_timeout: Seconds = Field(30.0, gt=0)
+    gate_linger: Seconds = Field(
         0.01,
         ge=0,
         description="Gated notify: how long an idle, awake relay keeps looking for rows before "
         "it lets producers NOTIFY again (seconds)",
     )
-    gate_poll_interval: float = Field(
+    gate_poll_interval: Seconds = Field(
         0.002, gt=0, description="Gated notify: seconds between looks while lingering"
     )
-    gate_awake_after: float = Field(
+    gate_awake_after: Seconds = Field(
         0.02,
         ge=0,
         description="Gated notify: seconds of unbroken draining before the relay marks itself "
@@ -175,22 +196,22 @@ class OutboxSettings(DatabaseSettings):
 
     # --- failures -----------------------------------------------------------------------------
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")
-    retry_base_delay: float = Field(1.0, ge=0)
-    retry_max_delay: float = Field(300.0, ge=0)
+    retry_base_delay: Seconds = Field(1.0, ge=0)
+    retry_max_delay: Seconds = Field(300.0, ge=0)
 
     # --- retention and shutdown ---------------------------------------------------------------
-    keep_published: float = Field(
+    keep_published: Seconds = Field(
         0.0, ge=0, description="Seconds to keep published rows; 0 deletes them on publish"
     )
-    cleanup_interval: float = Field(60.0, gt=0)
+    cleanup_interval: Seconds = Field(60.0, gt=0)
     cleanup_batch: int = Field(5000, ge=1)
-    dead_letter_retention: float | None = Field(
+    dead_letter_retention: Seconds | None = Field(
         None,
         gt=0,
         description="How long dead letters are kept, from their dead-lettering: seconds or a "
         "duration (30d, 12h, P7D); unset: forever. Applied by the relay's cleanup",
     )
-    shutdown_timeout: float = Field(30.0, gt=0)
+    shutdown_timeout: Seconds = Field(30.0, gt=0)
 
     # --- monitoring (notify_outbox/http.py) ---------------------------------------------------
     http_host: str = Field("127.0.0.1", description="Address of /metrics, /livez and /readyz")
@@ -206,10 +227,8 @@ class OutboxSettings(DatabaseSettings):
     @field_validator("dead_letter_retention", mode="before")
     @classmethod
     def _retention(cls, v: Any) -> Any:
-        # "30d" as well as a number of seconds; an empty variable means "keep forever".
-        if isinstance(v, str):
-            return parse_duration(v).total_seconds() if v.strip() else None
-        return v
+        # An empty variable means "keep forever"; "30d" is read by Seconds.
+        return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("kafka_bootstrap_servers")
     @classmethod
