@@ -27,7 +27,7 @@ from .deadletters import (
 from .errors import ConfigurationError, NotifyOutboxError
 from .names import OutboxNames
 from .replay import ReplayReport, replay
-from .settings import DatabaseSettings, OutboxSettings, load_settings
+from .settings import DatabaseSettings, OutboxSettings, load_settings_from_flags
 from .sqlfiles import Queries
 from .timespec import format_duration, parse_duration, parse_time
 
@@ -162,7 +162,7 @@ def run_admin_command(args: argparse.Namespace, connect: Connect) -> int:
         assert since is not None
         if until is not None and until <= since:
             raise ConfigurationError("--until must be after --since")
-        settings = load_settings(
+        settings = load_settings_from_flags(
             OutboxSettings,
             **db_overrides,
             kafka_bootstrap_servers=args.kafka_bootstrap_servers,
@@ -181,7 +181,7 @@ def run_admin_command(args: argparse.Namespace, connect: Connect) -> int:
         )
     if action == "requeue" and args.all and not where.empty:
         raise ConfigurationError("--all cannot be combined with ids or filters")
-    db = load_settings(DatabaseSettings, **db_overrides)
+    db = load_settings_from_flags(DatabaseSettings, **db_overrides)
 
     async def go() -> int:
         conn = await connect(db)

@@ -37,7 +37,7 @@ from .logs import configure_logging, secrets_from_env
 from .migrations import migrate, render_migrations, verify
 from .names import OutboxNames, validate_identifier
 from .relay import Relay
-from .settings import DatabaseSettings, OutboxSettings, load_settings, redact
+from .settings import DatabaseSettings, OutboxSettings, load_settings_from_flags, redact
 from .sqlfiles import Queries, render, sql_dir
 
 __all__ = ["main"]
@@ -347,19 +347,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "healthcheck":
             return healthcheck_main(args.url, args.timeout)
         if args.command in ("migrate", "verify"):
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             check = args.command == "verify" or args.check
             return asyncio.run(_migrate(db, check))
         if args.command == "status":
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_status(db, args.count_limit))
         if args.command == "notify-mode":
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_notify_mode(db, args.mode))
         if args.command == "requeue":
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_requeue(db, args.ids))
-        settings = load_settings(
+        settings = load_settings_from_flags(
             OutboxSettings,
             **_overrides(
                 args,

@@ -28,7 +28,7 @@ from .debezium import (
 )
 from .errors import ConfigurationError
 from .names import OutboxNames
-from .settings import DatabaseSettings, load_settings
+from .settings import DatabaseSettings, load_settings_from_flags
 
 __all__ = ["add_debezium_command", "run_debezium_command", "wants_debezium"]
 
@@ -120,7 +120,7 @@ def run_debezium_command(args: argparse.Namespace, connect: Connect) -> int:
     if args.debezium_action == "sql":
         sys.stdout.write(render_capture(capture, names))
         return EXIT_OK
-    db = load_settings(
+    db = load_settings_from_flags(
         DatabaseSettings, dsn=args.dsn, db_schema=args.db_schema, table=args.table, channel=None
     )
     return asyncio.run(_apply(db, connect, capture, names, args.debezium_action == "verify"))

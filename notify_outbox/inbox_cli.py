@@ -25,7 +25,7 @@ from .inbox import (
     render_inbox_migrations,
     verify_inbox,
 )
-from .settings import DatabaseSettings, load_settings
+from .settings import DatabaseSettings, load_settings_from_flags
 from .timespec import parse_duration
 
 __all__ = ["add_inbox_command", "add_inbox_flag", "run_inbox_command", "wants_inbox"]
@@ -84,7 +84,7 @@ def run_inbox_command(args: argparse.Namespace, connect: Connect) -> int:
             raise ConfigurationError("--grants is for the outbox; the inbox needs none of its own")
         sys.stdout.write(render_inbox_migrations(names, since=args.since))
         return EXIT_OK
-    db = load_settings(DatabaseSettings, dsn=args.dsn)
+    db = load_settings_from_flags(DatabaseSettings, dsn=args.dsn)
     if args.command == "inbox":
         try:
             older_than = parse_duration(args.older_than)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
@@ -22,7 +23,14 @@ from .errors import ConfigurationError
 from .names import OutboxNames, validate_identifier
 from .timespec import duration_seconds
 
-__all__ = ["DatabaseSettings", "OutboxSettings", "Seconds", "load_settings", "redact"]
+__all__ = [
+    "DatabaseSettings",
+    "OutboxSettings",
+    "Seconds",
+    "load_settings",
+    "load_settings_from_flags",
+    "redact",
+]
 
 
 def _to_seconds(value: Any) -> Any:
@@ -270,29 +278,55 @@ class OutboxSettings(DatabaseSettings):
 _S = TypeVar("_S", bound=DatabaseSettings)
 
 
-def load_settings(cls: type[_S], /, **overrides: Any) -> _S:
+def load_settings(
+    cls: type[_S], /, *, flags: Mapping[str, str] | None = None, **overrides: Any
+) -> _S:
     """Build settings of type ``cls`` from the environment plus ``overrides`` (None values are
     ignored, so unset CLI flags fall back to the environment).
 
     Raises ConfigurationError with one line per wrong setting, naming the environment variable
-    and never quoting a value (so a password in a DSN cannot leak into logs).
+    and never quoting a value (so a password in a DSN cannot leak into logs). ``flags`` maps
+    a field to the command-line flag its override came from (``{"poll_interval":
+    "--poll-interval"}``): an error about a field set that way names the flag instead.
     """
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        return cls(**given)
     except ValidationError as e:
-        raise ConfigurationError(format_validation_error(e)) from None
+        named = {field: flag for field, flag in (flags or {}).items() if field in given}
+        raise ConfigurationError(format_validation_error(e, flags=named)) from None
+
+
+# Flags spelt otherwise than "--" + the field with dashes.
+_FLAG_NAMES = {"db_schema": "--schema"}
+
+
+def load_settings_from_flags(cls: type[_S], /, **from_flags: Any) -> _S:
+    """``load_settings`` for the command line: every override is the value of the flag named
+    after its field (``poll_interval`` from ``--poll-interval``, ``db_schema`` from
+    ``--schema``), None when the flag was not given; errors name the flags that were."""
+    flags = {f: _FLAG_NAMES.get(f, "--" + f.replace("_", "-")) for f in from_flags}
+    return load_settings(cls, flags=flags, **from_flags)
 
 
 def _var(field: str) -> str:
     return f"{field} (NOTIFY_OUTBOX_{field.upper()})"
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One line per problem: ``NOTIFY_OUTBOX_X: message``, without input values."""
+def format_validation_error(
+    error: ValidationError, *, flags: Mapping[str, str] | None = None
+) -> str:
+    """One line per problem: ``NOTIFY_OUTBOX_X: message`` (or ``--x: message`` for a field in
+    ``flags``, which maps fields to the flags that set them), without input values."""
     lines = []
     for item in error.errors(include_input=False, include_url=False):
         loc = [str(p) for p in item["loc"] if p != "__root__"]
-        field = f"NOTIFY_OUTBOX_{loc[0].upper()}" if loc else "settings"
+        if not loc:
+            field = "settings"
+        elif flags and loc[0] in flags:
+            field = flags[loc[0]]
+        else:
+            field = f"NOTIFY_OUTBOX_{loc[0].upper()}"
         msg = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "missing":
             msg = "is required but not set"
