@@ -31,13 +31,19 @@ from .db import DATABASE_ERRORS, never_heals, session_parameters, statement_cach
 from .deadletters import DeadLetterFilter
 from .debezium_cli import add_debezium_command, run_debezium_command, wants_debezium
 from .errors import ConfigurationError, MigrationError
-from .http import healthcheck_main, serve_monitoring
+from .http import HttpSettings, healthcheck_main, serve_monitoring
 from .inbox_cli import add_inbox_command, add_inbox_flag, run_inbox_command, wants_inbox
 from .logs import configure_logging, secrets_from_env
 from .migrations import migrate, render_migrations, verify
 from .names import OutboxNames, validate_identifier
 from .relay import Relay
-from .settings import DatabaseSettings, OutboxSettings, load_settings_from_flags, redact
+from .settings import (
+    DatabaseSettings,
+    OutboxSettings,
+    load_settings_from_flags,
+    redact,
+    warn_unknown_variables,
+)
 from .sqlfiles import Queries, render, sql_dir
 
 __all__ = ["main"]
@@ -336,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # NOTIFY_OUTBOX_LOG_FORMAT=json: one JSON object a line (logs.py); secrets redacted.
         fmt = os.environ.get("NOTIFY_OUTBOX_LOG_FORMAT")
         configure_logging(args.log_level, fmt, secrets=secrets_from_env(getattr(args, "dsn", None)))
+        # A mistyped variable would leave its setting at the default without a word.
+        warn_unknown_variables(settings=(DatabaseSettings, OutboxSettings, HttpSettings))
         if wants_admin(args):  # dead-letters, replay: admin_cli.py
             return run_admin_command(args, _connect)
         if wants_debezium(args):  # Debezium-compatible mode: debezium_cli.py

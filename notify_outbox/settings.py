@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+import logging
+import os
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
@@ -30,7 +33,11 @@ __all__ = [
     "load_settings",
     "load_settings_from_flags",
     "redact",
+    "unknown_variables",
+    "warn_unknown_variables",
 ]
+
+log = logging.getLogger("notify_outbox.settings")
 
 
 def _to_seconds(value: Any) -> Any:
@@ -356,3 +363,82 @@ def redact(text: str, settings: DatabaseSettings) -> str:
         if password:
             text = text.replace(password, "***")
     return text
+
+
+# --- unknown variables ------------------------------------------------------------------------
+
+_PREFIX = "NOTIFY_OUTBOX_"
+# Read by name outside the settings classes (suffixes after the prefix).
+_OTHER_VARIABLES = frozenset(
+    {
+        "LOG_FORMAT",  # cli.py / logs.py
+        "INBOX_SCHEMA",  # inbox_cli.py
+        "INBOX_TABLE",
+        "DEBEZIUM_CONFIG",  # debezium_cli.py
+        "DEBEZIUM_SCHEMA",
+        "DEBEZIUM_TABLE",
+    }
+)
+# The tools' own variables (fault suite, devstack, bench), set around commands in tests and on
+# developers' machines: known, so they cause no warning, but never suggested to a user. Any
+# NOTIFY_OUTBOX_TEST_* is the test suites' too (TEST_DSN, TEST_CRASH_AT, ...).
+_TOOL_VARIABLES = frozenset(
+    {
+        "FAULT_SEED",
+        "FAULT_SOAK",
+        "PG_BINDIR",
+        "PG_VERSION",
+        "REDIS_SERVER",
+        "STACK_DIR",
+        "CACHE_DIR",
+    }
+)
+_TOOL_PREFIX = "TEST_"
+
+
+def _setting_suffixes(classes: Iterable[type[BaseSettings]]) -> set[str]:
+    names: set[str] = set()
+    for cls in classes:
+        prefix = str(cls.model_config.get("env_prefix", "")).upper()
+        if prefix == _PREFIX:
+            names.update(field.upper() for field in cls.model_fields)
+    return names
+
+
+def unknown_variables(
+    env: Mapping[str, str] | None = None,
+    *,
+    settings: Iterable[type[BaseSettings]] = (DatabaseSettings, OutboxSettings),
+) -> list[tuple[str, str | None]]:
+    """The ``NOTIFY_OUTBOX_*`` variables of ``env`` (default: the environment) that neither a
+    class of ``settings`` nor the command line reads, each with the closest known name (or
+    None), in name order. Only names are looked at, never values."""
+    source = os.environ if env is None else env
+    offered = _setting_suffixes(settings) | _OTHER_VARIABLES
+    found = []
+    for name in sorted(source):
+        upper = name.upper()  # pydantic-settings reads names in any case
+        if not upper.startswith(_PREFIX):
+            continue
+        suffix = upper.removeprefix(_PREFIX)
+        if suffix in offered or suffix in _TOOL_VARIABLES or suffix.startswith(_TOOL_PREFIX):
+            continue
+        # Matched without the common prefix, which would make every name look alike.
+        close = difflib.get_close_matches(suffix, sorted(offered), n=1, cutoff=0.6)
+        found.append((name, _PREFIX + close[0] if close else None))
+    return found
+
+
+def warn_unknown_variables(
+    env: Mapping[str, str] | None = None,
+    *,
+    settings: Iterable[type[BaseSettings]] = (DatabaseSettings, OutboxSettings),
+) -> list[str]:
+    """Log a WARNING for every unknown ``NOTIFY_OUTBOX_*`` variable (see ``unknown_variables``)
+    with a did-you-mean; returns their names. A typo would otherwise leave a setting at its
+    default without a word. The value is never logged: it may be a secret."""
+    found = unknown_variables(env, settings=settings)
+    for name, suggestion in found:
+        hint = f"; did you mean {suggestion}?" if suggestion else ""
+        log.warning("unknown environment variable %s is ignored%s", name, hint)
+    return [name for name, _ in found]

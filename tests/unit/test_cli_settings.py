@@ -1,24 +1,35 @@
-"""The command line's settings: errors name the flag that was given, not its variable."""
+"""The command line's settings: errors name the flag that was given, not its variable; unknown
+``NOTIFY_OUTBOX_*`` variables are reported with a suggestion, never with their value."""
 
 from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
 
 import pytest
 
 from notify_outbox.cli import main
 from notify_outbox.errors import ConfigurationError
-from notify_outbox.settings import OutboxSettings, load_settings, load_settings_from_flags
+from notify_outbox.http import HttpSettings
+from notify_outbox.settings import (
+    DatabaseSettings,
+    OutboxSettings,
+    load_settings,
+    load_settings_from_flags,
+    unknown_variables,
+)
 
 DSN = "postgresql://app:hunter2-secret@127.0.0.1:5432/app"
 
 
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in (
-        "NOTIFY_OUTBOX_POLL_INTERVAL",
-        "NOTIFY_OUTBOX_WORKERS",
-        "NOTIFY_OUTBOX_LOG_FORMAT",
-    ):
-        monkeypatch.delenv(name, raising=False)
+    # Nothing of the caller's shell (a devstack's settings) leaks into the expectations.
+    for name in list(os.environ):
+        if name.upper().startswith("NOTIFY_OUTBOX_"):
+            monkeypatch.delenv(name)
     monkeypatch.setenv("NOTIFY_OUTBOX_DSN", DSN)
     monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     return monkeypatch
@@ -84,3 +95,64 @@ def test_cli_errors_name_the_flag(
 def test_a_duration_flag_accepts_units(env: pytest.MonkeyPatch) -> None:
     settings = load_settings_from_flags(OutboxSettings, poll_interval="250ms")
     assert settings.poll_interval == 0.25
+
+
+def test_an_unknown_variable_is_reported_with_a_suggestion_and_without_its_value(
+    env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    env.setenv("NOTIFY_OUTBOX_POLL_INTERVALL", "s3cr3t-value")
+    env.setenv("NOTIFY_OUTBOX_SCHEMA", "another-s3cr3t")
+    env.setenv("NOTIFY_OUTBOX_ZZZ_QQQ", "third-s3cr3t")
+    with caplog.at_level(logging.WARNING, logger="notify_outbox.settings"):
+        assert main(["sql"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "notify_outbox.settings"]
+    assert warnings == [
+        "unknown environment variable NOTIFY_OUTBOX_POLL_INTERVALL is ignored; "
+        "did you mean NOTIFY_OUTBOX_POLL_INTERVAL?",
+        "unknown environment variable NOTIFY_OUTBOX_SCHEMA is ignored; "
+        "did you mean NOTIFY_OUTBOX_DB_SCHEMA?",
+        "unknown environment variable NOTIFY_OUTBOX_ZZZ_QQQ is ignored",
+    ]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert "s3cr3t" not in caplog.text
+
+
+def test_known_and_tool_variables_cause_no_warning() -> None:
+    env = {
+        # Every settings class the command line uses, in any case (as pydantic reads them)...
+        "NOTIFY_OUTBOX_DSN": "postgresql://h/db",
+        "notify_outbox_kafka_client_id": "x",
+        "NOTIFY_OUTBOX_HTTP_PORT": "9000",
+        # ...the variables the command line reads by name...
+        "NOTIFY_OUTBOX_LOG_FORMAT": "json",
+        "NOTIFY_OUTBOX_INBOX_TABLE": "inbox",
+        "NOTIFY_OUTBOX_DEBEZIUM_CONFIG": "c.json",
+        # ...and those of the test suites, devstack and the bench.
+        "NOTIFY_OUTBOX_FAULT_SOAK": "600s",
+        "NOTIFY_OUTBOX_FAULT_SEED": "1",
+        "NOTIFY_OUTBOX_TEST_DSN": "postgresql://h/db",
+        "NOTIFY_OUTBOX_TEST_CRASH_AT": "after_ack",
+        "NOTIFY_OUTBOX_PG_VERSION": "17",
+        "NOTIFY_OUTBOX_CACHE_DIR": "/tmp/x",
+        "OTHER_POLL_INTERVALL": "1",  # not ours
+    }
+    assert unknown_variables(env, settings=(DatabaseSettings, OutboxSettings, HttpSettings)) == []
+
+
+def test_every_variable_the_repository_mentions_is_known() -> None:
+    # The README, compose file, tests and tools must not teach a name the warning calls
+    # unknown (partial names such as NOTIFY_OUTBOX_HTTP_* end with "_" and are skipped).
+    root = Path(__file__).resolve().parents[2]
+    names: set[str] = set()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for file in files:
+            if file.endswith((".md", ".yml", ".py")) or file == "Dockerfile":
+                text = Path(folder, file).read_text(encoding="utf-8", errors="replace")
+                names.update(re.findall(r"NOTIFY_OUTBOX_[A-Z0-9_]*[A-Z0-9]\b", text))
+    assert "NOTIFY_OUTBOX_POLL_INTERVAL" in names
+    # Placeholders in docstrings and tests of this very warning.
+    names -= {"NOTIFY_OUTBOX_X", "NOTIFY_OUTBOX_POLL_INTERVALL", "NOTIFY_OUTBOX_ZZZ_QQQ"}
+    names -= {"NOTIFY_OUTBOX_SCHEMA", "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP"}
+    env = dict.fromkeys(names, "")
+    assert unknown_variables(env, settings=(DatabaseSettings, OutboxSettings, HttpSettings)) == []
