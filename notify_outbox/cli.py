@@ -22,12 +22,19 @@ import asyncpg
 from . import __version__
 from .admin_cli import (
     add_admin_commands,
+    add_connect_timeout_flag,
     print_requeue,
     print_status,
     run_admin_command,
     wants_admin,
 )
-from .db import DATABASE_ERRORS, never_heals, session_parameters, statement_cache_size
+from .db import (
+    DATABASE_ERRORS,
+    dsn_address,
+    never_heals,
+    session_parameters,
+    statement_cache_size,
+)
 from .deadletters import DeadLetterFilter
 from .debezium_cli import add_debezium_command, run_debezium_command, wants_debezium
 from .errors import ConfigurationError, MigrationError
@@ -53,9 +60,11 @@ log = logging.getLogger("notify_outbox.cli")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_FORCED, EXIT_OUTDATED, EXIT_ABORTED = 0, 1, 2, 3, 4, 130
 
 
-def _db_flags(p: argparse.ArgumentParser) -> None:
+def _db_flags(p: argparse.ArgumentParser, *, connects: bool = True) -> None:
     p.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN: argv is visible)")
     _name_flags(p)
+    if connects:  # a command's one connection; `run` retries its own instead
+        add_connect_timeout_flag(p)
 
 
 def _name_flags(p: argparse.ArgumentParser) -> None:
@@ -110,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run", parents=[common], help="run the relay until SIGTERM/SIGINT (twice: abort)"
     )
-    _db_flags(p)
+    _db_flags(p, connects=False)
     p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
     p.add_argument("--workers", type=int, help="worker coroutines [NOTIFY_OUTBOX_WORKERS]")
     p.add_argument("--batch-size", type=int, help="rows per claim [NOTIFY_OUTBOX_BATCH_SIZE]")
@@ -160,19 +169,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace, *fields: str) -> dict[str, Any]:
-    return {f: getattr(args, f, None) for f in ("dsn", "db_schema", "table", "channel", *fields)}
+    common = ("dsn", "db_schema", "table", "channel", "connect_timeout")
+    return {f: getattr(args, f, None) for f in (*common, *fields)}
 
 
 async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
     # A command runs a handful of statements: no statement cache, which also makes it work
     # through a transaction-pooling PgBouncer (unless NOTIFY_OUTBOX_STATEMENT_CACHE_SIZE).
+    timeout = settings.connect_timeout
     try:
         return await asyncpg.connect(
             settings.dsn.get_secret_value(),
-            timeout=30,
+            timeout=timeout,
             statement_cache_size=statement_cache_size(settings.statement_cache_size, True),
             server_settings=session_parameters("notify-outbox-cli"),
         )
+    except TimeoutError:
+        # A server that accepts TCP but never answers (a firewall, a frozen host) would say
+        # nothing else; the address has no user or password in it.
+        where = redact(dsn_address(settings.dsn.get_secret_value()), settings)
+        raise ConfigurationError(
+            f"cannot connect to PostgreSQL at {where} (NOTIFY_OUTBOX_DSN): no answer within "
+            f"{timeout:g}s (NOTIFY_OUTBOX_CONNECT_TIMEOUT, --connect-timeout)"
+        ) from None
     except DATABASE_ERRORS as e:
         why = never_heals(e)
         raise ConfigurationError(

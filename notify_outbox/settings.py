@@ -99,6 +99,13 @@ class DatabaseSettings(BaseSettings):
         description="asyncpg's prepared-statement cache per connection; unset: 100 on a direct "
         "connection, 0 behind a connection pooler (PgBouncer), which is detected at connect",
     )
+    connect_timeout: Seconds = Field(
+        10.0,
+        gt=0,
+        description="How long a command (migrate, status, dead-letters, ...) waits for "
+        "PostgreSQL to accept its connection before it gives up with exit code 2; the relay "
+        "(run) keeps retrying its connections instead",
+    )
 
     @field_validator("dsn")
     @classmethod

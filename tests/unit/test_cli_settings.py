@@ -1,16 +1,21 @@
 """The command line's settings: errors name the flag that was given, not its variable; unknown
-``NOTIFY_OUTBOX_*`` variables are reported with a suggestion, never with their value."""
+``NOTIFY_OUTBOX_*`` variables are reported with a suggestion, never with their value; a
+connection that gets no answer gives up after the connect timeout, naming host and port."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from notify_outbox.cli import main
+from notify_outbox.db import dsn_address
 from notify_outbox.errors import ConfigurationError
 from notify_outbox.http import HttpSettings
 from notify_outbox.settings import (
@@ -121,6 +126,7 @@ def test_known_and_tool_variables_cause_no_warning() -> None:
     env = {
         # Every settings class the command line uses, in any case (as pydantic reads them)...
         "NOTIFY_OUTBOX_DSN": "postgresql://h/db",
+        "NOTIFY_OUTBOX_CONNECT_TIMEOUT": "5s",
         "notify_outbox_kafka_client_id": "x",
         "NOTIFY_OUTBOX_HTTP_PORT": "9000",
         # ...the variables the command line reads by name...
@@ -156,3 +162,71 @@ def test_every_variable_the_repository_mentions_is_known() -> None:
     names -= {"NOTIFY_OUTBOX_SCHEMA", "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP"}
     env = dict.fromkeys(names, "")
     assert unknown_variables(env, settings=(DatabaseSettings, OutboxSettings, HttpSettings)) == []
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A loopback port whose server never answers: the kernel completes the TCP handshake
+    into the listen backlog, nobody ever accepts or replies."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("argv", "variable"),
+    [
+        (["status", "--connect-timeout", "300ms"], None),
+        (["dead-letters", "list", "--connect-timeout", "0.3"], None),
+        (["migrate", "--inbox"], "300ms"),
+    ],
+)
+def test_connect_timeout_names_the_address_and_the_timeout(
+    argv: list[str],
+    variable: str | None,
+    silent_server: int,
+    env: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env.setenv("NOTIFY_OUTBOX_DSN", f"postgresql://app:hunter2-secret@127.0.0.1:{silent_server}/a")
+    if variable is not None:
+        env.setenv("NOTIFY_OUTBOX_CONNECT_TIMEOUT", variable)
+    started = time.monotonic()
+    assert main(argv) == 2  # as for any unreachable database
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert f"cannot connect to PostgreSQL at 127.0.0.1:{silent_server}" in err
+    assert "no answer within 0.3s" in err
+    assert "NOTIFY_OUTBOX_CONNECT_TIMEOUT" in err
+    assert "hunter2" not in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_connect_timeout_is_a_setting_with_a_default(env: pytest.MonkeyPatch) -> None:
+    assert load_settings(DatabaseSettings).connect_timeout == 10.0
+    env.setenv("NOTIFY_OUTBOX_CONNECT_TIMEOUT", "1m")
+    assert load_settings(DatabaseSettings).connect_timeout == 60.0
+    with pytest.raises(ConfigurationError, match="--connect-timeout: Input should be greater"):
+        load_settings_from_flags(DatabaseSettings, connect_timeout="0s")
+
+
+@pytest.mark.parametrize(
+    ("dsn", "address"),
+    [
+        ("postgresql://u:p%40ss@db.example:6432/app", "db.example:6432"),
+        (
+            "postgresql://u:pw@h1:5432,h2:5433/app?target_session_attrs=read-write",
+            "h1:5432,h2:5433",
+        ),
+        ("postgresql://u@[::1]:5433/db", "[::1]:5433"),
+        ("postgresql://u:secret@h/db", "h:5432"),
+        ("postgresql:///db?host=/run/postgresql&port=5433", "/run/postgresql:5433"),
+    ],
+)
+def test_dsn_address_never_includes_the_user_or_password(
+    dsn: str, address: str, env: pytest.MonkeyPatch
+) -> None:
+    env.delenv("PGHOST", raising=False)
+    env.delenv("PGPORT", raising=False)
+    assert dsn_address(dsn) == address
