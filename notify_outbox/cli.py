@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -266,6 +267,35 @@ def _fault_hook_from_env() -> Callable[[str], None] | None:
     return hook
 
 
+def _install_signal_handlers(
+    loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], None]
+) -> Callable[[], None]:
+    """Send SIGTERM and SIGINT to ``on_signal`` on ``loop``'s thread; returns what undoes it.
+
+    Where the loop cannot watch signals (``add_signal_handler`` raises NotImplementedError on
+    Windows), a plain ``signal.signal`` handler passes them to the loop instead, through
+    ``call_soon_threadsafe`` (which also wakes a loop blocked in its selector)."""
+    undo: list[Callable[[], object]] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except NotImplementedError:
+            previous = signal.signal(
+                sig, lambda signum, _frame: loop.call_soon_threadsafe(on_signal, signum)
+            )
+            # None: a handler not installed from Python, which cannot be put back; the default.
+            restore = previous if previous is not None else signal.SIG_DFL
+            undo.append(functools.partial(signal.signal, sig, restore))
+        else:
+            undo.append(functools.partial(loop.remove_signal_handler, sig))
+
+    def uninstall() -> None:
+        for step in reversed(undo):
+            step()
+
+    return uninstall
+
+
 async def _run_relay(settings: OutboxSettings) -> int:
     relay = Relay(settings, fault_hook=_fault_hook_from_env())
     loop = asyncio.get_running_loop()
@@ -280,10 +310,7 @@ async def _run_relay(settings: OutboxSettings) -> int:
         else:
             relay.abort()
 
-    installed = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-        installed.append(sig)
+    uninstall = _install_signal_handlers(loop, on_signal)
     try:
         ready = asyncio.ensure_future(relay.wait_ready())
 
@@ -306,8 +333,7 @@ async def _run_relay(settings: OutboxSettings) -> int:
         finally:
             ready.cancel()
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        uninstall()
     return {"stopped": EXIT_OK, "forced": EXIT_FORCED, "aborted": EXIT_ABORTED}.get(
         relay.outcome, EXIT_FAILED
     )
