@@ -125,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="worker coroutines [NOTIFY_OUTBOX_WORKERS]")
     p.add_argument("--batch-size", type=int, help="rows per claim [NOTIFY_OUTBOX_BATCH_SIZE]")
     p.add_argument(
-        "--poll-interval", help="fallback poll: seconds, or 250ms, 5s, 1m [..._POLL_INTERVAL]"
+        "--poll-interval",
+        help="fallback poll: seconds, or 250ms, 5s, 1m [NOTIFY_OUTBOX_POLL_INTERVAL]",
     )
     p.add_argument(
         "--poll-only", action="store_true", default=None, help="never LISTEN (PgBouncer)"
