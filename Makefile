@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install test test-faults unit lint demo example bench bench-smoke stack-up stack-down clean
+.PHONY: install test test-faults unit lint dist-check demo example bench bench-smoke stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,25 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict notify_outbox devstack bench
+
+# The release artefacts as a user gets them: the sdist and the wheel built by `python -m build`
+# (the wheel from the sdist, so a file missing from the sdist fails here), their metadata
+# checked by twine, the wheel installed into a fresh virtualenv, and its `notify-outbox
+# --version` compared with notify_outbox.__version__. Everything in a temporary directory.
+dist-check: $(STAMP)
+	@set -euo pipefail; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	want="notify-outbox $$($(PY) -c 'import notify_outbox; print(notify_outbox.__version__)')"; \
+	$(PY) -m build --outdir "$$tmp/dist" . >"$$tmp/build.log" 2>&1 \
+		|| { cat "$$tmp/build.log" >&2; exit 1; }; \
+	ls "$$tmp/dist"; \
+	$(VENV)/bin/twine check --strict "$$tmp"/dist/*; \
+	$(PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/python" -m pip install -q "$$tmp"/dist/*.whl; \
+	got=$$(cd "$$tmp" && "$$tmp/venv/bin/notify-outbox" --version); \
+	if [ "$$got" != "$$want" ]; then \
+		echo "dist-check: the installed wheel says '$$got', expected '$$want'" >&2; exit 1; \
+	fi; \
+	echo "dist-check: $$got from the wheel in a fresh virtualenv"
 
 # Side-by-side latency/throughput bench (bench/README.md), ~15-20 min on a quiet machine;
 # BENCH_ARGS=--quick for a short run. Results land in bench/results/.

@@ -6,6 +6,10 @@ plain ``INSERT``); a trigger NOTIFYs the relay at commit; the relay claims the r
 acknowledged. A slow fallback poll catches any missed notification.
 """
 
+# The one place the version is written: pyproject reads it ([tool.hatch.version]) and
+# `notify-outbox --version` prints it.
+__version__ = "0.1.0"
+
 from .enqueue import OutboxEvent, enqueue, enqueue_many
 from .errors import (
     ConfigurationError,
@@ -21,8 +25,6 @@ from .publisher import KafkaPublisher, Publisher, PublishResult
 from .relay import Relay
 from .settings import DatabaseSettings, OutboxSettings, load_settings
 from .store import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore, PgOutboxStore
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BatchOutcome",

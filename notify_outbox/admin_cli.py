@@ -27,12 +27,13 @@ from .deadletters import (
 from .errors import ConfigurationError, NotifyOutboxError
 from .names import OutboxNames
 from .replay import ReplayReport, replay
-from .settings import DatabaseSettings, OutboxSettings, load_settings
+from .settings import DatabaseSettings, OutboxSettings, load_settings_from_flags
 from .sqlfiles import Queries
 from .timespec import format_duration, parse_duration, parse_time
 
 __all__ = [
     "add_admin_commands",
+    "add_connect_timeout_flag",
     "print_requeue",
     "print_status",
     "run_admin_command",
@@ -46,10 +47,20 @@ _COUNT_LIMIT = 100_000
 _ERROR_WIDTH = 60
 
 
+def add_connect_timeout_flag(p: argparse.ArgumentParser) -> None:
+    """``--connect-timeout`` on a command that connects to PostgreSQL."""
+    p.add_argument(
+        "--connect-timeout",
+        help="give up connecting after this long: seconds, or 500ms, 10s, 1m "
+        "(default 10s) [NOTIFY_OUTBOX_CONNECT_TIMEOUT]",
+    )
+
+
 def _db_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN: argv is visible)")
     p.add_argument("--schema", dest="db_schema", help="outbox schema [NOTIFY_OUTBOX_DB_SCHEMA]")
     p.add_argument("--table", help="outbox table [NOTIFY_OUTBOX_TABLE]")
+    add_connect_timeout_flag(p)
 
 
 def _filter_flags(p: argparse.ArgumentParser) -> None:
@@ -155,14 +166,19 @@ def _filter(args: argparse.Namespace) -> DeadLetterFilter:
 def run_admin_command(args: argparse.Namespace, connect: Connect) -> int:
     """Run a ``dead-letters`` or ``replay`` command; returns the exit code. Raises
     ConfigurationError (exit 2) on bad usage or settings."""
-    db_overrides = {"dsn": args.dsn, "db_schema": args.db_schema, "table": args.table}
+    db_overrides = {
+        "dsn": args.dsn,
+        "db_schema": args.db_schema,
+        "table": args.table,
+        "connect_timeout": args.connect_timeout,
+    }
     if args.command == "replay":
         since = _time("--since", args.since)
         until = _time("--until", args.until)
         assert since is not None
         if until is not None and until <= since:
             raise ConfigurationError("--until must be after --since")
-        settings = load_settings(
+        settings = load_settings_from_flags(
             OutboxSettings,
             **db_overrides,
             kafka_bootstrap_servers=args.kafka_bootstrap_servers,
@@ -181,7 +197,7 @@ def run_admin_command(args: argparse.Namespace, connect: Connect) -> int:
         )
     if action == "requeue" and args.all and not where.empty:
         raise ConfigurationError("--all cannot be combined with ids or filters")
-    db = load_settings(DatabaseSettings, **db_overrides)
+    db = load_settings_from_flags(DatabaseSettings, **db_overrides)
 
     async def go() -> int:
         conn = await connect(db)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -19,24 +20,38 @@ from typing import Any, NoReturn
 
 import asyncpg
 
+from . import __version__
 from .admin_cli import (
     add_admin_commands,
+    add_connect_timeout_flag,
     print_requeue,
     print_status,
     run_admin_command,
     wants_admin,
 )
-from .db import DATABASE_ERRORS, never_heals, session_parameters, statement_cache_size
+from .db import (
+    DATABASE_ERRORS,
+    dsn_address,
+    never_heals,
+    session_parameters,
+    statement_cache_size,
+)
 from .deadletters import DeadLetterFilter
 from .debezium_cli import add_debezium_command, run_debezium_command, wants_debezium
 from .errors import ConfigurationError, MigrationError
-from .http import healthcheck_main, serve_monitoring
+from .http import HttpSettings, healthcheck_main, serve_monitoring
 from .inbox_cli import add_inbox_command, add_inbox_flag, run_inbox_command, wants_inbox
 from .logs import configure_logging, secrets_from_env
 from .migrations import migrate, render_migrations, verify
 from .names import OutboxNames, validate_identifier
 from .relay import Relay
-from .settings import DatabaseSettings, OutboxSettings, load_settings, redact
+from .settings import (
+    DatabaseSettings,
+    OutboxSettings,
+    load_settings_from_flags,
+    redact,
+    warn_unknown_variables,
+)
 from .sqlfiles import Queries, render, sql_dir
 
 __all__ = ["main"]
@@ -46,9 +61,11 @@ log = logging.getLogger("notify_outbox.cli")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_FORCED, EXIT_OUTDATED, EXIT_ABORTED = 0, 1, 2, 3, 4, 130
 
 
-def _db_flags(p: argparse.ArgumentParser) -> None:
+def _db_flags(p: argparse.ArgumentParser, *, connects: bool = True) -> None:
     p.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN: argv is visible)")
     _name_flags(p)
+    if connects:  # a command's one connection; `run` retries its own instead
+        add_connect_timeout_flag(p)
 
 
 def _name_flags(p: argparse.ArgumentParser) -> None:
@@ -76,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO (default), WARNING, ERROR"
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -102,11 +120,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run", parents=[common], help="run the relay until SIGTERM/SIGINT (twice: abort)"
     )
-    _db_flags(p)
+    _db_flags(p, connects=False)
     p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
     p.add_argument("--workers", type=int, help="worker coroutines [NOTIFY_OUTBOX_WORKERS]")
     p.add_argument("--batch-size", type=int, help="rows per claim [NOTIFY_OUTBOX_BATCH_SIZE]")
-    p.add_argument("--poll-interval", type=float, help="fallback poll seconds")
+    p.add_argument(
+        "--poll-interval",
+        help="fallback poll: seconds, or 250ms, 5s, 1m [NOTIFY_OUTBOX_POLL_INTERVAL]",
+    )
     p.add_argument(
         "--poll-only", action="store_true", default=None, help="never LISTEN (PgBouncer)"
     )
@@ -150,19 +171,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace, *fields: str) -> dict[str, Any]:
-    return {f: getattr(args, f, None) for f in ("dsn", "db_schema", "table", "channel", *fields)}
+    common = ("dsn", "db_schema", "table", "channel", "connect_timeout")
+    return {f: getattr(args, f, None) for f in (*common, *fields)}
 
 
 async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
     # A command runs a handful of statements: no statement cache, which also makes it work
     # through a transaction-pooling PgBouncer (unless NOTIFY_OUTBOX_STATEMENT_CACHE_SIZE).
+    timeout = settings.connect_timeout
     try:
         return await asyncpg.connect(
             settings.dsn.get_secret_value(),
-            timeout=30,
+            timeout=timeout,
             statement_cache_size=statement_cache_size(settings.statement_cache_size, True),
             server_settings=session_parameters("notify-outbox-cli"),
         )
+    except TimeoutError:
+        # A server that accepts TCP but never answers (a firewall, a frozen host) would say
+        # nothing else; the address has no user or password in it.
+        where = redact(dsn_address(settings.dsn.get_secret_value()), settings)
+        raise ConfigurationError(
+            f"cannot connect to PostgreSQL at {where} (NOTIFY_OUTBOX_DSN): no answer within "
+            f"{timeout:g}s (NOTIFY_OUTBOX_CONNECT_TIMEOUT, --connect-timeout)"
+        ) from None
     except DATABASE_ERRORS as e:
         why = never_heals(e)
         raise ConfigurationError(
@@ -237,6 +268,35 @@ def _fault_hook_from_env() -> Callable[[str], None] | None:
     return hook
 
 
+def _install_signal_handlers(
+    loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], None]
+) -> Callable[[], None]:
+    """Send SIGTERM and SIGINT to ``on_signal`` on ``loop``'s thread; returns what undoes it.
+
+    Where the loop cannot watch signals (``add_signal_handler`` raises NotImplementedError on
+    Windows), a plain ``signal.signal`` handler passes them to the loop instead, through
+    ``call_soon_threadsafe`` (which also wakes a loop blocked in its selector)."""
+    undo: list[Callable[[], object]] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except NotImplementedError:
+            previous = signal.signal(
+                sig, lambda signum, _frame: loop.call_soon_threadsafe(on_signal, signum)
+            )
+            # None: a handler not installed from Python, which cannot be put back; the default.
+            restore = previous if previous is not None else signal.SIG_DFL
+            undo.append(functools.partial(signal.signal, sig, restore))
+        else:
+            undo.append(functools.partial(loop.remove_signal_handler, sig))
+
+    def uninstall() -> None:
+        for step in reversed(undo):
+            step()
+
+    return uninstall
+
+
 async def _run_relay(settings: OutboxSettings) -> int:
     relay = Relay(settings, fault_hook=_fault_hook_from_env())
     loop = asyncio.get_running_loop()
@@ -251,10 +311,7 @@ async def _run_relay(settings: OutboxSettings) -> int:
         else:
             relay.abort()
 
-    installed = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-        installed.append(sig)
+    uninstall = _install_signal_handlers(loop, on_signal)
     try:
         ready = asyncio.ensure_future(relay.wait_ready())
 
@@ -277,8 +334,7 @@ async def _run_relay(settings: OutboxSettings) -> int:
         finally:
             ready.cancel()
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        uninstall()
     return {"stopped": EXIT_OK, "forced": EXIT_FORCED, "aborted": EXIT_ABORTED}.get(
         relay.outcome, EXIT_FAILED
     )
@@ -332,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # NOTIFY_OUTBOX_LOG_FORMAT=json: one JSON object a line (logs.py); secrets redacted.
         fmt = os.environ.get("NOTIFY_OUTBOX_LOG_FORMAT")
         configure_logging(args.log_level, fmt, secrets=secrets_from_env(getattr(args, "dsn", None)))
+        # A mistyped variable would leave its setting at the default without a word.
+        warn_unknown_variables(settings=(DatabaseSettings, OutboxSettings, HttpSettings))
         if wants_admin(args):  # dead-letters, replay: admin_cli.py
             return run_admin_command(args, _connect)
         if wants_debezium(args):  # Debezium-compatible mode: debezium_cli.py
@@ -343,19 +401,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "healthcheck":
             return healthcheck_main(args.url, args.timeout)
         if args.command in ("migrate", "verify"):
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             check = args.command == "verify" or args.check
             return asyncio.run(_migrate(db, check))
         if args.command == "status":
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_status(db, args.count_limit))
         if args.command == "notify-mode":
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_notify_mode(db, args.mode))
         if args.command == "requeue":
-            db = load_settings(DatabaseSettings, **_overrides(args))
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_requeue(db, args.ids))
-        settings = load_settings(
+        settings = load_settings_from_flags(
             OutboxSettings,
             **_overrides(
                 args,

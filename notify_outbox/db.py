@@ -4,6 +4,8 @@ whether a pooler sits in between, and ending a connection without upsetting one.
 from __future__ import annotations
 
 import asyncio
+import os
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
 import asyncpg
@@ -14,6 +16,7 @@ __all__ = [
     "DATABASE_ERRORS",
     "UNREACHABLE_ERRORS",
     "behind_pooler",
+    "dsn_address",
     "never_heals",
     "read_only",
     "require_supported_server",
@@ -96,6 +99,34 @@ def read_only(error: BaseException) -> bool:
     return isinstance(error, asyncpg.PostgresError) and any(
         text in str(error) for text in _READ_ONLY_TEXTS
     )
+
+
+def dsn_address(dsn: str) -> str:
+    """Where ``dsn`` points, as ``host:port`` (comma-separated when it lists several hosts),
+    for messages: never its user or password. A host or port the URL leaves out is taken from
+    its ``host=`` / ``port=`` parameters, then ``PGHOST`` / ``PGPORT``, as libpq and asyncpg
+    do, else ``localhost:5432``."""
+    rest = dsn.split("://", 1)[-1]
+    # The host list ends at the path or the query; a password holds no "/" or "?" (the DSN
+    # check refuses them unencoded), so the last "@" before that ends the user information.
+    netloc = rest.split("/", 1)[0].split("?", 1)[0].rpartition("@")[2]
+    try:
+        params = parse_qs(urlsplit(dsn).query)
+    except ValueError:
+        params = {}
+    hosts = netloc or params.get("host", [""])[0] or os.environ.get("PGHOST", "")
+    default_port = params.get("port", [""])[0] or os.environ.get("PGPORT", "") or "5432"
+    found = []
+    for item in hosts.split(","):
+        if item.startswith("["):  # an IPv6 address: [::1]:5432
+            host, _, port = item.partition("]")
+            host, port = host + "]", port.removeprefix(":")
+        elif item.startswith("/"):  # a Unix socket's directory
+            host, port = item, ""
+        else:
+            host, _, port = item.partition(":")
+        found.append(f"{unquote(host) or 'localhost'}:{port or default_port}")
+    return ",".join(found)
 
 
 async def behind_pooler(conn: asyncpg.Connection) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import asyncpg
 
+from .admin_cli import add_connect_timeout_flag
 from .debezium import (
     DebeziumCapture,
     install_capture,
@@ -28,7 +29,7 @@ from .debezium import (
 )
 from .errors import ConfigurationError
 from .names import OutboxNames
-from .settings import DatabaseSettings, load_settings
+from .settings import DatabaseSettings, load_settings_from_flags
 
 __all__ = ["add_debezium_command", "run_debezium_command", "wants_debezium"]
 
@@ -54,6 +55,7 @@ def add_debezium_command(
         a = actions.add_parser(name, parents=[common], help=text)
         if name != "sql":
             a.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN)")
+            add_connect_timeout_flag(a)
         a.add_argument("--schema", dest="db_schema", help="notify-outbox's outbox schema")
         a.add_argument("--table", help="notify-outbox's outbox table (not the Debezium one)")
         a.add_argument("--source-schema", help="schema of the Debezium outbox table")
@@ -120,8 +122,13 @@ def run_debezium_command(args: argparse.Namespace, connect: Connect) -> int:
     if args.debezium_action == "sql":
         sys.stdout.write(render_capture(capture, names))
         return EXIT_OK
-    db = load_settings(
-        DatabaseSettings, dsn=args.dsn, db_schema=args.db_schema, table=args.table, channel=None
+    db = load_settings_from_flags(
+        DatabaseSettings,
+        dsn=args.dsn,
+        db_schema=args.db_schema,
+        table=args.table,
+        channel=None,
+        connect_timeout=args.connect_timeout,
     )
     return asyncio.run(_apply(db, connect, capture, names, args.debezium_action == "verify"))
 

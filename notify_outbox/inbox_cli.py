@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import asyncpg
 
+from .admin_cli import add_connect_timeout_flag
 from .errors import ConfigurationError
 from .inbox import (
     InboxNames,
@@ -25,7 +26,7 @@ from .inbox import (
     render_inbox_migrations,
     verify_inbox,
 )
-from .settings import DatabaseSettings, load_settings
+from .settings import DatabaseSettings, load_settings_from_flags
 from .timespec import parse_duration
 
 __all__ = ["add_inbox_command", "add_inbox_flag", "run_inbox_command", "wants_inbox"]
@@ -63,6 +64,7 @@ def add_inbox_command(
         "--older-than", required=True, help="a duration: 30d, 12h, 1w, P30D (required)"
     )
     purge.add_argument("--consumer", help="only this consumer's ids (default: every consumer)")
+    add_connect_timeout_flag(purge)
 
 
 def wants_inbox(args: argparse.Namespace) -> bool:
@@ -84,7 +86,9 @@ def run_inbox_command(args: argparse.Namespace, connect: Connect) -> int:
             raise ConfigurationError("--grants is for the outbox; the inbox needs none of its own")
         sys.stdout.write(render_inbox_migrations(names, since=args.since))
         return EXIT_OK
-    db = load_settings(DatabaseSettings, dsn=args.dsn)
+    db = load_settings_from_flags(
+        DatabaseSettings, dsn=args.dsn, connect_timeout=args.connect_timeout
+    )
     if args.command == "inbox":
         try:
             older_than = parse_duration(args.older_than)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
+    BeforeValidator,
     Field,
     SecretStr,
     ValidationError,
@@ -18,9 +24,39 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigurationError
 from .names import OutboxNames, validate_identifier
-from .timespec import parse_duration
+from .timespec import duration_seconds
 
-__all__ = ["DatabaseSettings", "OutboxSettings", "load_settings", "redact"]
+__all__ = [
+    "DatabaseSettings",
+    "OutboxSettings",
+    "Seconds",
+    "load_settings",
+    "load_settings_from_flags",
+    "redact",
+    "unknown_variables",
+    "warn_unknown_variables",
+]
+
+log = logging.getLogger("notify_outbox.settings")
+
+
+def _to_seconds(value: Any) -> Any:
+    # A plain number (or anything float() reads) is left to the field's own float parsing
+    # and bounds, as before units were accepted: "0" and "-1" get the usual messages.
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return duration_seconds(value)
+    return value
+
+
+#: A duration setting, in seconds: a number, a ``timedelta``, or a string with a unit
+#: (``250ms``, ``5s``, ``1m``, ``1h``, ``2d``, ISO-8601 ``PT5S``). Bounds (``gt=0``) are the
+#: field's, applied to the seconds.
+Seconds = Annotated[float, BeforeValidator(_to_seconds)]
 
 
 def _valid_dsn(v: SecretStr) -> SecretStr:
@@ -62,6 +98,13 @@ class DatabaseSettings(BaseSettings):
         ge=0,
         description="asyncpg's prepared-statement cache per connection; unset: 100 on a direct "
         "connection, 0 behind a connection pooler (PgBouncer), which is detected at connect",
+    )
+    connect_timeout: Seconds = Field(
+        10.0,
+        gt=0,
+        description="How long a command (migrate, status, dead-letters, ...) waits for "
+        "PostgreSQL to accept its connection before it gives up with exit code 2; the relay "
+        "(run) keeps retrying its connections instead",
     )
 
     @field_validator("dsn")
@@ -107,16 +150,16 @@ class OutboxSettings(DatabaseSettings):
     kafka_linger_ms: int = Field(0, ge=0, le=1000)
     kafka_max_request_size: int = Field(1_048_576, ge=1024)
     kafka_request_timeout_ms: int = Field(10_000, ge=100)
-    kafka_idle_check_interval: float = Field(
+    kafka_idle_check_interval: Seconds = Field(
         5.0,
         gt=0,
         description="How often a relay with nothing to send asks Kafka whether it still "
         "answers (a metadata request), so that an outage is seen when it starts",
     )
-    kafka_send_timeout: float = Field(
+    kafka_send_timeout: Seconds = Field(
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )
-    claim_idle_timeout: float = Field(
+    claim_idle_timeout: Seconds = Field(
         2.0,
         gt=0,
         description="A claim's transaction left idle this long is ended by PostgreSQL "
@@ -128,7 +171,7 @@ class OutboxSettings(DatabaseSettings):
     # --- how the relay works ------------------------------------------------------------------
     workers: int = Field(4, ge=1, le=256)
     batch_size: int = Field(200, ge=1, le=10_000)
-    poll_interval: float = Field(5.0, gt=0, description="Fallback poll, seconds")
+    poll_interval: Seconds = Field(5.0, gt=0, description="Fallback poll, seconds")
     poll_only: bool = Field(
         False, description="Never LISTEN: claim on the fallback poll only (poll_interval)"
     )
@@ -138,27 +181,27 @@ class OutboxSettings(DatabaseSettings):
         "a transaction-pooling PgBouncer (LISTEN needs a session: point this at PostgreSQL "
         "itself or at a session-pooling pooler); unset: NOTIFY_OUTBOX_DSN",
     )
-    listen_health_interval: float = Field(10.0, gt=0)
-    listen_health_timeout: float = Field(5.0, gt=0)
-    reconnect_min_delay: float = Field(0.05, gt=0)
-    reconnect_max_delay: float = Field(
+    listen_health_interval: Seconds = Field(10.0, gt=0)
+    listen_health_timeout: Seconds = Field(5.0, gt=0)
+    reconnect_min_delay: Seconds = Field(0.05, gt=0)
+    reconnect_max_delay: Seconds = Field(
         0.5,
         gt=0,
         description="Cap of the backoff between attempts to reach PostgreSQL (and Kafka at "
         "start): short, so that delivery resumes within about a second of a server's return; "
         "a refused connection costs the server nothing, and the log stays quiet meanwhile",
     )
-    db_command_timeout: float = Field(30.0, gt=0)
-    gate_linger: float = Field(
+    db_command_timeout: Seconds = Field(30.0, gt=0)
+    gate_linger: Seconds = Field(
         0.01,
         ge=0,
         description="Gated notify: how long an idle, awake relay keeps looking for rows before "
         "it lets producers NOTIFY again (seconds)",
     )
-    gate_poll_interval: float = Field(
+    gate_poll_interval: Seconds = Field(
         0.002, gt=0, description="Gated notify: seconds between looks while lingering"
     )
-    gate_awake_after: float = Field(
+    gate_awake_after: Seconds = Field(
         0.02,
         ge=0,
         description="Gated notify: seconds of unbroken draining before the relay marks itself "
@@ -175,22 +218,22 @@ class OutboxSettings(DatabaseSettings):
 
     # --- failures -----------------------------------------------------------------------------
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")
-    retry_base_delay: float = Field(1.0, ge=0)
-    retry_max_delay: float = Field(300.0, ge=0)
+    retry_base_delay: Seconds = Field(1.0, ge=0)
+    retry_max_delay: Seconds = Field(300.0, ge=0)
 
     # --- retention and shutdown ---------------------------------------------------------------
-    keep_published: float = Field(
+    keep_published: Seconds = Field(
         0.0, ge=0, description="Seconds to keep published rows; 0 deletes them on publish"
     )
-    cleanup_interval: float = Field(60.0, gt=0)
+    cleanup_interval: Seconds = Field(60.0, gt=0)
     cleanup_batch: int = Field(5000, ge=1)
-    dead_letter_retention: float | None = Field(
+    dead_letter_retention: Seconds | None = Field(
         None,
         gt=0,
         description="How long dead letters are kept, from their dead-lettering: seconds or a "
         "duration (30d, 12h, P7D); unset: forever. Applied by the relay's cleanup",
     )
-    shutdown_timeout: float = Field(30.0, gt=0)
+    shutdown_timeout: Seconds = Field(30.0, gt=0)
 
     # --- monitoring (notify_outbox/http.py) ---------------------------------------------------
     http_host: str = Field("127.0.0.1", description="Address of /metrics, /livez and /readyz")
@@ -206,10 +249,8 @@ class OutboxSettings(DatabaseSettings):
     @field_validator("dead_letter_retention", mode="before")
     @classmethod
     def _retention(cls, v: Any) -> Any:
-        # "30d" as well as a number of seconds; an empty variable means "keep forever".
-        if isinstance(v, str):
-            return parse_duration(v).total_seconds() if v.strip() else None
-        return v
+        # An empty variable means "keep forever"; "30d" is read by Seconds.
+        return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("kafka_bootstrap_servers")
     @classmethod
@@ -251,29 +292,55 @@ class OutboxSettings(DatabaseSettings):
 _S = TypeVar("_S", bound=DatabaseSettings)
 
 
-def load_settings(cls: type[_S], /, **overrides: Any) -> _S:
+def load_settings(
+    cls: type[_S], /, *, flags: Mapping[str, str] | None = None, **overrides: Any
+) -> _S:
     """Build settings of type ``cls`` from the environment plus ``overrides`` (None values are
     ignored, so unset CLI flags fall back to the environment).
 
     Raises ConfigurationError with one line per wrong setting, naming the environment variable
-    and never quoting a value (so a password in a DSN cannot leak into logs).
+    and never quoting a value (so a password in a DSN cannot leak into logs). ``flags`` maps
+    a field to the command-line flag its override came from (``{"poll_interval":
+    "--poll-interval"}``): an error about a field set that way names the flag instead.
     """
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        return cls(**given)
     except ValidationError as e:
-        raise ConfigurationError(format_validation_error(e)) from None
+        named = {field: flag for field, flag in (flags or {}).items() if field in given}
+        raise ConfigurationError(format_validation_error(e, flags=named)) from None
+
+
+# Flags spelt otherwise than "--" + the field with dashes.
+_FLAG_NAMES = {"db_schema": "--schema"}
+
+
+def load_settings_from_flags(cls: type[_S], /, **from_flags: Any) -> _S:
+    """``load_settings`` for the command line: every override is the value of the flag named
+    after its field (``poll_interval`` from ``--poll-interval``, ``db_schema`` from
+    ``--schema``), None when the flag was not given; errors name the flags that were."""
+    flags = {f: _FLAG_NAMES.get(f, "--" + f.replace("_", "-")) for f in from_flags}
+    return load_settings(cls, flags=flags, **from_flags)
 
 
 def _var(field: str) -> str:
     return f"{field} (NOTIFY_OUTBOX_{field.upper()})"
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One line per problem: ``NOTIFY_OUTBOX_X: message``, without input values."""
+def format_validation_error(
+    error: ValidationError, *, flags: Mapping[str, str] | None = None
+) -> str:
+    """One line per problem: ``NOTIFY_OUTBOX_X: message`` (or ``--x: message`` for a field in
+    ``flags``, which maps fields to the flags that set them), without input values."""
     lines = []
     for item in error.errors(include_input=False, include_url=False):
         loc = [str(p) for p in item["loc"] if p != "__root__"]
-        field = f"NOTIFY_OUTBOX_{loc[0].upper()}" if loc else "settings"
+        if not loc:
+            field = "settings"
+        elif flags and loc[0] in flags:
+            field = flags[loc[0]]
+        else:
+            field = f"NOTIFY_OUTBOX_{loc[0].upper()}"
         msg = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "missing":
             msg = "is required but not set"
@@ -303,3 +370,82 @@ def redact(text: str, settings: DatabaseSettings) -> str:
         if password:
             text = text.replace(password, "***")
     return text
+
+
+# --- unknown variables ------------------------------------------------------------------------
+
+_PREFIX = "NOTIFY_OUTBOX_"
+# Read by name outside the settings classes (suffixes after the prefix).
+_OTHER_VARIABLES = frozenset(
+    {
+        "LOG_FORMAT",  # cli.py / logs.py
+        "INBOX_SCHEMA",  # inbox_cli.py
+        "INBOX_TABLE",
+        "DEBEZIUM_CONFIG",  # debezium_cli.py
+        "DEBEZIUM_SCHEMA",
+        "DEBEZIUM_TABLE",
+    }
+)
+# The tools' own variables (fault suite, devstack, bench), set around commands in tests and on
+# developers' machines: known, so they cause no warning, but never suggested to a user. Any
+# NOTIFY_OUTBOX_TEST_* is the test suites' too (TEST_DSN, TEST_CRASH_AT, ...).
+_TOOL_VARIABLES = frozenset(
+    {
+        "FAULT_SEED",
+        "FAULT_SOAK",
+        "PG_BINDIR",
+        "PG_VERSION",
+        "REDIS_SERVER",
+        "STACK_DIR",
+        "CACHE_DIR",
+    }
+)
+_TOOL_PREFIX = "TEST_"
+
+
+def _setting_suffixes(classes: Iterable[type[BaseSettings]]) -> set[str]:
+    names: set[str] = set()
+    for cls in classes:
+        prefix = str(cls.model_config.get("env_prefix", "")).upper()
+        if prefix == _PREFIX:
+            names.update(field.upper() for field in cls.model_fields)
+    return names
+
+
+def unknown_variables(
+    env: Mapping[str, str] | None = None,
+    *,
+    settings: Iterable[type[BaseSettings]] = (DatabaseSettings, OutboxSettings),
+) -> list[tuple[str, str | None]]:
+    """The ``NOTIFY_OUTBOX_*`` variables of ``env`` (default: the environment) that neither a
+    class of ``settings`` nor the command line reads, each with the closest known name (or
+    None), in name order. Only names are looked at, never values."""
+    source = os.environ if env is None else env
+    offered = _setting_suffixes(settings) | _OTHER_VARIABLES
+    found = []
+    for name in sorted(source):
+        upper = name.upper()  # pydantic-settings reads names in any case
+        if not upper.startswith(_PREFIX):
+            continue
+        suffix = upper.removeprefix(_PREFIX)
+        if suffix in offered or suffix in _TOOL_VARIABLES or suffix.startswith(_TOOL_PREFIX):
+            continue
+        # Matched without the common prefix, which would make every name look alike.
+        close = difflib.get_close_matches(suffix, sorted(offered), n=1, cutoff=0.6)
+        found.append((name, _PREFIX + close[0] if close else None))
+    return found
+
+
+def warn_unknown_variables(
+    env: Mapping[str, str] | None = None,
+    *,
+    settings: Iterable[type[BaseSettings]] = (DatabaseSettings, OutboxSettings),
+) -> list[str]:
+    """Log a WARNING for every unknown ``NOTIFY_OUTBOX_*`` variable (see ``unknown_variables``)
+    with a did-you-mean; returns their names. A typo would otherwise leave a setting at its
+    default without a word. The value is never logged: it may be a secret."""
+    found = unknown_variables(env, settings=settings)
+    for name, suggestion in found:
+        hint = f"; did you mean {suggestion}?" if suggestion else ""
+        log.warning("unknown environment variable %s is ignored%s", name, hint)
+    return [name for name, _ in found]

@@ -2,8 +2,9 @@
 ``2026-11-23T06:00:00Z``.
 
 Used by the dead-letter and replay commands (``--since``, ``--until``, ``--older-than``) and by
-the ``dead_letter_retention`` setting. Every parser raises ``ValueError`` with a message that
-says what is accepted, so the command line can print it as one line.
+every duration setting (``poll_interval``, ``dead_letter_retention``, ...). Every parser raises
+``ValueError`` with a message that says what is accepted, so the command line can print it as
+one line.
 """
 
 from __future__ import annotations
@@ -12,39 +13,56 @@ import math
 import re
 from datetime import UTC, datetime, timedelta
 
-__all__ = ["format_duration", "parse_duration", "parse_time"]
+__all__ = ["DURATION_HELP", "duration_seconds", "format_duration", "parse_duration", "parse_time"]
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-# One or more <number><unit> parts, largest unit first or not: "90s", "1h30m", "1.5d".
-_SHORT = re.compile(r"(?:\d+(?:\.\d+)?[smhdw])+")
-_SHORT_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# One or more <number><unit> parts, largest unit first or not: "250ms", "90s", "1h30m", "1.5d".
+# "ms" is tried before "m", so "1m30s" is still a minute and a half.
+_SHORT = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|[smhdw]))+")
+_SHORT_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|[smhdw])")
 # ISO-8601 durations without years or months (their length varies): P7D, PT30M, P1W, P1DT2H.
 _ISO = re.compile(
     r"P(?:(?P<w>\d+(?:\.\d+)?)W)?(?:(?P<d>\d+(?:\.\d+)?)D)?"
     r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?"
 )
-_DURATION_HELP = "a duration such as 90s, 30m, 12h, 7d, 1w, 1h30m or ISO-8601 P7D / PT30M"
+#: What a duration may look like, for error messages and help texts.
+DURATION_HELP = "a duration such as 250ms, 90s, 30m, 12h, 7d, 1w, 1h30m or ISO-8601 P7D / PT30M"
 _TIME_HELP = (
     "an ISO-8601 time such as 2026-11-23 or 2026-11-23T06:00:00Z, 'now', "
-    f"or {_DURATION_HELP} (meaning that long ago)"
+    f"or {DURATION_HELP} (meaning that long ago)"
 )
 
 
-def parse_duration(text: str) -> timedelta:
-    """A positive duration: ``90s``, ``30m``, ``12h``, ``7d``, ``1w``, combinations such as
-    ``1h30m``, ISO-8601 ``P7D`` / ``PT30M``, or a plain number of seconds."""
-    value = text.strip()
-    seconds: float | None = None
+def _seconds(value: str) -> float | None:
+    """The seconds ``value`` (stripped) spells, zero included; None if it spells none."""
     if re.fullmatch(r"\d+(?:\.\d+)?", value):
-        seconds = float(value)
-    elif _SHORT.fullmatch(value.lower()):
-        seconds = sum(float(n) * _UNITS[u] for n, u in _SHORT_PART.findall(value.lower()))
-    else:
-        m = _ISO.fullmatch(value.upper())
-        if m and any(m.groupdict().values()) and not value.upper().endswith("T"):
-            seconds = sum(float(v) * _UNITS[k] for k, v in m.groupdict().items() if v is not None)
+        return float(value)
+    if _SHORT.fullmatch(value.lower()):
+        return sum(float(n) * _UNITS[u] for n, u in _SHORT_PART.findall(value.lower()))
+    m = _ISO.fullmatch(value.upper())
+    if m and any(m.groupdict().values()) and not value.upper().endswith("T"):
+        return sum(float(v) * _UNITS[k] for k, v in m.groupdict().items() if v is not None)
+    return None
+
+
+def duration_seconds(text: str) -> float:
+    """The length of a duration in seconds, zero allowed (the caller applies its own bounds):
+    ``250ms``, ``5s``, ``1m``, ``1h30m``, ``2d``, ISO-8601 ``PT5S``, or a plain number. The
+    error message never quotes ``text`` (a setting's value stays out of logs)."""
+    seconds = _seconds(text.strip())
     if seconds is None:
-        raise ValueError(f"invalid duration {text!r}: use {_DURATION_HELP}")
+        raise ValueError(f"invalid duration: use a number of seconds or {DURATION_HELP}")
+    if not math.isfinite(seconds) or seconds > timedelta.max.total_seconds():
+        raise ValueError("invalid duration: too long")
+    return seconds
+
+
+def parse_duration(text: str) -> timedelta:
+    """A positive duration: ``250ms``, ``90s``, ``30m``, ``12h``, ``7d``, ``1w``, combinations
+    such as ``1h30m``, ISO-8601 ``P7D`` / ``PT30M``, or a plain number of seconds."""
+    seconds = _seconds(text.strip())
+    if seconds is None:
+        raise ValueError(f"invalid duration {text!r}: use {DURATION_HELP}")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"invalid duration {text!r}: it must be longer than zero")
     try:

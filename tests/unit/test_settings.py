@@ -96,3 +96,68 @@ def test_read_only_servers_are_told_apart() -> None:
     assert not read_only(asyncpg.InsufficientPrivilegeError("permission denied for table outbox"))
     assert not read_only(ConnectionRefusedError(111, "refused"))
     assert not read_only(OSError("read-only file system during recovery"))
+
+
+_DURATION_FIELDS = [
+    name for name, field in OutboxSettings.model_fields.items() if "float" in str(field.annotation)
+]
+
+
+def test_every_float_setting_is_a_duration() -> None:
+    # A new float field that forgot the Seconds type (and so its units) fails here.
+    assert len(_DURATION_FIELDS) >= 18
+    settings = load_settings(
+        OutboxSettings,
+        dsn=DSN,
+        kafka_bootstrap_servers="k:9092",
+        **dict.fromkeys(_DURATION_FIELDS, "1500ms"),
+    )
+    for name in _DURATION_FIELDS:
+        assert getattr(settings, name) == 1.5, name
+
+
+@pytest.mark.parametrize(
+    ("variable", "text", "seconds"),
+    [
+        ("NOTIFY_OUTBOX_POLL_INTERVAL", "5s", 5.0),
+        ("NOTIFY_OUTBOX_POLL_INTERVAL", "250ms", 0.25),
+        ("NOTIFY_OUTBOX_POLL_INTERVAL", "2.5", 2.5),
+        ("NOTIFY_OUTBOX_KAFKA_SEND_TIMEOUT", "1m", 60.0),
+        ("NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT", "1500ms", 1.5),
+        ("NOTIFY_OUTBOX_SHUTDOWN_TIMEOUT", "1m30s", 90.0),
+        ("NOTIFY_OUTBOX_RECONNECT_MAX_DELAY", "1h", 3600.0),
+        ("NOTIFY_OUTBOX_CLEANUP_INTERVAL", "PT5M", 300.0),
+        ("NOTIFY_OUTBOX_KEEP_PUBLISHED", "2d", 172800.0),
+        ("NOTIFY_OUTBOX_KEEP_PUBLISHED", "0s", 0.0),
+        ("NOTIFY_OUTBOX_GATE_LINGER", "10ms", 0.01),
+        ("NOTIFY_OUTBOX_DEAD_LETTER_RETENTION", "30d", 30 * 86400.0),
+    ],
+)
+def test_duration_settings_accept_units(
+    variable: str, text: str, seconds: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NOTIFY_OUTBOX_DSN", DSN)
+    monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    monkeypatch.setenv(variable, text)
+    settings = load_settings(OutboxSettings)
+    field = variable.removeprefix("NOTIFY_OUTBOX_").lower()
+    assert getattr(settings, field) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("poll_interval", "0s", "greater than 0"),  # the field's own bound, after the unit
+        ("poll_interval", "-1", "greater than 0"),
+        ("poll_interval", "5 parsecs", "invalid duration"),
+        ("keep_published", "-1s", "invalid duration"),
+        ("dead_letter_retention", "0ms", "greater than 0"),
+    ],
+)
+def test_duration_settings_keep_their_bounds(field: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        load_settings(OutboxSettings, dsn=DSN, kafka_bootstrap_servers="k:9092", **{field: value})
+    text = str(info.value)
+    assert f"NOTIFY_OUTBOX_{field.upper()}: " in text
+    assert message in text
+    assert value not in text.replace(f"NOTIFY_OUTBOX_{field.upper()}", "")

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from notify_outbox.timespec import format_duration, parse_duration, parse_time
+from notify_outbox.timespec import duration_seconds, format_duration, parse_duration, parse_time
 
 NOW = datetime(2026, 11, 23, 7, 0, tzinfo=UTC)
 
@@ -20,6 +20,9 @@ NOW = datetime(2026, 11, 23, 7, 0, tzinfo=UTC)
         ("7d", 7 * 86400),
         ("1w", 7 * 86400),
         ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("1m30s", 90),
+        ("1s500ms", 1.5),
         ("1.5d", 1.5 * 86400),
         (" 30M ", 1800),
         ("P7D", 7 * 86400),
@@ -39,6 +42,18 @@ def test_bad_durations_say_what_is_accepted(text: str) -> None:
     with pytest.raises(ValueError, match="invalid duration") as e:
         parse_duration(text)
     assert "\n" not in str(e.value)
+
+
+def test_duration_seconds_allows_zero_and_never_quotes_its_input() -> None:
+    # Settings apply their own bounds (keep_published=0s is valid), and a setting's value
+    # stays out of the message.
+    assert duration_seconds("0s") == 0.0
+    assert duration_seconds(" 250ms ") == 0.25
+    assert duration_seconds("2d") == 172800.0
+    for text in ("5 parsecs", "-1s", "99999999999999d"):
+        with pytest.raises(ValueError, match="invalid duration") as e:
+            duration_seconds(text)
+        assert text not in str(e.value)
 
 
 def test_an_absurd_duration_is_an_error_not_a_crash() -> None:
