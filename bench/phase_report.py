@@ -488,9 +488,10 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         "claim it freezes), **freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, "
         "**recovery** (after the last). Latency is commit ack -> consumer receipt (ms). "
         "**Keys held** are the keys whose claim bucket the frozen relay held in an open claim "
-        "transaction (`pg_locks`, looked at just before the SIGCONT): per-key order makes them "
-        "wait for it; **keys free** are the others. **Rate %** is the producers' commits as a "
-        "share of the offered rate.",
+        "transaction (`pg_locks`, looked at 0.2 s after the SIGSTOP): per-key order makes them "
+        "wait for it, until PostgreSQL ends the claim after the relay's claim_idle_timeout; "
+        "**keys free** are the others. **Rate %** is the producers' commits as a share of the "
+        "offered rate.",
     ]
     lines += _targets(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
     lines += ["", "## Latency per phase (medians over rounds)", ""]
