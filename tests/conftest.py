@@ -12,8 +12,9 @@ import asyncio
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,25 @@ def _docker_answers() -> bool:
 
 
 @pytest.fixture(scope="session")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+def service_dir() -> Iterator[Callable[[str], Path]]:
+    """Makes a fresh directory for a service's files (PostgreSQL, PgBouncer), outside
+    pytest's own temporary directories: every pytest session of the same user sets
+    ``/tmp/pytest-of-<user>`` back to mode 0700 when it starts, which would lock the
+    service user out of a running cluster's data directory (a ``make unit`` beside ``make
+    test`` crashed the tests' PostgreSQL with "Permission denied" on ``pg_control``)."""
+    root = Path(tempfile.mkdtemp(prefix="notify-outbox-tests-"))
+
+    def make(name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+
+    try:
+        yield make
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def services(service_dir: Callable[[str], Path]) -> Iterator[Services]:
     dsn = os.environ.get("NOTIFY_OUTBOX_TEST_DSN")
     bootstrap = os.environ.get("NOTIFY_OUTBOX_TEST_BOOTSTRAP_SERVERS")
     if dsn and bootstrap:
@@ -62,16 +81,16 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     if _docker_answers():
         yield from _containers(dsn, bootstrap)
         return
-    yield from _local_stack(tmp_path_factory.mktemp("stack"), dsn, bootstrap)
+    yield from _local_stack(service_dir("stack"), dsn, bootstrap)
 
 
 @pytest.fixture(scope="session")
-def poolers(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Poolers]:
+def poolers(services: Services, service_dir: Callable[[str], Path]) -> Iterator[Poolers]:
     """A transaction-mode and a session-mode PgBouncer in front of the tests' PostgreSQL."""
     from devstack import StackError
 
     try:
-        pools = start_poolers(services.dsn, tmp_path_factory.mktemp("pgbouncer"))
+        pools = start_poolers(services.dsn, service_dir("pgbouncer"))
     except StackError as e:
         pytest.fail(f"no PgBouncer for the tests: {e}", pytrace=False)
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,13 +44,16 @@ DATABASE = "failover"
 
 
 @pytest.fixture
-def replicated(tmp_path: Path) -> Iterator[tuple[PostgresServer, PostgresStandby]]:
+def replicated(
+    service_dir: Callable[[str], Path],
+) -> Iterator[tuple[PostgresServer, PostgresStandby]]:
     """A primary and its streaming standby of this test's own (the test stops the primary,
     so not the session's cluster), built from the local PostgreSQL binaries."""
     from devstack import PostgresServer, PostgresStandby, StackError
 
-    primary = PostgresServer(tmp_path / "primary", durable=False)
-    standby = PostgresStandby(tmp_path / "standby", primary)
+    base = service_dir("failover")
+    primary = PostgresServer(base / "primary", durable=False)
+    standby = PostgresStandby(base / "standby", primary)
     try:
         try:
             primary.start()
