@@ -149,7 +149,7 @@ def test_settings_are_known_and_valid(monkeypatch: pytest.MonkeyPatch) -> None:
     assert unknown_variables(dict.fromkeys(named, ""), settings=classes) == []
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    settings = OutboxSettings(dsn="postgresql://relay@db/app")  # type: ignore[arg-type]
+    settings = OutboxSettings(dsn="postgresql://relay@db/app")  # type: ignore[arg-type, call-arg]
     assert settings.http_host == "0.0.0.0"  # noqa: S104 - reachable by the kubelet's probes
     assert settings.http_port is not None
     pod = kit["Deployment"]["spec"]["template"]["spec"]
