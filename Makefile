@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install test test-faults unit lint dist-check demo example bench bench-smoke stack-up stack-down clean
+.PHONY: install test test-faults unit lint dist-check k8s-check demo example bench bench-smoke stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,21 @@ dist-check: $(STAMP)
 		echo "dist-check: the installed wheel says '$$got', expected '$$want'" >&2; exit 1; \
 	fi; \
 	echo "dist-check: $$got from the wheel in a fresh virtualenv"
+
+# The Kubernetes kit (deploy/kubernetes/): its PrometheusRule matches the Prometheus rules, and
+# every manifest validates strictly (unknown fields rejected, a missing schema fails) against the
+# Kubernetes schemas of the pinned kubernetes-validate (dev extra) and the vendored CRD schemas.
+# Then each deliberately broken manifest of tests/unit/k8s_broken/ must be rejected. No cluster.
+k8s-check: $(STAMP)
+	$(PY) -m devstack.k8s rules --check
+	$(PY) -m devstack.k8s validate deploy/kubernetes
+	@set -uo pipefail; for f in tests/unit/k8s_broken/*.yaml; do \
+		out=$$($(PY) -m devstack.k8s validate "$$f" 2>&1) && { \
+			echo "k8s-check: $$f was accepted, but it is broken on purpose" >&2; exit 1; }; \
+		grep -q "^k8s-check: $$f" <<<"$$out" || { \
+			echo "k8s-check: $$f: the validator failed without naming it:" >&2; \
+			echo "$$out" >&2; exit 1; }; \
+	done; echo "k8s-check: each of the $$(ls tests/unit/k8s_broken/*.yaml | wc -l) manifests of tests/unit/k8s_broken/ was rejected"
 
 # Side-by-side latency/throughput bench (bench/README.md), ~15-20 min on a quiet machine;
 # BENCH_ARGS=--quick for a short run. Results land in bench/results/.
