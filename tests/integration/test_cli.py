@@ -169,18 +169,21 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 @pytest.mark.parametrize(
     "table", ['outbox"; DROP TABLE x; --', "a;b", "Outbox", "x" * 64, "1abc", "über"]
 )
-def test_invalid_names_are_rejected_with_a_clear_error(table: str) -> None:
-    result = _cli(
-        "run",
-        "--table",
-        table,
-        env={
-            "NOTIFY_OUTBOX_DSN": "postgresql://u:pw@127.0.0.1:1/db",
-            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
-        },
-    )
+@pytest.mark.parametrize("given_by", ["flag", "variable"])
+def test_invalid_names_are_rejected_with_a_clear_error(table: str, given_by: str) -> None:
+    env = {
+        "NOTIFY_OUTBOX_DSN": "postgresql://u:pw@127.0.0.1:1/db",
+        "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+    }
+    if given_by == "flag":
+        result = _cli("run", "--table", table, env=env)
+        named = "--table: "
+    else:
+        result = _cli("run", env={**env, "NOTIFY_OUTBOX_TABLE": table})
+        named = "NOTIFY_OUTBOX_TABLE: "
     assert result.returncode == 2
-    assert "NOTIFY_OUTBOX_TABLE" in result.stderr
+    # The error names the setting the way the user gave it: the flag, else the variable.
+    assert named in result.stderr
     assert "Traceback" not in result.stderr
 
 
