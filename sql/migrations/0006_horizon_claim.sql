@@ -341,18 +341,24 @@ BEGIN
                 WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
                             ELSE hashtext(o.key) & 255 END) = b
                   AND o.published_at IS NULL AND o.next_attempt_at IS NULL
-                  AND o.id >= @schema@.@prefix@_floor(mark, xids, lows)
+                  -- outbox_floor(mark, xids, lows), written out: a SQL function with a FROM
+                  -- is never inlined, and its body is planned again at every statement.
+                  AND o.id >= least(mark, (
+                        SELECT min(u.lo) FROM unnest(xids, lows) AS u(x, lo)
+                        WHERE pg_visible_in_snapshot(u.x::text::xid8, pg_current_snapshot())))
                 -- The bucket index's own order (the bucket is fixed): whatever the statistics
                 -- say, no other index can return the rows in this order without reading all.
                 ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
                                ELSE hashtext(o.key) & 255 END), o.id
                 LIMIT batch - cardinality(taken)
             )
-            SELECT taken || ARRAY(SELECT range.id FROM range WHERE NOT range.held
-                                  ORDER BY range.id LIMIT batch - cardinality(taken)),
-                   ARRAY(SELECT DISTINCT range.key FROM range
-                         WHERE range.held AND range.key <> ALL(run_keys)),
-                   (SELECT max(range.id) FROM range)
+            -- One pass over the range (it holds no more rows than the batch may take).
+            SELECT taken || coalesce(array_agg(range.id ORDER BY range.id)
+                                         FILTER (WHERE NOT range.held), '{}'),
+                   coalesce(array_agg(DISTINCT range.key)
+                                FILTER (WHERE range.held AND range.key <> ALL(run_keys)), '{}'),
+                   max(range.id)
+            FROM range
             INTO taken, held_keys, past;
             saw_held := saw_held OR cardinality(held_keys) > 0;
             CONTINUE WHEN cardinality(held_keys) = 0;
