@@ -453,13 +453,20 @@ CREATE FUNCTION @schema@.@prefix@_due(low bigint, xids bigint[], lows bigint[]) 
 LANGUAGE plpgsql STABLE SET enable_seqscan = off SET plan_cache_mode = force_generic_plan
 AS $fn$
 BEGIN
+    -- outbox_floor and outbox_held written out: SQL functions with a FROM are never inlined,
+    -- and their bodies were planned again at every look (0.2 ms a look at 1,000 ev/s).
     RETURN EXISTS (
             SELECT 1 FROM @table@ AS o
             WHERE o.published_at IS NULL AND o.next_attempt_at IS NULL
-              AND o.id >= @schema@.@prefix@_floor(low, xids, lows))
+              AND o.id >= least(low, (
+                    SELECT min(u.lo) FROM unnest(xids, lows) AS u(x, lo)
+                    WHERE pg_visible_in_snapshot(u.x::text::xid8, pg_current_snapshot()))))
         OR EXISTS (
             SELECT 1 FROM @table@ AS o
             WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
-              AND NOT @schema@.@prefix@_held(o.key, o.id));
+              AND (SELECT w.id FROM @table@ AS w
+                   WHERE w.key = o.key AND w.published_at IS NULL
+                     AND w.next_attempt_at IS NOT NULL AND w.id < o.id
+                   ORDER BY w.key, w.id LIMIT 1) IS NULL);
 END
 $fn$;
