@@ -37,11 +37,18 @@ async def test_rows_waiting_for_their_retry_keep_the_relay_idle(
         await conn.execute(INSERT, "no-such-topic-" + topic, "k")
         await conn.execute(INSERT, topic, "k")
         await conn.execute(INSERT, topic, "other")
+        behind = await conn.fetchval("SELECT max(id) FROM outbox WHERE key = 'k'")
         async with Relay(settings) as relay:
             events = relay.events
             with anyio.fail_after(30):
                 await events.wait_for("retried")
                 await events.wait_for("published")
+                # The key's later row is fresh until a claim parks it behind the failed one
+                # (migration 0006): until then a poll rightly finds work.
+                while not await conn.fetchval(
+                    "SELECT next_attempt_at = 'infinity' FROM outbox WHERE id = $1", behind
+                ):
+                    await events.wait_for("claimed_none", events.counts["claimed_none"] + 1)
             # From here on nothing is due. (Before, a poll may find the rows still pending
             # while the first claim waits for Kafka to refuse the missing topic: not idle yet.)
             claimed, batches = events.counts["claimed"], events.counts["batch_done"]
