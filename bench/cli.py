@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
     _phase_options(p)
     p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the first process of each mode in the first round; the report lists "
+        "the functions with the most own time",
+    )
 
     p = sub.add_parser("recovery", help="outage recovery: Kafka and PostgreSQL restarts")
     p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
@@ -315,6 +321,7 @@ def _run_phase(args: argparse.Namespace) -> int:
             alt_relay=alt,
             cell_timeout=args.cell_timeout or 0.0,
             fsync_test_seconds=args.fsync_seconds,
+            profile=args.profile,
         )
         coro = run_drain(dcfg, out, keep=args.keep_work_dir)
         check = drain_problems

@@ -26,6 +26,7 @@ from bench.config import Mode
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
+from bench.profile import start_profiler, stop_profiler, top_self
 from bench.services import Services, open_services, prepare_mode
 from devstack.relayproc import child_env
 
@@ -158,6 +159,7 @@ class DrainConfig:
     partitions: int = 3
     cell_timeout: float = 0.0  # 0: 60 s + 1 s per 500 rows
     fsync_test_seconds: int = 0
+    profile: bool = False  # py-spy the first process of each mode in the first round
 
     def timeout(self) -> float:
         """Seconds a cell may take from the mode's start to the last arrival."""
@@ -332,6 +334,8 @@ class _Drain:
             cwd=run.src,
         )
         procs: list[Child] = []
+        profiler: asyncio.subprocess.Process | None = None
+        raw = run.out_dir
         try:
             ready = json.loads(await tally.read_line(_READY_TIMEOUT))
             if not ready.get("ready"):
@@ -353,6 +357,12 @@ class _Drain:
                 )
             await asyncio.gather(*(wait_mode_ready(p, dm.mode) for p in procs))
             t_ready = time.monotonic_ns()
+            # The CPU of starting up (imports, connecting: about 0.5 s) is no part of the
+            # drain's cost per event; rows are claimed only from readiness on.
+            cpu_ready = sum(p.cpu() for p in procs)
+            if cfg.profile and cell["round"] == 0:
+                raw = run.out_dir / f"drain-{run.run_id}-profile-{slug(cell['mix'])}-{dm.name}.txt"
+                profiler = await start_profiler(procs[0].pid, raw)
             timeout = max(1.0, cfg.timeout() - (t_ready - t_start) / 1e9)
             await tally.send_line(
                 json.dumps({"cmd": "wait", "expect": cfg.rows, "timeout": timeout})
@@ -360,8 +370,14 @@ class _Drain:
             got = json.loads(await tally.read_line(timeout + 30))
             cpu = sum(p.cpu() for p in procs)
             host1 = envinfo.cpu_times()
+            if profiler is not None:
+                await stop_profiler(profiler)
+                profiler = None
+                cell["profile"] = {"file": raw.name, **top_self(raw)}
             pending = await _wait_empty(dsn)
         finally:
+            if profiler is not None:
+                await stop_profiler(profiler)
             codes = [await run.stop(p) for p in procs]
             with contextlib.suppress(Exception):
                 await tally.send_line(json.dumps({"cmd": "quit"}))
@@ -394,6 +410,9 @@ class _Drain:
                 "pending_after": pending,
                 "mode_cpu_s": round(cpu, 3),
                 "mode_cpu_us_per_event": round(1e6 * cpu / unique, 1) if unique else None,
+                "mode_cpu_drain_us_per_event": (
+                    round(1e6 * (cpu - cpu_ready) / unique, 1) if unique else None
+                ),
                 "host_cpu_busy": envinfo.busy_share(host0, host1),
                 "load_average": loadavg(),
                 "exit_codes": codes,
@@ -448,6 +467,7 @@ def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
                 "duplicates": sum(int(c.get("duplicates") or 0) for c in cells),
                 "pending_after": sum(int(c.get("pending_after") or 0) for c in cells),
                 "mode_cpu_us_per_event": med(cells, "mode_cpu_us_per_event"),
+                "mode_cpu_drain_us_per_event": med(cells, "mode_cpu_drain_us_per_event"),
             }
         )
     by: dict[tuple[str, str], float | None] = {

@@ -72,6 +72,7 @@ def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             "order violations",
             "pending after",
             "mode CPU µs/event",
+            "of it while draining",
             "per round (ev/s)",
         ],
         [
@@ -87,15 +88,37 @@ def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
                 str(r["order_violations"]),
                 str(r["pending_after"]),
                 _f(r["mode_cpu_us_per_event"], 0),
+                _f(r.get("mode_cpu_drain_us_per_event"), 1),
                 " ".join(_rate(v) for v in r["rates"]),
             ]
             for r in summary["rows"]
         ],
     )
+    lines += _profile_lines(result)
     lines += ["", "## Key mixes and modes", ""]
     lines += [f"- `{m}`: {d}" for m, d in result.get("mixes", {}).items()]
     lines += [f"- `{n}`: {m['description']}" for n, m in result.get("modes", {}).items()]
     return _finish(lines, result, plots, drain_problems(result))
+
+
+def _profile_lines(result: dict[str, Any]) -> list[str]:
+    """Per profiled cell (``--profile``), the functions with the most own time."""
+    lines: list[str] = []
+    for c in result.get("cells", []):
+        prof = c.get("profile")
+        if not prof or not prof.get("samples"):
+            continue
+        lines += [
+            "",
+            f"## Profile: {c['mix']}, {c['mode']} (py-spy, {prof['samples']:,} samples, "
+            f"`{prof['file']}`)",
+            "",
+        ]
+        lines += _table(
+            ["function (own time)", "share"],
+            [[f"`{t['function']}`", f"{100 * t['share']:.1f}%"] for t in prof["top"]],
+        )
+    return lines
 
 
 def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
