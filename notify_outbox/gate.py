@@ -5,7 +5,7 @@ Migrations 0002 and 0006 hold the producers' side and the protocol's proof. In s
 
 - the awake marker: while the relay is busy draining, and only while it makes progress, it
   holds the advisory locks of the current and the next epoch of ``awake_epoch_ms`` (renewed
-  every half epoch), on its listening connection; producers probe the current epoch's lock and
+  once per epoch, mid-epoch), on its listening connection; producers probe the current epoch's lock and
   skip their NOTIFY (a NOTIFY takes a cluster-wide lock at commit) when it is held, since an
   awake relay looks for rows anyway. A relay that stops claiming (frozen, cut off from Kafka)
   stops renewing, and within two epochs producers notify again, waking the other relays;
@@ -80,7 +80,7 @@ class Gate:
         # gone. The epochs whose locks it holds there now (none once they lapsed unrenewed).
         self._marked_on: asyncpg.Connection | None = None
         self._held: list[int] = []
-        self._renewed_at = -1e9  # monotonic time of the last renewal (or try)
+        self._renewed_in = -1  # the epoch (this host's clock) of the last renewal (or try)
         self._progress_at = -1e9  # monotonic time a claim last started or ended
         self._sleep_tries = 0  # try_sleep refused in a row (producers in flight)
         self._lock = asyncio.Lock()  # the marker's state changes one at a time
@@ -104,7 +104,7 @@ class Gate:
 
     async def busy_for(self, seconds: float) -> None:
         """A worker has been claiming without a break for ``seconds`` and just made progress:
-        after ``gate_awake_after`` of it, hold the awake marker, and renew it every half epoch
+        after ``gate_awake_after`` of it, hold the awake marker, and renew it once per epoch
         (a relay that stops making progress lets it lapse, and producers notify again)."""
         if not self.enabled or self._renewed_lately():
             return
@@ -117,14 +117,22 @@ class Gate:
         self._progress_at = time.monotonic()
 
     async def renew_while_claiming(self) -> None:
-        """Renew the marker every half epoch while claims start or end, not only when one
+        """Renew the marker once per epoch while claims start or end, not only when one
         ends with rows: under load a claim's round (Kafka's acks included) can outlast the
         marker's two epochs, and each lapse lets producers NOTIFY, whose commits PostgreSQL
         serializes. A frozen process renews nothing (this task is frozen too), and a relay
-        whose claims stop moving stops renewing after ``_PROGRESS_EPOCHS`` epochs."""
+        whose claims stop moving stops renewing after ``_PROGRESS_EPOCHS`` epochs.
+
+        It wakes in the middle of each epoch by this host's clock: taking the current and
+        the next epoch there keeps the current one held without a gap while the database's
+        clock is within half an epoch of this one (a larger skew or a late wake-up leaves
+        a gap, in which producers simply notify). Once per epoch is half the statements of
+        renewing every half epoch, a fixed cost per second that shows at steady load."""
         while True:
-            await anyio.sleep(self.epoch_ms / 2000)
-            recent = time.monotonic() - self._progress_at < self.epoch_ms * _PROGRESS_EPOCHS / 1000
+            epoch_s = self.epoch_ms / 1000
+            into = (time.time() / epoch_s) % 1.0  # how far into its epoch the clock is
+            await anyio.sleep(epoch_s * ((0.5 - into) if into < 0.5 else (1.5 - into)))
+            recent = time.monotonic() - self._progress_at < epoch_s * _PROGRESS_EPOCHS
             if self.awake and recent and not self._renewed_lately():
                 await self._hold(mark=False)
 
@@ -148,7 +156,7 @@ class Gate:
             result = await listener.session_statement(
                 self._queries["hold_awake"], held, self.epoch_ms
             )
-            self._renewed_at = time.monotonic()
+            self._renewed_in = self._epoch_now()
             if result is None:
                 self._asleep()
                 return
@@ -159,9 +167,12 @@ class Gate:
                 self._events.emit("gate_awake")
 
     def _renewed_lately(self) -> bool:
-        """Whether the marker was renewed (or tried: other relays may hold the epochs)
-        less than half an epoch ago."""
-        return time.monotonic() - self._renewed_at < self.epoch_ms / 2000
+        """Whether the marker was renewed (or tried: other relays may hold the epochs) in
+        the current epoch by this host's clock (it holds that epoch and the next)."""
+        return self._epoch_now() == self._renewed_in
+
+    def _epoch_now(self) -> int:
+        return int(time.time() * 1000) // self.epoch_ms
 
     async def release(self) -> None:
         """Let producers notify again at once (Kafka is away: this relay claims nothing, and
@@ -177,7 +188,7 @@ class Gate:
     def _asleep(self) -> None:
         """The marker is let go (or its session is gone, which let it go)."""
         self._held = []
-        self._renewed_at = -1e9  # the next busy run may take it at once
+        self._renewed_in = -1  # the next busy run may take it at once
         if self._marked_on is not None:
             self._marked_on = None
             self._events.emit("gate_sleep")

@@ -68,8 +68,9 @@
 --    skipping their NOTIFY, and the other relays found the rows only at their fallback poll
 --    (p50 1.2 s). Now the marker is a lock on the current epoch of `awake_epoch_ms` milliseconds
 --    (two-key advisory lock: awake namespace, epoch number by the database's clock). An awake
---    relay that is making progress takes the current and the next epoch every half epoch; a
---    relay that stops claiming stops taking them, and producers notify again within two epochs.
+--    relay that is making progress takes the current and the next epoch once per epoch (mid-
+--    epoch); a relay that stops claiming stops taking them, and producers notify again within
+--    two epochs.
 --    Producers probe only the current epoch, as they probed A before: still one try and one
 --    release. The gate G and the sleep protocol are unchanged (the relay releases every epoch
 --    lock it holds in the statement that took G).
