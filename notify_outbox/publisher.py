@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import anyio
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
 from aiokafka.helpers import create_ssl_context
+from aiokafka.partitioner import murmur2
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from .backoff import Backoff
 from .debezium import debezium_headers
@@ -78,8 +81,9 @@ _RECOVERY_FIRST = 0.02
 _RECOVERY_CAP = 0.2
 
 
-class RowRejected(Exception):
-    """The row can never become a Kafka message as stored (e.g. malformed headers)."""
+class RowRejected(ValueError):
+    """The row can never become a Kafka message as stored (e.g. malformed headers). The one
+    error of mapping a row that dead-letters it: any other is a bug, not a bad row."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +111,20 @@ def to_message(row: OutboxRow, *, header_style: str = "native") -> KafkaMessage:
         value = None
     key = row.key.encode() if row.key is not None else None
     if header_style == "debezium":
+        try:
+            dbz_headers = debezium_headers(row.headers)
+        except ValueError as e:  # what the row holds, not our code: json and shape errors
+            raise RowRejected(str(e)) from e
         # The router sends a null key with a null value too (not a tombstone to refuse).
-        return KafkaMessage(row.topic, key, value, debezium_headers(row.headers))
+        return KafkaMessage(row.topic, key, value, dbz_headers)
     if value is None and key is None:
         raise RowRejected("event has neither a payload nor a key")
     headers: list[tuple[str, bytes]] = []
     if row.headers is not None:
-        parsed = json.loads(row.headers)
+        try:
+            parsed = json.loads(row.headers)
+        except ValueError as e:
+            raise RowRejected(f"headers are not JSON: {e}") from e
         if not isinstance(parsed, dict):
             raise RowRejected("headers must be a JSON object")
         for name, val in parsed.items():
@@ -192,6 +203,7 @@ class KafkaPublisher:
         self._broken = False  # the producer's idempotent session is unusable: replace it
         self._down: str | None = None  # why Kafka is unavailable, while it is
         self._recovery_lock = asyncio.Lock()
+        self._partitions = _Partitions()
 
     @property
     def available(self) -> bool:
@@ -325,6 +337,10 @@ class KafkaPublisher:
         return result
 
     async def _publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
+        """Send ``rows`` in waves and classify the acks. A wave holds at most one topic per
+        key: Kafka keeps order only within a partition, so a key's row for another topic
+        waits for the next wave, sent once the acks of this one are in (and not at all if
+        the key's earlier row failed). Almost every batch is one wave."""
         result = PublishResult()
         if not self.available:
             result.unavailable = self._down or "the Kafka producer must be replaced"
@@ -333,85 +349,118 @@ class KafkaPublisher:
         # abandoned producer (which sends nothing more) and its replacement.
         producer = self.producer
         on_ack = self._watch(producer)
-        sent: list[tuple[OutboxRow, asyncio.Future[Any]]] = []
-        blocked_keys: set[str] = set()
-        # The topic and ack of each key's latest row sent in this batch.
-        latest: dict[str, tuple[str, asyncio.Future[Any]]] = {}
+        self._partitions.next_publish()
+        blocked: set[str] = set()  # keys with a failed row: their later rows wait
         topics = {r.topic for r in rows}
-
-        def fail(row: OutboxRow, reason: str, *, permanent: bool) -> None:
-            (result.rejected if permanent else result.failed).append((row.id, reason))
-            # Later rows of this key must not overtake it: hold them back in this batch.
-            if row.key is not None:
-                blocked_keys.add(row.key)
-
+        unsettled: list[_Sent] = []  # sent, acks not classified yet
         with anyio.move_on_after(self._settings.kafka_send_timeout) as scope:
             try:
                 missing = await self._missing_topics(topics)
             except (kafka_errors.KafkaError, OSError) as e:
                 result.unavailable = f"Kafka metadata unavailable: {_describe(e)}"
-                missing = topics
-            for row in rows:
-                if result.unavailable is not None:
-                    break
-                if row.key is not None and row.key in blocked_keys:
-                    continue
-                if row.topic in missing:
-                    fail(row, f"topic {row.topic!r} does not exist in Kafka", permanent=False)
-                    continue
-                try:
-                    msg = to_message(row, header_style=self._settings.header_style)
-                except (RowRejected, ValueError) as e:
-                    fail(row, f"malformed event: {e}", permanent=True)
-                    continue
-                earlier = latest.get(row.key) if row.key is not None else None
-                if earlier is not None and earlier[0] != row.topic:
-                    # Kafka keeps order only within a partition: a key's row for another
-                    # topic waits until the row before it is acknowledged (or failed).
-                    if not await self._await_acks([earlier[1]], topics):
-                        result.unavailable = "Kafka stopped answering"
-                        break
-                    if earlier[1].cancelled() or earlier[1].exception() is not None:
-                        assert row.key is not None
-                        blocked_keys.add(row.key)
-                        continue
-                try:
-                    fut = await producer.send(
-                        msg.topic, value=msg.value, key=msg.key, headers=msg.headers
-                    )
-                except kafka_errors.KafkaError as e:
-                    if isinstance(e, _Abandoned):
-                        break  # the rest stays pending for the next producer
-                    if _is_row_error(e):
-                        fail(row, _describe(e), permanent=False)
-                        continue
-                    result.unavailable = _describe(e)
-                    break
-                fut.add_done_callback(on_ack)
-                sent.append((row, fut))
-                if row.key is not None:
-                    latest[row.key] = (row.topic, fut)
-            if (
-                sent
-                and result.unavailable is None
-                and not await self._await_acks([f for _, f in sent], topics)
-            ):
-                result.unavailable = "Kafka stopped answering"
+            todo: Sequence[OutboxRow] = rows
+            while todo and result.unavailable is None:
+                wave, todo = _next_wave(todo, blocked)
+                unsettled = await self._send_wave(producer, on_ack, wave, missing, blocked, result)
+                if result.unavailable is None and not await self._await_acks(
+                    [b.future for b in unsettled], topics
+                ):
+                    result.unavailable = "Kafka stopped answering"
+                if result.unavailable is None:
+                    self._classify(unsettled, result, blocked)
+                    unsettled = []
         if scope.cancelled_caught and result.unavailable is None:
             result.unavailable = (
                 f"Kafka did not acknowledge within {self._settings.kafka_send_timeout}s"
             )
-        for row, fut in sent:
+        self._classify(unsettled, result, blocked)
+        if result.unavailable is not None and self._down is None:
+            self._down = result.unavailable
+        return result
+
+    async def _send_wave(
+        self,
+        producer: AIOKafkaProducer,
+        on_ack: Callable[[asyncio.Future[Any]], None],
+        wave: Sequence[OutboxRow],
+        missing: set[str],
+        blocked: set[str],
+        result: PublishResult,
+    ) -> list[_Sent]:
+        """Map a wave's rows to records, append them to one batch per partition (in row
+        order, so a key's rows keep theirs), and hand the batches to the producer. A row
+        that cannot be sent fails here and holds back its key's later rows."""
+        header_style = self._settings.header_style
+        max_request = self._settings.kafka_max_request_size
+        open_batches: dict[tuple[str, int], _Batch] = {}
+        sent: list[_Sent] = []
+        try:
+            for row in wave:
+                key = row.key
+                if key is not None and key in blocked:
+                    continue
+                if row.topic in missing:
+                    _fail(result, blocked, row, f"topic {row.topic!r} does not exist in Kafka")
+                    continue
+                try:
+                    msg = to_message(row, header_style=header_style)
+                except RowRejected as e:
+                    _fail(result, blocked, row, f"malformed event: {e}", permanent=True)
+                    continue
+                size = DefaultRecordBatchBuilder.estimate_size_in_bytes(
+                    msg.key, msg.value, msg.headers
+                )
+                if size > max_request:
+                    error = kafka_errors.MessageSizeTooLargeError(
+                        f"The message is {size} bytes when serialized which is larger than "
+                        "the maximum request size you have configured with the "
+                        "max_request_size configuration"
+                    )
+                    _fail(result, blocked, row, _describe(error))
+                    continue
+                tp = (msg.topic, self._partitions.choose(producer, msg.topic, msg.key))
+                batch = open_batches.get(tp)
+                if batch is None:
+                    batch = open_batches[tp] = _Batch(producer.create_batch())
+                if (
+                    batch.builder.append(
+                        timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
+                    )
+                    is None
+                ):
+                    # Full: it goes now, and the row starts the partition's next batch (an
+                    # empty batch takes any record; the size was checked above).
+                    sent.append(await _submit(producer, batch, tp, on_ack))
+                    batch = open_batches[tp] = _Batch(producer.create_batch())
+                    batch.builder.append(
+                        timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
+                    )
+                batch.rows.append(row)
+            for tp, batch in open_batches.items():
+                sent.append(await _submit(producer, batch, tp, on_ack))
+        except kafka_errors.KafkaError as e:
+            # Whatever was not handed over stays pending; an abandoned producer's records go
+            # with the next one.
+            if not isinstance(e, _Abandoned):
+                result.unavailable = _describe(e)
+        return sent
+
+    def _classify(self, sent: Sequence[_Sent], result: PublishResult, blocked: set[str]) -> None:
+        """Sort the rows of sent batches by their batch's ack: delivered, failed (retry with
+        backoff), or Kafka unavailable. A batch whose ack is still out is parked: nobody
+        waits for it any more, but it may still complete when Kafka returns."""
+        for batch in sent:
+            fut = batch.future
             if not fut.done():
                 self._outstanding.add(fut)
                 fut.add_done_callback(self._outstanding.discard)
-                # Nobody awaits it any more: read its error when it comes, or asyncio logs
-                # "exception was never retrieved" for each one.
+                # Read its error when it comes, or asyncio logs "exception was never
+                # retrieved" for it.
                 fut.add_done_callback(_retrieve)
                 continue
             error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
             if error is None:
-                result.delivered.append(row.id)
+                result.delivered.extend(r.id for r in batch.rows)
             elif isinstance(error, _Abandoned):
                 pass  # never sent: stays pending, no attempt counted
             elif isinstance(error, _SESSION_ERRORS):
@@ -421,12 +470,10 @@ class KafkaPublisher:
             elif _is_row_error(error) or (
                 isinstance(error, kafka_errors.KafkaError) and not error.retriable
             ):
-                fail(row, _describe(error), permanent=False)
+                for row in batch.rows:
+                    _fail(result, blocked, row, _describe(error))
             elif result.unavailable is None:
                 result.unavailable = _describe(error)
-        if result.unavailable is not None and self._down is None:
-            self._down = result.unavailable
-        return result
 
     def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any]], None]:
         """A done-callback for ``producer``'s acks: the first record that fails abandons it.
@@ -515,3 +562,110 @@ def _abandon(producer: AIOKafkaProducer) -> None:
                 _retrieve(batch._drain_waiter)  # or asyncio logs it as never retrieved
 
         sender_task.add_done_callback(fail_unsent)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A record batch being filled: aiokafka's BatchBuilder and the rows in it, in order."""
+
+    builder: Any
+    rows: list[OutboxRow] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A record batch handed to the producer: its rows and its ack."""
+
+    rows: list[OutboxRow]
+    future: asyncio.Future[Any]
+
+
+async def _submit(
+    producer: AIOKafkaProducer,
+    batch: _Batch,
+    tp: tuple[str, int],
+    on_ack: Callable[[asyncio.Future[Any]], None],
+) -> _Sent:
+    """Hand a batch to the producer, and watch its ack at once: the next batch of its
+    partition may wait for this one to be taken, and ``on_ack`` must see a failure before
+    the producer sends anything after it (see ``KafkaPublisher._watch``)."""
+    future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
+    future.add_done_callback(on_ack)
+    return _Sent(batch.rows, future)
+
+
+def _fail(
+    result: PublishResult,
+    blocked: set[str],
+    row: OutboxRow,
+    reason: str,
+    *,
+    permanent: bool = False,
+) -> None:
+    """Record a row's failure; its key's later rows must not overtake it."""
+    (result.rejected if permanent else result.failed).append((row.id, reason))
+    if row.key is not None:
+        blocked.add(row.key)
+
+
+def _next_wave(
+    rows: Sequence[OutboxRow], blocked: set[str]
+) -> tuple[list[OutboxRow], list[OutboxRow]]:
+    """Split off the rows that may go at once: for each key, its rows up to the first one
+    for a topic other than its first row's. The rest (from that row on, per key) waits for
+    the acks. Rows of blocked keys are left out: they stay pending."""
+    wave: list[OutboxRow] = []
+    later: list[OutboxRow] = []
+    topic_of: dict[str, str] = {}
+    deferred: set[str] = set()
+    for row in rows:
+        key = row.key
+        if key is None:
+            wave.append(row)
+            continue
+        if key in blocked:
+            continue
+        if key in deferred:
+            later.append(row)
+            continue
+        first = topic_of.setdefault(key, row.topic)
+        if first == row.topic:
+            wave.append(row)
+        else:
+            deferred.add(key)
+            later.append(row)
+    return wave, later
+
+
+class _Partitions:
+    """The partition of each record: Kafka's default rule for keyed records (murmur2 of the
+    key, positive, modulo the topic's partition count; what the Java client and aiokafka's
+    default partitioner do), hashed once per distinct key; keyless records of one publish
+    stick to one partition chosen at random among those with a leader (Kafka's sticky
+    partitioner), so they fill one batch."""
+
+    _MAX_KEYS = 100_000
+
+    def __init__(self) -> None:
+        self._hashes: dict[bytes, int] = {}
+        self._sticky: dict[str, int] = {}
+
+    def choose(self, producer: AIOKafkaProducer, topic: str, key: bytes | None) -> int:
+        cluster = producer.client.cluster
+        if key is None:
+            partition = self._sticky.get(topic)
+            if partition is None:
+                available = cluster.available_partitions_for_topic(topic)
+                partition = random.choice(sorted(available or cluster.partitions_for_topic(topic)))
+                self._sticky[topic] = partition
+            return partition
+        h = self._hashes.get(key)
+        if h is None:
+            if len(self._hashes) >= self._MAX_KEYS:
+                self._hashes.clear()
+            h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
+        return h % len(cluster.partitions_for_topic(topic))
+
+    def next_publish(self) -> None:
+        """A new publish picks new sticky partitions for keyless records."""
+        self._sticky.clear()
