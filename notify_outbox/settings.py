@@ -113,8 +113,9 @@ class DatabaseSettings(BaseSettings):
         10.0,
         gt=0,
         description="How long a command (migrate, status, dead-letters, ...) waits for "
-        "PostgreSQL to accept its connection before it gives up with exit code 2; the relay "
-        "(run) keeps retrying its connections instead",
+        "PostgreSQL to accept its connection before it gives up with exit code 2 and one line "
+        "naming the host:port and the timeout; the relay (run) keeps retrying its connections "
+        "instead",
     )
 
     @field_validator("dsn")
@@ -223,7 +224,9 @@ class OutboxSettings(DatabaseSettings):
         "so the idle cost stays low",
     )
     poll_only: bool = Field(
-        False, description="Never LISTEN: claim on the fallback poll only (poll_interval)"
+        False,
+        description="Never LISTEN: claim on the fallback poll only (then set a short "
+        "poll_interval)",
     )
     listen_dsn: SecretStr | None = Field(
         None,
@@ -318,7 +321,11 @@ class OutboxSettings(DatabaseSettings):
     # --- monitoring (notify_outbox/http.py) ---------------------------------------------------
     http_host: str = Field("127.0.0.1", description="Address of /metrics, /livez and /readyz")
     http_port: int | None = Field(
-        None, ge=1, le=65535, description="Port of /metrics, /livez and /readyz; unset: no server"
+        None,
+        ge=1,
+        le=65535,
+        description="Port of /metrics, /livez and /readyz; unset: no server. A port in use "
+        "exits 2 with one line",
     )
 
     @field_validator("listen_dsn")
