@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 from pathlib import Path
 
+import markdown
 import pytest
+import yaml
 
-from devstack import docgen
+from devstack import docgen, k8s
 from notify_outbox.cli import _parser
 from notify_outbox.settings import _OTHER_VARIABLES, OutboxSettings
 
@@ -74,3 +77,34 @@ def test_every_command_and_flag_is_in_the_cli_reference() -> None:
                 continue
             name = action.option_strings[0] if action.option_strings else action.dest
             assert f"`{name}`" in section, f"{path}: {name}"
+
+
+# --- the site and the alerts' runbook ---------------------------------------------------------
+
+
+def test_site_url_is_the_documentation_url_of_pyproject() -> None:
+    site_url = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["site_url"]
+    assert site_url == k8s.docs_url(k8s.PYPROJECT.read_text(encoding="utf-8"))
+
+
+def test_every_alert_has_a_runbook_section() -> None:
+    alerts = k8s.alert_names(k8s.ALERTS.read_text(encoding="utf-8"))
+    assert len(alerts) == 8
+    page = k8s.ALERTS_PAGE.read_text(encoding="utf-8")
+    anchors = k8s.page_anchors(page)
+    for alert in alerts:
+        assert f"\n## {alert}\n" in page, f"docs/operations/alerts.md: no section for {alert}"
+        assert k8s.docs_anchor(alert) in anchors
+        assert f"(#{k8s.docs_anchor(alert)})" in page, f"{alert} is missing from the table"
+
+
+@pytest.mark.parametrize(
+    "heading",
+    ["NotifyOutboxRelayDown", "Tracing (OpenTelemetry, optional)", "`notify-outbox run`", "Ä b–c"],
+)
+def test_the_runbook_anchors_are_mkdocs_anchors(heading: str) -> None:
+    # The anchor devstack.k8s links to is the one the site's Markdown (toc) gives the heading.
+    html = markdown.markdown(f"## {heading}\n", extensions=["toc"])
+    expected = re.search(r'id="([^"]*)"', html)
+    assert expected is not None
+    assert k8s.docs_anchor(heading.replace("`", "")) == expected.group(1)
