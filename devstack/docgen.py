@@ -356,6 +356,7 @@ def stale_pages() -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Write the generated pages (or, with ``--check``, exit 1 naming those that drifted)."""
     parser = argparse.ArgumentParser(prog="python -m devstack.docgen", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 on a drift")
     args = parser.parse_args(argv)
