@@ -88,7 +88,7 @@ MODES: dict[str, Mode] = {
             "relay-poll",
             "relay",
             "notify-outbox relay in poll-only mode, --poll-interval 0.1 (notify_mode 'off', as "
-            "the README advises for poll-only deployments)",
+            "the docs advise for poll-only deployments)",
             args=("--poll-only", "--poll-interval", "0.1"),
             notify="off",
             interval=0.1,

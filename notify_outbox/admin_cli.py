@@ -94,7 +94,9 @@ def add_admin_commands(
     a = actions.add_parser("show", parents=[common], help="one dead letter in full")
     _db_flags(a)
     a.add_argument("id", type=int, help="dead-letter id (as `list` shows it)")
-    a.add_argument("--format", choices=["text", "json"], default="text")
+    a.add_argument(
+        "--format", choices=["text", "json"], default="text", help="json: one JSON object"
+    )
 
     a = actions.add_parser(
         "requeue",

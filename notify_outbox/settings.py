@@ -89,10 +89,20 @@ class DatabaseSettings(BaseSettings):
         frozen=True,
     )
 
-    dsn: SecretStr = Field(description="PostgreSQL DSN, postgresql://user:password@host/db")
-    db_schema: str = Field("public", description="Schema of the outbox table")
-    table: str = Field("outbox", description="Name of the outbox table")
-    channel: str = Field("notify_outbox", description="LISTEN/NOTIFY channel")
+    dsn: SecretStr = Field(
+        description="PostgreSQL URL, postgresql://user:password@host/db; it may list several "
+        "hosts (high availability: add target_session_attrs=read-write). A secret: never "
+        "logged or echoed"
+    )
+    db_schema: str = Field(
+        "public", description="Schema of the outbox table (a lower-case identifier)"
+    )
+    table: str = Field(
+        "outbox", description="Name of the outbox table (a lower-case identifier, at most 40 bytes)"
+    )
+    channel: str = Field(
+        "notify_outbox", description="LISTEN/NOTIFY channel (a lower-case identifier)"
+    )
     statement_cache_size: int | None = Field(
         None,
         ge=0,
@@ -103,8 +113,9 @@ class DatabaseSettings(BaseSettings):
         10.0,
         gt=0,
         description="How long a command (migrate, status, dead-letters, ...) waits for "
-        "PostgreSQL to accept its connection before it gives up with exit code 2; the relay "
-        "(run) keeps retrying its connections instead",
+        "PostgreSQL to accept its connection before it gives up with exit code 2 and one line "
+        "naming the host:port and the timeout; the relay (run) keeps retrying its connections "
+        "instead",
     )
 
     @field_validator("dsn")
@@ -136,20 +147,50 @@ class OutboxSettings(DatabaseSettings):
     """
 
     # --- where they go ------------------------------------------------------------------------
-    kafka_bootstrap_servers: str = Field(description="Comma-separated host:port list")
-    kafka_client_id: str = "notify-outbox"
-    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: SecretStr | None = None
-    kafka_ssl_cafile: Path | None = None
-    kafka_ssl_certfile: Path | None = None
-    kafka_ssl_keyfile: Path | None = None
-    kafka_ssl_password: SecretStr | None = None
-    kafka_compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
-    kafka_linger_ms: int = Field(0, ge=0, le=1000)
-    kafka_max_request_size: int = Field(1_048_576, ge=1024)
-    kafka_request_timeout_ms: int = Field(10_000, ge=100)
+    kafka_bootstrap_servers: str = Field(
+        description="Comma-separated host:port list of Kafka brokers (required by run and replay)"
+    )
+    kafka_client_id: str = Field(
+        "notify-outbox", description="client.id of the relay's Kafka producer"
+    )
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How the producer talks to the brokers"
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism; required with a SASL_* security protocol"
+    )
+    kafka_sasl_username: str | None = Field(None, description="SASL user name")
+    kafka_sasl_password: SecretStr | None = Field(
+        None, description="SASL password. A secret: never logged"
+    )
+    kafka_ssl_cafile: Path | None = Field(
+        None, description="TLS: CA certificate file that verifies the brokers"
+    )
+    kafka_ssl_certfile: Path | None = Field(
+        None, description="TLS: the relay's client certificate file"
+    )
+    kafka_ssl_keyfile: Path | None = Field(None, description="TLS: the client certificate's key")
+    kafka_ssl_password: SecretStr | None = Field(
+        None, description="TLS: password of the key file. A secret: never logged"
+    )
+    kafka_compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
+        None, description="Producer compression; unset: none"
+    )
+    kafka_linger_ms: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="Producer linger.ms, milliseconds: how long it waits to fill a batch",
+    )
+    kafka_max_request_size: int = Field(
+        1_048_576,
+        ge=1024,
+        description="Producer max.request.size, bytes: a larger row fails (too_large), is "
+        "retried, then dead-lettered",
+    )
+    kafka_request_timeout_ms: int = Field(
+        10_000, ge=100, description="Producer request.timeout.ms, milliseconds"
+    )
     kafka_idle_check_interval: Seconds = Field(
         5.0,
         gt=0,
@@ -169,11 +210,23 @@ class OutboxSettings(DatabaseSettings):
     )
 
     # --- how the relay works ------------------------------------------------------------------
-    workers: int = Field(4, ge=1, le=256)
-    batch_size: int = Field(200, ge=1, le=10_000)
-    poll_interval: Seconds = Field(5.0, gt=0, description="Fallback poll, seconds")
+    workers: int = Field(4, ge=1, le=256, description="Worker coroutines claiming in parallel")
+    batch_size: int = Field(
+        200,
+        ge=1,
+        le=10_000,
+        description="Rows per claim: one transaction, held open while Kafka acknowledges them",
+    )
+    poll_interval: Seconds = Field(
+        5.0,
+        gt=0,
+        description="Fallback poll: a cheap EXISTS check for rows a missed NOTIFY left behind, "
+        "so the idle cost stays low",
+    )
     poll_only: bool = Field(
-        False, description="Never LISTEN: claim on the fallback poll only (poll_interval)"
+        False,
+        description="Never LISTEN: claim on the fallback poll only (then set a short "
+        "poll_interval)",
     )
     listen_dsn: SecretStr | None = Field(
         None,
@@ -181,9 +234,24 @@ class OutboxSettings(DatabaseSettings):
         "a transaction-pooling PgBouncer (LISTEN needs a session: point this at PostgreSQL "
         "itself or at a session-pooling pooler); unset: NOTIFY_OUTBOX_DSN",
     )
-    listen_health_interval: Seconds = Field(10.0, gt=0)
-    listen_health_timeout: Seconds = Field(5.0, gt=0)
-    reconnect_min_delay: Seconds = Field(0.05, gt=0)
+    listen_health_interval: Seconds = Field(
+        10.0,
+        gt=0,
+        description="How often the listening connection proves itself: it NOTIFYs a token and "
+        "must hear the echo",
+    )
+    listen_health_timeout: Seconds = Field(
+        5.0,
+        gt=0,
+        description="How long that echo may take before the listener reconnects (also the "
+        "proof of LISTEN through a pooler at start)",
+    )
+    reconnect_min_delay: Seconds = Field(
+        0.05,
+        gt=0,
+        description="Floor of the backoff, with jitter, between attempts to reach PostgreSQL "
+        "(and Kafka at start)",
+    )
     reconnect_max_delay: Seconds = Field(
         0.5,
         gt=0,
@@ -191,7 +259,12 @@ class OutboxSettings(DatabaseSettings):
         "start): short, so that delivery resumes within about a second of a server's return; "
         "a refused connection costs the server nothing, and the log stays quiet meanwhile",
     )
-    db_command_timeout: Seconds = Field(30.0, gt=0)
+    db_command_timeout: Seconds = Field(
+        30.0,
+        gt=0,
+        description="Deadline of the listener's and the metrics connection's own statements "
+        "(LISTEN, the health probe, the table gauges)",
+    )
     gate_linger: Seconds = Field(
         0.01,
         ge=0,
@@ -218,27 +291,41 @@ class OutboxSettings(DatabaseSettings):
 
     # --- failures -----------------------------------------------------------------------------
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")
-    retry_base_delay: Seconds = Field(1.0, ge=0)
-    retry_max_delay: Seconds = Field(300.0, ge=0)
+    retry_base_delay: Seconds = Field(
+        1.0, ge=0, description="First per-row retry delay; it doubles, with jitter, per attempt"
+    )
+    retry_max_delay: Seconds = Field(300.0, ge=0, description="Cap of the per-row retry delay")
 
     # --- retention and shutdown ---------------------------------------------------------------
     keep_published: Seconds = Field(
         0.0, ge=0, description="Seconds to keep published rows; 0 deletes them on publish"
     )
-    cleanup_interval: Seconds = Field(60.0, gt=0)
-    cleanup_batch: int = Field(5000, ge=1)
+    cleanup_interval: Seconds = Field(
+        60.0,
+        gt=0,
+        description="How often the retention cleanup runs (kept published rows, dead letters)",
+    )
+    cleanup_batch: int = Field(5000, ge=1, description="Rows the cleanup deletes per statement")
     dead_letter_retention: Seconds | None = Field(
         None,
         gt=0,
         description="How long dead letters are kept, from their dead-lettering: seconds or a "
         "duration (30d, 12h, P7D); unset: forever. Applied by the relay's cleanup",
     )
-    shutdown_timeout: Seconds = Field(30.0, gt=0)
+    shutdown_timeout: Seconds = Field(
+        30.0,
+        gt=0,
+        description="How long a graceful stop waits for in-flight batches (then exit code 3)",
+    )
 
     # --- monitoring (notify_outbox/http.py) ---------------------------------------------------
     http_host: str = Field("127.0.0.1", description="Address of /metrics, /livez and /readyz")
     http_port: int | None = Field(
-        None, ge=1, le=65535, description="Port of /metrics, /livez and /readyz; unset: no server"
+        None,
+        ge=1,
+        le=65535,
+        description="Port of /metrics, /livez and /readyz; unset: no server. A port in use "
+        "exits 2 with one line",
     )
 
     @field_validator("listen_dsn")
@@ -375,17 +462,24 @@ def redact(text: str, settings: DatabaseSettings) -> str:
 # --- unknown variables ------------------------------------------------------------------------
 
 _PREFIX = "NOTIFY_OUTBOX_"
-# Read by name outside the settings classes (suffixes after the prefix).
-_OTHER_VARIABLES = frozenset(
-    {
-        "LOG_FORMAT",  # cli.py / logs.py
-        "INBOX_SCHEMA",  # inbox_cli.py
-        "INBOX_TABLE",
-        "DEBEZIUM_CONFIG",  # debezium_cli.py
-        "DEBEZIUM_SCHEMA",
-        "DEBEZIUM_TABLE",
-    }
-)
+# Read by name outside the settings classes (suffixes after the prefix), with what they mean:
+# the configuration reference (notify_outbox/docgen.py) lists them after the settings.
+_OTHER_VARIABLES: Mapping[str, str] = {
+    # cli.py / logs.py
+    "LOG_FORMAT": "Log format of the daemon and the commands: text (the default) or json, one "
+    "JSON object per line; secrets are redacted in both",
+    # inbox_cli.py
+    "INBOX_SCHEMA": "Schema of the consumer's inbox table for migrate/verify/sql --inbox and "
+    "inbox purge (default public; --schema wins)",
+    "INBOX_TABLE": "Name of the consumer's inbox table (default inbox; --table wins)",
+    # debezium_cli.py
+    "DEBEZIUM_CONFIG": "Debezium mode: a Kafka Connect connector configuration (.properties or "
+    "JSON) whose EventRouter options are read (--connector-config wins)",
+    "DEBEZIUM_SCHEMA": "Debezium mode: schema of the Debezium-shaped outbox table (default "
+    "public; --source-schema wins)",
+    "DEBEZIUM_TABLE": "Debezium mode: the Debezium-shaped outbox table (default outbox; "
+    "--source-table wins)",
+}
 # The tools' own variables (fault suite, devstack, bench), set around commands in tests and on
 # developers' machines: known, so they cause no warning, but never suggested to a user. Any
 # NOTIFY_OUTBOX_TEST_* is the test suites' too (TEST_DSN, TEST_CRASH_AT, ...).
@@ -421,7 +515,7 @@ def unknown_variables(
     class of ``settings`` nor the command line reads, each with the closest known name (or
     None), in name order. Only names are looked at, never values."""
     source = os.environ if env is None else env
-    offered = _setting_suffixes(settings) | _OTHER_VARIABLES
+    offered = _setting_suffixes(settings) | set(_OTHER_VARIABLES)
     found = []
     for name in sorted(source):
         upper = name.upper()  # pydantic-settings reads names in any case

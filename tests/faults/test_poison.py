@@ -21,7 +21,7 @@ pytestmark = pytest.mark.anyio
 async def test_14_poison_rows_are_retried_then_dead_lettered_while_other_keys_flow(
     db_dsn: str, services: Services, topic: str
 ) -> None:
-    """README, "Delivery, order and failures": a failing row is retried with backoff and
+    """docs/concepts/guarantees.md, "Failures": a failing row is retried with backoff and
     dead-lettered with its reason after max_attempts; a row that can never be sent as stored
     is dead-lettered at once. While a row is retried, later rows of its key wait behind it and
     other keys flow; once it is dead-lettered, the key's later rows go on, in order."""

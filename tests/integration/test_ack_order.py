@@ -1,4 +1,4 @@
-"""Per-key order when a record fails at the broker (README, "Delivery, order and failures").
+"""Per-key order when a record fails at the broker (docs/concepts/guarantees.md).
 
 A claim's sends are pipelined: every ``send()`` is queued before any ack is awaited. aiokafka's
 idempotent producer numbers a partition's record batches when it sends them and never takes a

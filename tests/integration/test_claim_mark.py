@@ -80,7 +80,7 @@ async def test_claims_from_the_mark_never_skip_a_late_commit(db_dsn: str) -> Non
             isolation = rng.choice(["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
             ids: dict[int, str | None] = {}
             await conn.execute(f"BEGIN ISOLATION LEVEL {isolation}")
-            # Several keys in one transaction go in one global order (README), or producers
+            # Several keys in one transaction go in one global order (the docs), or producers
             # deadlock on the per-key ordering locks.
             keys = sorted(
                 (

@@ -190,7 +190,7 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
         nonlocal committed, aborted
         await anyio.sleep(rng.uniform(0, 0.004))
         isolation = rng.choice(["read_committed", "repeatable_read", "serializable"])
-        # Several keys in one transaction go in one global order, as the README asks.
+        # Several keys in one transaction go in one global order, as the docs ask.
         keys = sorted(f"k{rng.randrange(20):02d}" for _ in range(rng.randint(1, 3)))
         abort = rng.random() < 0.15
         try:

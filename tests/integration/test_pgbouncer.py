@@ -44,7 +44,7 @@ def _settings(dsn: str, services: Services, **kw: Any) -> OutboxSettings:
 
 
 async def _write(dsn: str, topic: str) -> dict[str, tuple[str, int]]:
-    """Concurrent producers through ``dsn`` (asyncpg without a statement cache, as the README
+    """Concurrent producers through ``dsn`` (asyncpg without a statement cache, as the docs
     tells pooler users): each writer owns its keys and numbers their events. Returns event id
     -> (key, sequence number)."""
     committed: dict[str, tuple[str, int]] = {}

@@ -146,7 +146,7 @@ def test_known_and_tool_variables_cause_no_warning() -> None:
 
 
 def test_every_variable_the_repository_mentions_is_known() -> None:
-    # The README, compose file, tests and tools must not teach a name the warning calls
+    # The README, docs, compose file, tests and tools must not teach a name the warning calls
     # unknown (partial names such as NOTIFY_OUTBOX_HTTP_* end with "_" and are skipped).
     root = Path(__file__).resolve().parents[2]
     names: set[str] = set()

@@ -57,14 +57,17 @@ def test_prometheus_rule_is_generated_from_the_alert_rules() -> None:
 def test_prometheus_rule_has_the_same_rules_plus_runbook_urls() -> None:
     source = yaml.safe_load(k8s.ALERTS.read_text(encoding="utf-8"))["groups"]
     groups = _kit()["PrometheusRule"]["spec"]["groups"]
-    anchor = "#" + k8s.github_anchor(k8s.ALERTS_HEADING)
-    assert anchor == "#monitoring-metrics-health-alerts"
+    site = k8s.docs_url(k8s.PYPROJECT.read_text(encoding="utf-8"))
+    anchors = k8s.page_anchors(k8s.ALERTS_PAGE.read_text(encoding="utf-8"))
+    assert k8s.docs_anchor("NotifyOutboxRelayDown") == "notifyoutboxrelaydown"
     assert [g["name"] for g in groups] == [g["name"] for g in source]
     for group, original in zip(groups, source, strict=True):
         assert len(group["rules"]) == len(original["rules"])
         for rule, want in zip(group["rules"], original["rules"], strict=True):
             url = rule["annotations"].pop("runbook_url")
-            assert url.endswith("/blob/main/README.md" + anchor), url
+            anchor = rule["alert"].lower()
+            assert url == f"{site}operations/alerts/#{anchor}", url
+            assert anchor in anchors, f"docs/operations/alerts.md has no section {rule['alert']}"
             assert rule == want
 
 
@@ -73,14 +76,24 @@ def test_a_changed_alert_rule_changes_the_rendering() -> None:
     alerts = k8s.ALERTS.read_text(encoding="utf-8")
     changed = alerts.replace("> 1000", "> 2000", 1)
     assert changed != alerts
-    url = "https://example.invalid/README.md#x"
+
+    def url(alert: str) -> str:
+        return f"https://example.invalid/alerts/#{alert.lower()}"
+
     assert k8s.render_prometheus_rule(changed, url) != k8s.render_prometheus_rule(alerts, url)
 
 
-def test_runbook_url_needs_the_readme_heading() -> None:
+def test_runbook_url_needs_the_alerts_runbook_heading() -> None:
     pyproject = k8s.PYPROJECT.read_text(encoding="utf-8")
+    page = "# Alerts\n## NotifyOutboxRelayDown\n```\n## NotifyOutboxBacklogHigh\n```\n"
+    assert k8s.runbook_url(pyproject, page, "NotifyOutboxRelayDown").endswith(
+        "/operations/alerts/#notifyoutboxrelaydown"
+    )
+    # A heading inside fenced code is no heading; a missing one fails, naming the alert.
+    with pytest.raises(k8s.KitError, match="no heading 'NotifyOutboxBacklogHigh'"):
+        k8s.runbook_url(pyproject, page, "NotifyOutboxBacklogHigh")
     with pytest.raises(k8s.KitError, match="no heading"):
-        k8s.runbook_url(pyproject, "# notify-outbox\n### Monitoring\n")
+        k8s.runbook_url(pyproject, "# notify-outbox\n### Monitoring\n", "NotifyOutboxRelayDown")
 
 
 # --- schema validation ------------------------------------------------------------------------
