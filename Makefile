@@ -33,7 +33,7 @@ unit: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict notify_outbox devstack bench
+	$(VENV)/bin/mypy --strict notify_outbox devstack bench examples
 
 # The release artefacts as a user gets them: the sdist and the wheel built by `python -m build`
 # (the wheel from the sdist, so a file missing from the sdist fails here), their metadata

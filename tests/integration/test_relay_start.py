@@ -18,7 +18,7 @@ import pytest
 
 from notify_outbox import MigrationError, NotifyOutboxError, OutboxSettings, Relay, enqueue
 from tests.conftest import Services
-from tests.support import consume
+from tests.support import address, consume
 
 pytestmark = pytest.mark.anyio
 
@@ -32,23 +32,6 @@ def make_settings(dsn: str, bootstrap: str, **kw: Any) -> OutboxSettings:
         kafka_send_timeout=5.0,
         **kw,
     )
-
-
-@pytest.fixture
-def refusing() -> Iterator[socket.socket]:
-    """A TCP socket bound to a port of its own but not listening: connections to it are
-    refused (a Kafka that is down) until something listens on it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield sock
-    finally:
-        sock.close()
-
-
-def address(sock: socket.socket) -> str:
-    host, port = sock.getsockname()
-    return f"{host}:{port}"
 
 
 @contextlib.contextmanager
