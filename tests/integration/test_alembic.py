@@ -29,19 +29,36 @@ ENV_PY = '''
 """env.py of a user's project: an async engine under asyncpg (Alembic's async template),
 a plain engine otherwise."""
 import asyncio
+import os
 
+import sqlalchemy as sa
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 from sqlalchemy.ext.asyncio import async_engine_from_config
 
 from notify_outbox.alembic import include_object
+from notify_outbox.sqlalchemy import outbox_tables
 
 config = context.config
+
+# The user's models; the test chooses how the outbox is kept out of autogenerate.
+target_metadata = sa.MetaData()
+sa.Table(
+    "orders",
+    target_metadata,
+    sa.Column("id", sa.BigInteger, primary_key=True),
+    sa.Column("customer", sa.Text, nullable=False),
+)
+hook = None
+if os.environ["OUTBOX_AUTOGENERATE"] == "include_object":
+    hook = include_object()
+elif os.environ["OUTBOX_AUTOGENERATE"] == "tables":
+    outbox_tables(target_metadata)
 
 
 def do_run_migrations(connection):
     context.configure(
-        connection=connection, target_metadata=None, include_object=include_object()
+        connection=connection, target_metadata=target_metadata, include_object=hook
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -143,18 +160,19 @@ def alembic_project(base: Path, url: str) -> Path:
     return ini
 
 
-def alembic(ini: Path, *args: str) -> str:
+def alembic(ini: Path, *args: str, autogenerate: str = "include_object", ok: bool = True) -> str:
+    """Run the ``alembic`` command line; its output (stdout, then stderr)."""
     result = subprocess.run(
         [sys.executable, "-m", "alembic", "-c", str(ini), *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OUTBOX_AUTOGENERATE": autogenerate},
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    assert (result.returncode == 0) == ok, result.stdout + result.stderr
+    return result.stdout + result.stderr
 
 
 async def outbox_objects(dsn: str) -> dict[str, Any]:
@@ -215,6 +233,15 @@ def test_alembic_upgrade_applies_the_outbox_migrations_idempotently(
     assert done["verify"].ok, done["verify"].describe()
     assert done["verify"].extras == []
     assert done["head"] == "0003"
+
+    # `alembic check` (autogenerate against the migrated database): nothing to do with
+    # include_object() or with the outbox's tables declared; without either, it proposes to
+    # drop them.
+    assert "No new upgrade operations detected" in alembic(ini, "check")
+    assert "No new upgrade operations detected" in alembic(ini, "check", autogenerate="tables")
+    unhelped = alembic(ini, "check", autogenerate="none", ok=False)
+    assert "remove_table" in unhelped
+    assert "outbox_dead_letter" in unhelped
 
     # Down to the first revision and up again: its outbox line runs once more, and finds
     # everything applied.
@@ -293,3 +320,10 @@ def test_autogenerate_finds_the_outbox_tables_as_declared(db_dsn: str) -> None:
     # drop. Server defaults too (compare_server_default).
     diff = autogenerate_diff(db_dsn, metadata, compare_server_default=True)
     assert diff == []
+
+
+def test_upgrade_outbox_refuses_offline_mode(empty_db_dsn: str, tmp_path: Path) -> None:
+    ini = alembic_project(tmp_path, sqlalchemy_url(empty_db_dsn, "asyncpg"))
+    out = alembic(ini, "upgrade", "0001", "--sql", ok=False)
+    assert "upgrade_outbox needs a database connection" in out
+    assert "notify-outbox sql" in out
