@@ -149,11 +149,11 @@ def sqlalchemy_url(dsn: str, driver: str) -> str:
     return dsn.replace("postgresql://", f"postgresql+{driver}://", 1)
 
 
-def alembic_project(base: Path, url: str) -> Path:
+def alembic_project(base: Path, url: str, revisions: dict[str, str] = REVISIONS) -> Path:
     """A user's Alembic project in ``base``; returns its alembic.ini."""
     (base / "migrations" / "versions").mkdir(parents=True)
     (base / "migrations" / "env.py").write_text(ENV_PY)
-    for name, body in REVISIONS.items():
+    for name, body in revisions.items():
         (base / "migrations" / "versions" / name).write_text(textwrap.dedent(body))
     ini = base / "alembic.ini"
     ini.write_text(f"[alembic]\nscript_location = {base / 'migrations'}\nsqlalchemy.url = {url}\n")
@@ -327,3 +327,40 @@ def test_upgrade_outbox_refuses_offline_mode(empty_db_dsn: str, tmp_path: Path) 
     out = alembic(ini, "upgrade", "0001", "--sql", ok=False)
     assert "upgrade_outbox needs a database connection" in out
     assert "notify-outbox sql" in out
+
+
+FAILING_REVISION = {
+    "0001_fails.py": """
+        from alembic import op
+
+        from notify_outbox.alembic import upgrade_outbox
+
+        revision = "0001"
+        down_revision = None
+
+
+        def upgrade():
+            upgrade_outbox(op)
+            raise RuntimeError("a later step of the revision fails")
+    """
+}
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_upgrade_outbox_rolls_back_with_its_revision(
+    empty_db_dsn: str, tmp_path: Path, driver: str
+) -> None:
+    ini = alembic_project(tmp_path, sqlalchemy_url(empty_db_dsn, driver), FAILING_REVISION)
+    out = alembic(ini, "upgrade", "head", ok=False)
+    assert "a later step of the revision fails" in out
+
+    async def left() -> list[str]:
+        conn = await asyncpg.connect(empty_db_dsn)
+        try:
+            rows = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        finally:
+            await conn.close()
+        return [r["tablename"] for r in rows]
+
+    # The migrations ran in the revision's transaction: nothing of them is left.
+    assert asyncio.run(left()) == []
