@@ -50,8 +50,10 @@ def upgrade_outbox(
     migrate``) is skipped, so running it twice applies nothing the second time. Give
     ``up_to`` the newest version you mean (the files of ``sql/migrations``; ``notify-outbox
     verify`` lists what a database has and lacks): a revision then does the same on every
-    database, and a later release's migrations come in a revision of their own. Needs a database connection: not for ``alembic upgrade --sql``
-    (print the SQL with ``notify-outbox sql`` instead).
+    database, and a later release's migrations come in a revision of their own.
+
+    Needs a database connection: not for ``alembic upgrade --sql`` (print the SQL with
+    ``notify-outbox sql`` instead).
     """
     context = op.get_context()
     if context.as_sql:
