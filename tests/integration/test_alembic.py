@@ -20,7 +20,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import BigInteger, Column, Connection, MetaData, Table, Text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from notify_outbox import OutboxNames, verify
+from notify_outbox import OutboxNames, migrate, verify
 from notify_outbox.alembic import include_object
 from notify_outbox.sqlalchemy import outbox_tables
 from tests.support import ROOT
@@ -364,3 +364,35 @@ def test_upgrade_outbox_rolls_back_with_its_revision(
 
     # The migrations ran in the revision's transaction: nothing of them is left.
     assert asyncio.run(left()) == []
+
+
+def test_autogenerate_with_an_outbox_of_other_names_in_its_own_schema(empty_db_dsn: str) -> None:
+    names = OutboxNames(schema="events", table="shop_outbox", channel="shop")
+
+    async def prepare() -> None:
+        conn = await asyncpg.connect(empty_db_dsn)
+        try:
+            await migrate(conn, names)
+        finally:
+            await conn.close()
+
+    asyncio.run(prepare())
+    asyncio.run(create_orders(empty_db_dsn))
+    # Every schema compared (include_schemas): the outbox's own is found and left alone...
+    diff = autogenerate_diff(
+        empty_db_dsn, user_metadata(), include_schemas=True, include_object=include_object(names)
+    )
+    assert diff == []
+    # ...or found as declared, table for table.
+    metadata = user_metadata()
+    tables = outbox_tables(metadata, names)
+    assert {t.fullname for t in vars(tables).values()} == {
+        "events.shop_outbox",
+        "events.shop_outbox_dead_letter",
+        "events.shop_outbox_config",
+        "events.notify_outbox_migrations",
+    }
+    diff = autogenerate_diff(
+        empty_db_dsn, metadata, include_schemas=True, compare_server_default=True
+    )
+    assert diff == []
