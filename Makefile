@@ -33,7 +33,7 @@ unit: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict notify_outbox devstack bench
+	$(VENV)/bin/mypy --strict notify_outbox devstack bench examples
 
 # The docs site (mkdocs.yml, docs/) into site/, strictly: any warning (a broken link or anchor,
 # a page missing from the nav) fails. It regenerates nothing: generated references that drifted

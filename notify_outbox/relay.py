@@ -6,6 +6,14 @@ Embedded use::
     async with Relay(settings) as relay:
         ...  # the relay runs in the background of your event loop
 
+``async with`` returns once the relay is ready, so it waits as long as PostgreSQL or Kafka
+does not answer (see ``Relay.__aenter__``). An application whose own start must not wait::
+
+    relay = Relay(settings)
+    relay.start_background()  # returns at once; connects and retries in the background
+    ...                       # relay.ready, await relay.wait_ready()
+    await relay.stop()
+
 or ``await Relay(settings).run()`` until ``request_stop()`` (graceful) or cancellation.
 """
 
@@ -35,7 +43,7 @@ from .db import (
     statement_cache_size,
 )
 from .deadletters import expire_dead_letters
-from .errors import ConfigurationError, MigrationError, PublisherUnavailable
+from .errors import ConfigurationError, MigrationError, NotifyOutboxError, PublisherUnavailable
 from .events import RelayEvents
 from .gate import Gate
 from .listener import Listener
@@ -104,6 +112,16 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     listener's own connection), and asyncpg still rolls back a transaction left open."""
 
 
+def _log_end(task: asyncio.Task[None]) -> None:
+    """Say at once why a relay started in the background ended, when it failed (nobody may
+    be awaiting it until the application stops)."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None:
+        log.error("the relay stopped: %s", error, exc_info=error)
+
+
 class Relay:
     """Moves committed outbox rows to Kafka: at least once, per-key in commit order.
 
@@ -159,12 +177,29 @@ class Relay:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self.run(), name="notify-outbox-relay")
-        ready = asyncio.ensure_future(self._ready.wait())
-        await asyncio.wait([ready, self._task], return_when=asyncio.FIRST_COMPLETED)
-        if self._task.done():
-            ready.cancel()
-            self._task.result()  # raises the start-up error
+        """Start the relay as a task of the running loop and return once it is ready.
+
+        Ready means connected to PostgreSQL and Kafka, the workers running and (unless
+        poll-only) the first LISTEN up. Until then it retries, without a time limit: while
+        PostgreSQL is unreachable (``reconnect_min_delay`` to ``reconnect_max_delay``
+        apart), and while Kafka does not answer (each attempt bounded by
+        ``kafka_send_timeout``; a warning at the first failure and at one in 64 after it).
+        So an application that enters it in its start-up waits as long as Kafka is down:
+        use ``start_background()`` instead when its start must not wait.
+
+        Raises at once what no retry cures: ``MigrationError`` (the outbox is missing or
+        older than this relay) and ``ConfigurationError`` (a wrong password, a missing
+        database). When the wait is cancelled (``asyncio.timeout`` around it, a shutdown),
+        the relay is stopped before the cancellation goes on: nothing keeps running.
+        """
+        task = self._start_task()
+        try:
+            await self._until_ready_or_ended(task)
+        except BaseException:
+            await self._stop_unready()
+            raise
+        if not self._ready.is_set():
+            task.result()  # raises the start-up error (a stop asked meanwhile: none)
         return self
 
     async def __aexit__(
@@ -175,9 +210,71 @@ class Relay:
     ) -> None:
         await self.stop()
 
+    def start_background(self) -> None:
+        """Start the relay as a task of the running loop and return at once.
+
+        For an application whose own start must not wait for Kafka or PostgreSQL (a web
+        app's lifespan or ``on_startup``): the relay connects, and retries while they do not
+        answer, in the background. ``ready`` says whether it delivers now, ``wait_ready()``
+        waits until it does, and ``stop()`` (graceful) or ``abort()`` ends it, also while it
+        is still connecting. An error that ends the run (``MigrationError``,
+        ``ConfigurationError``, a crash) is logged at once, raised by ``wait_ready()`` and
+        by ``stop()``, and leaves ``ready`` False with ``outcome`` ``"failed"``.
+        """
+        self._start_task().add_done_callback(_log_end)
+
+    def _start_task(self) -> asyncio.Task[None]:
+        if self._task is not None:
+            raise RuntimeError("this relay was started already: a Relay runs once")
+        self._task = asyncio.create_task(self.run(), name="notify-outbox-relay")
+        return self._task
+
+    async def _stop_unready(self) -> None:
+        """Stop a relay whose start was abandoned, and wait until it has exited (its own
+        error, if it failed, is the caller's to raise)."""
+        task = self._task
+        assert task is not None
+        self.request_stop()
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(task)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the relay delivers now: started (what ``wait_ready`` waits for), not
+        stopping or stopped, and no PostgreSQL or Kafka outage known. For an application's
+        readiness probe; ``RelayMetrics.readiness()`` tells why not, per dependency."""
+        return (
+            self._ready.is_set()
+            and not self._stopping
+            and self.outcome == "running"
+            and not self.kafka_outage.active
+            and not self.db_outage.active
+        )
+
     async def wait_ready(self) -> None:
-        """Wait until the workers run (and, unless poll-only, the first LISTEN is up)."""
-        await self._ready.wait()
+        """Wait until the workers run (and, unless poll-only, the first LISTEN is up).
+
+        For a relay started with ``start_background()`` or ``async with``: raises the error
+        that ended its run before it got ready (``MigrationError``, ``ConfigurationError``),
+        or ``NotifyOutboxError`` when it was stopped before it got ready. Waits without a
+        time limit: put ``asyncio.timeout()`` around it for one.
+        """
+        task = self._task
+        if task is None:
+            await self._ready.wait()
+            return
+        await self._until_ready_or_ended(task)
+        if self._ready.is_set():
+            return
+        task.result()  # raises the error that ended the run
+        raise NotifyOutboxError(f"the relay stopped before it was ready ({self.outcome})")
+
+    async def _until_ready_or_ended(self, task: asyncio.Task[None]) -> None:
+        ready = asyncio.ensure_future(self._ready.wait())
+        try:
+            await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
 
     def request_stop(self) -> None:
         """Stop claiming; in-flight batches finish (up to ``shutdown_timeout``), then exit.
@@ -207,7 +304,9 @@ class Relay:
         self._close_scope.cancel()
 
     async def stop(self) -> None:
-        """Graceful stop of a relay started with ``async with``; returns when it has exited."""
+        """Graceful stop of a relay started with ``async with`` or ``start_background()``
+        (also while it is still connecting); returns when it has exited, and raises the
+        error that ended its run, if one did."""
         self.request_stop()
         if self._task is not None:
             await self._task

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import uuid
@@ -216,3 +217,16 @@ def topic(services: Services) -> str:
     name = f"t-{uuid.uuid4().hex[:12]}"
     asyncio.run(create_topics(services.bootstrap, [name], partitions=3))
     return name
+
+
+@pytest.fixture
+def refusing() -> Iterator[socket.socket]:
+    """A TCP socket bound to a port of its own but not listening: connections to it are
+    refused (a Kafka that is down) until something listens on it (``tests.support.address``
+    gives its host:port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock
+    finally:
+        sock.close()

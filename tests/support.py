@@ -3,6 +3,7 @@ shared with the bench and the demo) topics and the relay CLI as a subprocess."""
 
 from __future__ import annotations
 
+import socket
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -13,12 +14,19 @@ from devstack.relayproc import ROOT, RelayProcess, create_topics
 __all__ = [
     "ROOT",
     "RelayProcess",
+    "address",
     "consume",
     "create_topics",
     "dsn_with_database",
     "dsn_with_user",
     "header",
 ]
+
+
+def address(sock: socket.socket) -> str:
+    """The host:port a bound socket has."""
+    host, port = sock.getsockname()
+    return f"{host}:{port}"
 
 
 def dsn_with_database(dsn: str, database: str) -> str:
