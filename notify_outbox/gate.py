@@ -5,10 +5,11 @@ Migrations 0002 and 0006 hold the producers' side and the protocol's proof. In s
 
 - the awake marker: while the relay is busy draining, and only while it makes progress, it
   holds the advisory locks of the current and the next epoch of ``awake_epoch_ms`` (renewed
-  once per epoch, mid-epoch), on its listening connection; producers probe the current epoch's lock and
-  skip their NOTIFY (a NOTIFY takes a cluster-wide lock at commit) when it is held, since an
-  awake relay looks for rows anyway. A relay that stops claiming (frozen, cut off from Kafka)
-  stops renewing, and within two epochs producers notify again, waking the other relays;
+  once per epoch, mid-epoch), on its listening connection; producers probe the current
+  epoch's lock and skip their NOTIFY (a NOTIFY takes a cluster-wide lock at commit) when it
+  is held, since an awake relay looks for rows anyway. A relay that stops claiming (frozen,
+  cut off from Kafka) stops renewing, and within two epochs producers notify again, waking
+  the other relays;
 - G (gate) is held shared by every inserting statement until its transaction ends;
 - the relay lets go of its epochs only in a statement that got G exclusively (no producer in
   flight), then looks once more: every producer that skipped its NOTIFY has committed by then.
