@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 
 from .errors import EventValidationError
+from .message import RESERVED_HEADERS
 from .names import OutboxNames
 from .sqlfiles import Queries
 from .tracing import with_trace_context
@@ -34,10 +35,6 @@ __all__ = [
 
 # Kafka's default max.message.bytes is about 1 MiB; leave room for the record overhead.
 DEFAULT_MAX_EVENT_BYTES = 1_000_000
-# Headers the relay sets itself on every message.
-RESERVED_HEADERS = frozenset(
-    {"outbox-event-id", "outbox-event-type", "outbox-aggregate-type", "outbox-aggregate-id"}
-)
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _UNSET: Any = object()
 

@@ -6,7 +6,7 @@ import logging
 import random
 from collections.abc import Sequence
 
-from .publisher import PublishResult
+from .message import PublishResult
 from .settings import OutboxSettings
 from .store import BatchOutcome, OutboxRow
 

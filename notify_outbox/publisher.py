@@ -26,7 +26,15 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from .backoff import Backoff
 from .debezium import debezium_headers
-from .enqueue import RESERVED_HEADERS
+from .message import (
+    AGGREGATE_ID_HEADER,
+    AGGREGATE_TYPE_HEADER,
+    EVENT_ID_HEADER,
+    EVENT_TYPE_HEADER,
+    RESERVED_HEADERS,
+    KafkaMessage,
+    PublishResult,
+)
 from .settings import OutboxSettings
 from .store import OutboxRow
 from .tracing import record_send_spans
@@ -86,17 +94,6 @@ class RowRejected(ValueError):
     error of mapping a row that dead-letters it: any other is a bug, not a bad row."""
 
 
-@dataclass(frozen=True, slots=True)
-class KafkaMessage:
-    """A row mapped to what Kafka receives."""
-
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    # A None value is a header with a null value (Debezium mode sends them for NULL columns).
-    headers: Sequence[tuple[str, bytes | None]]
-
-
 def to_message(row: OutboxRow, *, header_style: str = "native") -> KafkaMessage:
     """Map an outbox row to a Kafka message: ``payload`` JSON (or ``payload_bytes``) becomes
     the value, ``key`` the key, ``headers`` plus the event metadata the headers.
@@ -133,26 +130,15 @@ def to_message(row: OutboxRow, *, header_style: str = "native") -> KafkaMessage:
             if name in RESERVED_HEADERS:
                 raise RowRejected(f"header {name!r} is reserved for the relay")
             headers.append((name, val.encode()))
-    headers.append(("outbox-event-id", str(row.event_id).encode()))
+    headers.append((EVENT_ID_HEADER, str(row.event_id).encode()))
     for name, meta in (
-        ("outbox-event-type", row.event_type),
-        ("outbox-aggregate-type", row.aggregate_type),
-        ("outbox-aggregate-id", row.aggregate_id),
+        (EVENT_TYPE_HEADER, row.event_type),
+        (AGGREGATE_TYPE_HEADER, row.aggregate_type),
+        (AGGREGATE_ID_HEADER, row.aggregate_id),
     ):
         if meta is not None:
             headers.append((name, meta.encode()))
     return KafkaMessage(row.topic, key, value, headers)
-
-
-@dataclass
-class PublishResult:
-    """Per-row outcome of one batch. Rows in no list were not sent (held back behind a failed
-    row of their key, or not reached because Kafka became unavailable)."""
-
-    delivered: list[int] = field(default_factory=list)
-    failed: list[tuple[int, str]] = field(default_factory=list)  # retry with backoff
-    rejected: list[tuple[int, str]] = field(default_factory=list)  # can never be sent
-    unavailable: str | None = None  # Kafka trouble: back off before claiming again
 
 
 class Publisher(Protocol):
@@ -361,7 +347,10 @@ class KafkaPublisher:
             todo: Sequence[OutboxRow] = rows
             while todo and result.unavailable is None:
                 wave, todo = _next_wave(todo, blocked)
-                unsettled = await self._send_wave(producer, on_ack, wave, missing, blocked, result)
+                # Filled as batches are handed over: a timeout that cuts the wave short
+                # must still find every batch sent, to park its ack (_classify).
+                unsettled = []
+                await self._send_wave(producer, on_ack, wave, missing, blocked, result, unsettled)
                 if result.unavailable is None and not await self._await_acks(
                     [b.future for b in unsettled], topics
                 ):
@@ -386,64 +375,77 @@ class KafkaPublisher:
         missing: set[str],
         blocked: set[str],
         result: PublishResult,
-    ) -> list[_Sent]:
-        """Map a wave's rows to records, append them to one batch per partition (in row
-        order, so a key's rows keep theirs), and hand the batches to the producer. A row
-        that cannot be sent fails here and holds back its key's later rows."""
+        sent: list[_Sent],
+    ) -> None:
+        """Map a wave's rows to records, append them to batches per partition (in row
+        order, so a key's rows keep theirs), and hand the batches to the producer, adding
+        each to ``sent``. A row that cannot be sent fails here and holds back its key's
+        later rows."""
         header_style = self._settings.header_style
         max_request = self._settings.kafka_max_request_size
-        open_batches: dict[tuple[str, int], _Batch] = {}
-        sent: list[_Sent] = []
-        try:
-            for row in wave:
-                key = row.key
-                if key is not None and key in blocked:
-                    continue
-                if row.topic in missing:
-                    _fail(result, blocked, row, f"topic {row.topic!r} does not exist in Kafka")
-                    continue
-                try:
-                    msg = to_message(row, header_style=header_style)
-                except RowRejected as e:
-                    _fail(result, blocked, row, f"malformed event: {e}", permanent=True)
-                    continue
-                size = DefaultRecordBatchBuilder.estimate_size_in_bytes(
-                    msg.key, msg.value, msg.headers
+        batches: dict[tuple[str, int], list[_Batch]] = {}
+        for row in wave:
+            key = row.key
+            if key is not None and key in blocked:
+                continue
+            if row.topic in missing:
+                _fail(result, blocked, row, f"topic {row.topic!r} does not exist in Kafka")
+                continue
+            try:
+                msg = to_message(row, header_style=header_style)
+            except RowRejected as e:
+                _fail(result, blocked, row, f"malformed event: {e}", permanent=True)
+                continue
+            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(msg.key, msg.value, msg.headers)
+            if size > max_request:
+                error = kafka_errors.MessageSizeTooLargeError(
+                    f"The message is {size} bytes when serialized which is larger than "
+                    "the maximum request size you have configured with the "
+                    "max_request_size configuration"
                 )
-                if size > max_request:
-                    error = kafka_errors.MessageSizeTooLargeError(
-                        f"The message is {size} bytes when serialized which is larger than "
-                        "the maximum request size you have configured with the "
-                        "max_request_size configuration"
-                    )
-                    _fail(result, blocked, row, _describe(error))
-                    continue
-                tp = (msg.topic, self._partitions.choose(producer, msg.topic, msg.key))
-                batch = open_batches.get(tp)
-                if batch is None:
-                    batch = open_batches[tp] = _Batch(producer.create_batch())
-                if (
-                    batch.builder.append(
-                        timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
-                    )
-                    is None
-                ):
-                    # Full: it goes now, and the row starts the partition's next batch (an
-                    # empty batch takes any record; the size was checked above).
+                _fail(result, blocked, row, _describe(error))
+                continue
+            tp = (msg.topic, self._partitions.choose(producer, msg.topic, msg.key))
+            chain = batches.get(tp)
+            if chain is None:
+                chain = batches[tp] = [_Batch(producer.create_batch())]
+            batch = chain[-1]
+            if (
+                batch.builder.append(
+                    timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
+                )
+                is None
+            ):
+                # Full: the row starts the partition's next batch (an empty batch takes
+                # any record; the size was checked above).
+                batch = _Batch(producer.create_batch())
+                chain.append(batch)
+                batch.builder.append(
+                    timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
+                )
+            batch.rows.append(row)
+        errors: list[kafka_errors.KafkaError] = []
+
+        async def submit(tp: tuple[str, int], chain: list[_Batch]) -> None:
+            # A partition's next batch waits until the producer took the one before (and,
+            # idempotent, until its ack came): the partitions go side by side.
+            for batch in chain:
+                if errors:
+                    return
+                try:
                     sent.append(await _submit(producer, batch, tp, on_ack))
-                    batch = open_batches[tp] = _Batch(producer.create_batch())
-                    batch.builder.append(
-                        timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
-                    )
-                batch.rows.append(row)
-            for tp, batch in open_batches.items():
-                sent.append(await _submit(producer, batch, tp, on_ack))
-        except kafka_errors.KafkaError as e:
-            # Whatever was not handed over stays pending; an abandoned producer's records go
-            # with the next one.
-            if not isinstance(e, _Abandoned):
-                result.unavailable = _describe(e)
-        return sent
+                except kafka_errors.KafkaError as e:
+                    errors.append(e)
+                    return
+
+        if len(batches) == 1:
+            await submit(*next(iter(batches.items())))
+        elif batches:
+            await asyncio.gather(*(submit(tp, chain) for tp, chain in batches.items()))
+        # Whatever was not handed over stays pending; an abandoned producer's records go
+        # with the next one.
+        if errors and not isinstance(errors[0], _Abandoned):
+            result.unavailable = _describe(errors[0])
 
     def _classify(self, sent: Sequence[_Sent], result: PublishResult, blocked: set[str]) -> None:
         """Sort the rows of sent batches by their batch's ack: delivered, failed (retry with

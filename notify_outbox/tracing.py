@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .publisher import PublishResult
+    from .message import PublishResult
     from .store import OutboxRow
 
 try:
