@@ -430,13 +430,19 @@ class KafkaPublisher:
             # A partition's next batch waits until the producer took the one before (and,
             # idempotent, until its ack came): the partitions go side by side.
             for batch in chain:
-                if errors:
-                    return
-                try:
-                    sent.append(await _submit(producer, batch, tp, on_ack))
-                except kafka_errors.KafkaError as e:
-                    errors.append(e)
-                    return
+                while not errors:
+                    try:
+                        sent.append(await _submit(producer, batch, tp, on_ack))
+                        break
+                    except kafka_errors.KafkaTimeoutError as e:
+                        # aiokafka's send_batch gives up early while other claims queue
+                        # batches for the same partition (aiokafka 0.14 takes the time
+                        # waited so far off its timeout again at every turn): a false
+                        # timeout, unless Kafka stopped answering.
+                        if not await self._reachable([tp[0]]):
+                            errors.append(e)
+                    except kafka_errors.KafkaError as e:
+                        errors.append(e)
 
         if len(batches) == 1:
             await submit(*next(iter(batches.items())))
