@@ -657,12 +657,13 @@ class _Partitions:
     def __init__(self) -> None:
         self._hashes: dict[bytes, int] = {}
         self._sticky: dict[str, int] = {}
+        self._counts: dict[str, int] = {}  # partitions per topic, read once per publish
 
     def choose(self, producer: AIOKafkaProducer, topic: str, key: bytes | None) -> int:
-        cluster = producer.client.cluster
         if key is None:
             partition = self._sticky.get(topic)
             if partition is None:
+                cluster = producer.client.cluster
                 available = cluster.available_partitions_for_topic(topic)
                 partition = random.choice(sorted(available or cluster.partitions_for_topic(topic)))
                 self._sticky[topic] = partition
@@ -672,8 +673,13 @@ class _Partitions:
             if len(self._hashes) >= self._MAX_KEYS:
                 self._hashes.clear()
             h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
-        return h % len(cluster.partitions_for_topic(topic))
+        count = self._counts.get(topic)
+        if count is None:
+            count = self._counts[topic] = len(producer.client.cluster.partitions_for_topic(topic))
+        return h % count
 
     def next_publish(self) -> None:
-        """A new publish picks new sticky partitions for keyless records."""
+        """A new publish reads the partition counts again, and picks new sticky partitions
+        for keyless records."""
         self._sticky.clear()
+        self._counts.clear()

@@ -1,0 +1,165 @@
+"""The publisher's batch path against a stand-in for aiokafka's producer: partitions, waves
+(a key's rows for several topics), and the rows a failed batch holds back. Delivery itself
+is proven against a real broker in tests/integration (test_relay, test_ack_order)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from typing import Any
+
+import anyio
+import pytest
+from aiokafka import errors as kafka_errors
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.producer.message_accumulator import BatchBuilder
+
+from notify_outbox.publisher import KafkaPublisher, RowRejected, _next_wave, _Partitions, to_message
+from notify_outbox.store import OutboxRow
+from tests.fakes import fake_settings
+
+pytestmark = pytest.mark.anyio
+
+
+def row(i: int, key: str | None, topic: str = "a", headers: str | None = None) -> OutboxRow:
+    return OutboxRow(i, uuid.uuid4(), topic, key, f'{{"n": {i}}}', None, headers)
+
+
+class _Cluster:
+    def __init__(self, partitions: int) -> None:
+        self.partitions = set(range(partitions))
+
+    def partitions_for_topic(self, _topic: str) -> set[int]:
+        return self.partitions
+
+    def available_partitions_for_topic(self, _topic: str) -> set[int]:
+        return self.partitions
+
+    def leader_for_partition(self, _tp: object) -> int:
+        return 0
+
+
+class _Client:
+    def __init__(self, partitions: int) -> None:
+        self.cluster = _Cluster(partitions)
+
+    async def force_metadata_update(self) -> bool:  # the publisher's probe while acks wait
+        return True
+
+
+class FakeProducer:
+    """create_batch/send_batch as aiokafka has them; each batch's ack is a future the test
+    resolves. ``sent`` lists (topic, partition, keys) in the order batches were handed over."""
+
+    def __init__(self, partitions: int = 1) -> None:
+        self.client = _Client(partitions)
+        self.sent: list[tuple[str, int, list[bytes | None]]] = []
+        self.acks: list[asyncio.Future[Any]] = []
+        self.handed = anyio.Event()
+
+    def create_batch(self) -> BatchBuilder:
+        return BatchBuilder(16_384, 0)  # no compression
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> Any:
+        keys = [r.key for r in _records(batch)]
+        self.sent.append((topic, partition, keys))
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.acks.append(fut)
+        self.handed.set()
+        return fut
+
+
+def _records(batch: BatchBuilder) -> list[Any]:
+    from aiokafka.record.default_records import DefaultRecordBatch
+
+    return list(DefaultRecordBatch(bytearray(batch._build())))
+
+
+def publisher(producer: FakeProducer) -> KafkaPublisher:
+    pub = KafkaPublisher(fake_settings())
+    pub._producer = producer  # type: ignore[assignment]
+    return pub
+
+
+def test_a_wave_holds_one_topic_per_key() -> None:
+    rows = [row(1, "k", "a"), row(2, "j", "a"), row(3, "k", "b"), row(4, "k", "a"), row(5, None)]
+    wave, later = _next_wave(rows, set())
+    assert [r.id for r in wave] == [1, 2, 5]
+    assert [r.id for r in later] == [3, 4]  # k's row for b, and everything of k after it
+    wave, later = _next_wave(later, set())
+    assert [r.id for r in wave] == [3]
+    assert [r.id for r in later] == [4]
+    # A blocked key's rows are left out: they stay pending.
+    assert _next_wave(rows, {"k"}) == ([rows[1], rows[4]], [])
+
+
+@pytest.mark.parametrize("partitions", [1, 3, 7, 12])
+def test_keyed_partitions_are_kafkas_default_ones(partitions: int) -> None:
+    # The Java client's and aiokafka's default partitioner: what consumers (and Debezium
+    # users) expect for a key.
+    chooser, default = _Partitions(), DefaultPartitioner()
+    producer = FakeProducer(partitions)
+    rnd = random.Random(7)
+    for _ in range(2000):
+        key = rnd.randbytes(rnd.randint(1, 40))
+        expected = default(key, list(range(partitions)), list(range(partitions)))
+        assert chooser.choose(producer, "t", key) == expected  # type: ignore[arg-type]
+
+
+def test_malformed_headers_reject_the_row_and_only_it() -> None:
+    with pytest.raises(RowRejected, match="not JSON"):
+        to_message(row(1, "k", headers="{not json"))
+    with pytest.raises(RowRejected, match="JSON object"):
+        to_message(row(1, "k", headers="[1]"))
+    with pytest.raises(RowRejected):
+        to_message(row(1, "k", headers='{"a": 1}'), header_style="debezium")
+
+
+async def test_a_keys_row_for_another_topic_waits_for_the_acks_of_the_wave_before() -> None:
+    producer = FakeProducer()
+    pub = publisher(producer)
+    rows = [row(1, "k", "a"), row(2, "j", "a"), row(3, "k", "b"), row(4, "k", "a")]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            results: list[Any] = []
+
+            async def run() -> None:
+                results.append(await pub.publish(rows))
+
+            tg.start_soon(run)
+            await producer.handed.wait()
+            await anyio.wait_all_tasks_blocked()  # it must not go on without the ack
+            assert producer.sent == [("a", 0, [b"k", b"j"])]
+            for n in (1, 2):  # ack each wave; the next one is handed over only then
+                producer.handed = anyio.Event()
+                producer.acks[-1].set_result(None)
+                await producer.handed.wait()
+                assert len(producer.sent) == n + 1
+            producer.acks[-1].set_result(None)
+    assert producer.sent[1:] == [("b", 0, [b"k"]), ("a", 0, [b"k"])]
+    assert sorted(results[0].delivered) == [1, 2, 3, 4]
+
+
+async def test_a_failed_batch_holds_back_its_keys_rows_for_other_topics() -> None:
+    producer = FakeProducer()
+    pub = publisher(producer)
+    rows = [row(1, "k", "a"), row(2, "k", "b"), row(3, "j", "b")]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            results: list[Any] = []
+
+            async def run() -> None:
+                results.append(await pub.publish(rows))
+
+            tg.start_soon(run)
+            await producer.handed.wait()
+            while len(producer.sent) < 2:  # wave 1: k's row for a, and j's for b
+                producer.handed = anyio.Event()
+                await producer.handed.wait()
+            producer.acks[0].set_exception(kafka_errors.RecordTooLargeError())
+            producer.acks[1].set_result(None)
+    result = results[0]
+    assert [topic for topic, _, _ in producer.sent] == ["a", "b"]  # k's row for b never went
+    assert [i for i, _ in result.failed] == [1]
+    assert result.delivered == [3]
