@@ -4,18 +4,22 @@ whether a pooler sits in between, and ending a connection without upsetting one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
 import asyncpg
 
+from .backoff import Backoff
 from .errors import ConfigurationError
+from .settings import OutboxSettings, redact
 
 __all__ = [
     "DATABASE_ERRORS",
     "UNREACHABLE_ERRORS",
     "behind_pooler",
+    "connect_worker_pool",
     "dsn_address",
     "never_heals",
     "read_only",
@@ -25,6 +29,8 @@ __all__ = [
     "statement_cache_size",
     "terminate",
 ]
+
+log = logging.getLogger("notify_outbox.relay")
 
 # Everything a database call can raise when the database, not the relay, is the problem.
 # InternalClientError: asyncpg's protocol state after the server vanished mid-operation
@@ -208,3 +214,68 @@ def session_parameters(application_name: str) -> dict[str, str]:
     idle poll-only relay). Sent after asyncpg's own, it wins; PostgreSQL itself takes it too.
     """
     return {"application_name": application_name, "client_encoding": "UTF8"}
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """Pool release hook that skips asyncpg's reset query (``pg_advisory_unlock_all(); CLOSE
+    ALL; UNLISTEN *; RESET ALL``): four statements and a round trip on every release, which
+    made four of an idle fallback poll's five statements. Worker connections never LISTEN,
+    SET, open cursors or take session advisory locks (the awake marker lives on the
+    listener's own connection), and asyncpg still rolls back a transaction left open."""
+
+
+async def connect_worker_pool(settings: OutboxSettings) -> tuple[asyncpg.Pool, bool]:
+    """The relay workers' pool, and whether a pooler sits in between. Retries while
+    PostgreSQL is unreachable; raises ConfigurationError at once for what no retry cures (a
+    wrong password, a missing database, a pooler that refuses the connection)."""
+    s = settings
+    dsn = s.dsn.get_secret_value()
+    backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
+    while True:
+        try:
+            with anyio.fail_after(s.db_command_timeout):
+                # One throwaway connection first, without a statement cache, finds out
+                # whether a pooler sits in between; the pool's settings depend on it.
+                probe = await asyncpg.connect(
+                    dsn,
+                    statement_cache_size=0,
+                    server_settings=session_parameters("notify-outbox-worker"),
+                )
+                try:
+                    await require_supported_server(probe)
+                    pooled = await behind_pooler(probe)
+                finally:
+                    await probe.close()
+                # No session settings: a pooler rejects start-up parameters it does not
+                # know, and would not keep them for us anyway (the claim sets what it
+                # needs with SET LOCAL). application_name passes PgBouncer.
+                pool: asyncpg.Pool = await asyncpg.create_pool(
+                    dsn,
+                    min_size=1,
+                    max_size=s.workers + 2,
+                    command_timeout=s.db_command_timeout,
+                    statement_cache_size=statement_cache_size(s.statement_cache_size, pooled),
+                    server_settings=session_parameters("notify-outbox-worker"),
+                    reset=_keep_session,
+                )
+            if pooled:
+                log.info(
+                    "NOTIFY_OUTBOX_DSN goes through a connection pooler: no prepared-"
+                    "statement cache, no session state on worker connections"
+                )
+            return pool, pooled
+        except DATABASE_ERRORS as e:
+            message = redact(str(e) or type(e).__name__, s)
+            if (why := never_heals(e)) is not None:
+                raise ConfigurationError(
+                    f"cannot connect to PostgreSQL with NOTIFY_OUTBOX_DSN: {why} ({message})"
+                ) from None
+            delay = backoff.next_delay()
+            # The first failure and one in 64 as warnings; every attempt at DEBUG.
+            log.log(
+                logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
+                "PostgreSQL not reachable (%s); retrying every %.1fs or so",
+                message,
+                backoff.cap,
+            )
+            await anyio.sleep(delay)

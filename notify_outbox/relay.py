@@ -34,13 +34,9 @@ from .backoff import Backoff
 from .db import (
     DATABASE_ERRORS,
     UNREACHABLE_ERRORS,
-    behind_pooler,
-    never_heals,
+    connect_worker_pool,
     read_only,
-    require_supported_server,
-    session_parameters,
     settle_pool,
-    statement_cache_size,
 )
 from .deadletters import expire_dead_letters
 from .errors import ConfigurationError, MigrationError, NotifyOutboxError, PublisherUnavailable
@@ -102,14 +98,6 @@ async def _require_schema(pool: asyncpg.Pool, settings: OutboxSettings) -> None:
             f"needs ALTER SEQUENCE {sequence} CACHE 1 (ids must be handed out one at a time "
             "for the claim to know where fresh rows start)"
         )
-
-
-async def _keep_session(_conn: asyncpg.Connection) -> None:
-    """Pool release hook that skips asyncpg's reset query (``pg_advisory_unlock_all(); CLOSE
-    ALL; UNLISTEN *; RESET ALL``): four statements and a round trip on every release, which
-    made four of an idle fallback poll's five statements. Worker connections never LISTEN,
-    SET, open cursors or take session advisory locks (the awake marker lives on the
-    listener's own connection), and asyncpg still rolls back a transaction left open."""
 
 
 def _log_end(task: asyncio.Task[None]) -> None:
@@ -402,62 +390,10 @@ class Relay:
         return not self._stopping
 
     async def _connect_pool(self) -> asyncpg.Pool:
-        """The workers' pool. Retries while PostgreSQL is unreachable; raises
-        ConfigurationError at once for what no retry cures (a wrong password, a missing
-        database, a pooler that refuses the connection)."""
-        s = self.settings
-        dsn = s.dsn.get_secret_value()
-        backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
-        while True:
-            try:
-                with anyio.fail_after(s.db_command_timeout):
-                    # One throwaway connection first, without a statement cache, finds out
-                    # whether a pooler sits in between; the pool's settings depend on it.
-                    probe = await asyncpg.connect(
-                        dsn,
-                        statement_cache_size=0,
-                        server_settings=session_parameters("notify-outbox-worker"),
-                    )
-                    try:
-                        await require_supported_server(probe)
-                        self.behind_pooler = await behind_pooler(probe)
-                    finally:
-                        await probe.close()
-                    # No session settings: a pooler rejects start-up parameters it does not
-                    # know, and would not keep them for us anyway (the claim sets what it
-                    # needs with SET LOCAL). application_name passes PgBouncer.
-                    pool: asyncpg.Pool = await asyncpg.create_pool(
-                        dsn,
-                        min_size=1,
-                        max_size=s.workers + 2,
-                        command_timeout=s.db_command_timeout,
-                        statement_cache_size=statement_cache_size(
-                            s.statement_cache_size, self.behind_pooler
-                        ),
-                        server_settings=session_parameters("notify-outbox-worker"),
-                        reset=_keep_session,
-                    )
-                if self.behind_pooler:
-                    log.info(
-                        "NOTIFY_OUTBOX_DSN goes through a connection pooler: no prepared-"
-                        "statement cache, no session state on worker connections"
-                    )
-                return pool
-            except DATABASE_ERRORS as e:
-                message = redact(str(e) or type(e).__name__, s)
-                if (why := never_heals(e)) is not None:
-                    raise ConfigurationError(
-                        f"cannot connect to PostgreSQL with NOTIFY_OUTBOX_DSN: {why} ({message})"
-                    ) from None
-                delay = backoff.next_delay()
-                # The first failure and one in 64 as warnings; every attempt at DEBUG.
-                log.log(
-                    logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
-                    "PostgreSQL not reachable (%s); retrying every %.1fs or so",
-                    message,
-                    backoff.cap,
-                )
-                await anyio.sleep(delay)
+        """The workers' pool (``db.connect_worker_pool``), and whether a pooler sits in
+        between."""
+        pool, self.behind_pooler = await connect_worker_pool(self.settings)
+        return pool
 
     async def _notify(self, channel: str, payload: str) -> None:
         """NOTIFY over a worker connection (the listener's check that LISTEN works)."""
