@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .message import PublishResult
 from .settings import OutboxSettings
 from .store import BatchOutcome, OutboxRow
 
-__all__ = ["decide", "retry_delay"]
+__all__ = ["decide", "log_outcome", "retry_delay"]
 
 log = logging.getLogger("notify_outbox.relay")
 
@@ -39,10 +38,16 @@ def _fields(row: OutboxRow, attempts: int, reason: str) -> dict[str, object]:
 
 
 def decide(
-    rows: Sequence[OutboxRow], result: PublishResult, settings: OutboxSettings
+    rows: Sequence[OutboxRow],
+    result: PublishResult,
+    settings: OutboxSettings,
+    *,
+    jitter: Callable[[], float],
 ) -> BatchOutcome:
     """The outcome of a batch: delivered rows are published, failed rows retried with backoff
-    (dead-lettered after ``max_attempts``), rejected rows dead-lettered at once.
+    (dead-lettered after ``max_attempts``), rejected rows dead-lettered at once. ``jitter``
+    gives the factor (0.5 to 1) a retry's delay is multiplied by; the caller draws it, and
+    logs the outcome (``log_outcome``), so this stays a pure function.
 
     Per key, only what comes before the key's first row that was not delivered is kept: a
     later row of that key is neither marked nor counted as a failure, whatever happened to it
@@ -67,41 +72,44 @@ def decide(
         if row.key is not None:
             stopped.add(row.key)
         if row.id in rejected:
-            reason = rejected[row.id]
-            log.error(
-                "dead-lettering row %s (topic %s): %s",
-                row.id,
-                row.topic,
-                reason,
-                extra=_fields(row, row.attempts + 1, reason),
-            )
-            outcome.dead.append((row.id, reason))
+            outcome.dead.append((row.id, rejected[row.id]))
         elif row.id in failed:
             reason = failed[row.id]
             attempts = row.attempts + 1
             if attempts >= s.max_attempts:
-                log.error(
-                    "dead-lettering row %s (topic %s) after %d attempts: %s",
-                    row.id,
-                    row.topic,
-                    attempts,
-                    reason,
-                    extra=_fields(row, attempts, reason),
-                )
                 outcome.dead.append((row.id, f"{reason} (after {attempts} attempts)"))
                 continue
-            delay = retry_delay(attempts, s.retry_base_delay, s.retry_max_delay)
-            delay *= random.uniform(0.5, 1.0)
-            log.warning(
-                "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
-                row.id,
-                row.topic,
-                attempts,
-                s.max_attempts,
-                delay,
-                reason,
-                extra={**_fields(row, attempts, reason), "retry_in_seconds": round(delay, 3)},
-            )
+            delay = retry_delay(attempts, s.retry_base_delay, s.retry_max_delay) * jitter()
             outcome.retry.append((row.id, reason, delay))
         # Neither: not sent, or its ack did not come (Kafka unavailable): stays pending.
     return outcome
+
+
+def log_outcome(rows: Sequence[OutboxRow], outcome: BatchOutcome, settings: OutboxSettings) -> None:
+    """Log each row that ``decide`` dead-lettered (ERROR) or scheduled for a retry
+    (WARNING), with its structured fields."""
+    if not outcome.dead and not outcome.retry:
+        return
+    by_id = {row.id: row for row in rows}
+    for row_id, reason in outcome.dead:
+        row = by_id[row_id]
+        log.error(
+            "dead-lettering row %s (topic %s): %s",
+            row.id,
+            row.topic,
+            reason,
+            extra=_fields(row, row.attempts + 1, reason),
+        )
+    for row_id, reason, delay in outcome.retry:
+        row = by_id[row_id]
+        attempts = row.attempts + 1
+        log.warning(
+            "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
+            row.id,
+            row.topic,
+            attempts,
+            settings.max_attempts,
+            delay,
+            reason,
+            extra={**_fields(row, attempts, reason), "retry_in_seconds": round(delay, 3)},
+        )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -44,7 +45,7 @@ from .events import RelayEvents
 from .gate import Gate
 from .listener import Listener
 from .outage import Outage, tame_third_party_logs
-from .policy import decide
+from .policy import decide, log_outcome
 from .publisher import KafkaPublisher, Publisher, PublishResult
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
@@ -98,6 +99,11 @@ async def _require_schema(pool: asyncpg.Pool, settings: OutboxSettings) -> None:
             f"needs ALTER SEQUENCE {sequence} CACHE 1 (ids must be handed out one at a time "
             "for the claim to know where fresh rows start)"
         )
+
+
+def _jitter() -> float:
+    """A retry's delay factor: spread retries of rows that failed together."""
+    return random.uniform(0.5, 1.0)
 
 
 def _log_end(task: asyncio.Task[None]) -> None:
@@ -673,7 +679,8 @@ class Relay:
             self._fault("after_claim")
             result = await self._publish_kept_alive(batch)
             self._fault("after_ack")
-            outcome = decide(rows, result, self.settings)
+            outcome = decide(rows, result, self.settings, jitter=_jitter)
+            log_outcome(rows, outcome, self.settings)
             # The claim commits at once, even when Kafka became unavailable: its rows that
             # were not acknowledged stay pending, and no transaction waits for the broker.
             await batch.complete(outcome)

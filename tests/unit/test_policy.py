@@ -24,6 +24,10 @@ def settings(**kw: object) -> OutboxSettings:
     return OutboxSettings(**base)  # type: ignore[arg-type]
 
 
+def jitter() -> float:
+    return 0.75  # what the relay draws between 0.5 and 1
+
+
 def row(row_id: int, key: str | None, topic: str = "t", attempts: int = 0) -> OutboxRow:
     return OutboxRow(row_id, uuid.uuid4(), topic, key, "{}", None, None, attempts=attempts)
 
@@ -38,9 +42,9 @@ def test_retry_delay_doubles_up_to_the_cap_and_never_overflows() -> None:
 def test_a_row_failing_past_attempt_1024_is_retried_or_dead_lettered_not_crashing() -> None:
     s = settings(max_attempts=100_000, retry_base_delay=1.0, retry_max_delay=60.0)
     rows = [row(1, "k", attempts=2000)]
-    outcome = decide(rows, PublishResult(failed=[(1, "boom")]), s)
+    outcome = decide(rows, PublishResult(failed=[(1, "boom")]), s, jitter=jitter)
     assert [(i, e) for i, e, _ in outcome.retry] == [(1, "boom")]
-    assert 30.0 <= outcome.retry[0][2] <= 60.0  # capped, with jitter
+    assert outcome.retry[0][2] == 45.0  # capped at 60 s, then the jitter's factor
 
 
 def test_a_keys_later_row_is_not_marked_while_an_earlier_one_is_retried() -> None:
@@ -48,7 +52,7 @@ def test_a_keys_later_row_is_not_marked_while_an_earlier_one_is_retried() -> Non
     # stay pending behind r1, neither published nor counted as a failure.
     rows = [row(1, "k", "a"), row(2, "k", "b"), row(3, "other", "b"), row(4, "k", "a")]
     result = PublishResult(delivered=[2, 3, 4], failed=[(1, "MessageSizeTooLarge")])
-    outcome = decide(rows, result, settings())
+    outcome = decide(rows, result, settings(), jitter=jitter)
     assert outcome.published == [3]
     assert [i for i, _, _ in outcome.retry] == [1]
     assert outcome.dead == []
@@ -58,7 +62,9 @@ def test_rows_after_an_unacknowledged_row_of_their_key_stay_pending() -> None:
     # Kafka went away mid-batch: row 2 has no ack; row 3 of the same key was acked (another
     # topic): only what precedes the gap is marked.
     rows = [row(1, "k"), row(2, "k"), row(3, "k", "b"), row(4, None)]
-    outcome = decide(rows, PublishResult(delivered=[1, 3, 4], unavailable="down"), settings())
+    outcome = decide(
+        rows, PublishResult(delivered=[1, 3, 4], unavailable="down"), settings(), jitter=jitter
+    )
     assert outcome.published == [1, 4]
     assert outcome.retry == []
     assert outcome.dead == []
@@ -67,7 +73,7 @@ def test_rows_after_an_unacknowledged_row_of_their_key_stay_pending() -> None:
 def test_rejected_rows_are_dead_lettered_and_failed_rows_after_max_attempts() -> None:
     rows = [row(1, "a"), row(2, "b", attempts=2), row(3, "c", attempts=1)]
     result = PublishResult(rejected=[(1, "malformed")], failed=[(2, "x"), (3, "y")])
-    outcome = decide(rows, result, settings(max_attempts=3))
+    outcome = decide(rows, result, settings(max_attempts=3), jitter=jitter)
     assert outcome.dead == [(1, "malformed"), (2, "x (after 3 attempts)")]
     assert [i for i, _, _ in outcome.retry] == [3]
 
