@@ -283,11 +283,12 @@ class RelayMetrics:
         self, rows: Sequence[OutboxRow], outcome: BatchOutcome, unavailable: str | None
     ) -> None:
         now = time.time()
-        by_id = {row.id: row for row in rows}
+        # Every row published, the common case: no look-up by id (nothing retried or dead).
+        everything = len(outcome.published) == len(rows)
+        by_id = {} if everything else {row.id: row for row in rows}
         published: Tally[str] = Tally()
         latency = self.commit_to_ack.labels(self.table)
-        for row_id in outcome.published:
-            row = by_id[row_id]
+        for row in rows if everything else [by_id[i] for i in outcome.published]:
             published[row.topic] += 1
             if row.created_at is not None:
                 # Clocks of two hosts: never report a negative latency.
