@@ -865,10 +865,10 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Commits what is done when partitions are revoked, so a rebalance does not hand a
     whole batch to the partitions' next owner.
 
-    ``consume`` and ``consume_batches`` install one on a consumer subscribed to a list of
-    topics without a listener. With your own listener, or a pattern subscription, pass one
-    of these to ``subscribe`` yourself and to ``consume(..., listener=...)``; your
-    ``on_partitions_revoked`` may call this one's.
+    ``consume`` and ``consume_batches`` install one on a consumer that has no listener. With
+    a listener of your own, subclass this one (call its ``on_partitions_revoked`` and
+    ``on_partitions_assigned``), pass it to ``subscribe`` and to ``consume(...,
+    listener=...)``.
 
     On revoke it waits (up to ``timeout`` seconds) for the partition batch in flight to
     commit in the database, then commits its Kafka offset, before the group moves on.
@@ -880,6 +880,9 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         self._idle = anyio.Event()
         self._idle.set()
         self._pending: dict[TopicPartition, int] = {}
+        # Revoked and not assigned again yet: aiokafka keeps the old assignment until the
+        # group has a new one, so the loop must not start a batch of these meanwhile.
+        self.revoked: set[TopicPartition] = set()
 
     def _busy(self) -> None:
         if self._idle.is_set():
@@ -890,6 +893,7 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         """Wait for the batch in flight, then commit the revoked partitions' done offsets."""
+        self.revoked.update(revoked)
         with anyio.move_on_after(self.timeout):
             await self._idle.wait()
         offsets = {tp: o for tp, o in self._pending.items() if tp in set(revoked)}
@@ -899,7 +903,9 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
             self._pending.pop(tp, None)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        """Nothing to do: the committed offsets are where the inbox starts."""
+        """The new assignment: its partitions' batches may run again (from the committed
+        offsets, where aiokafka resumes)."""
+        self.revoked.difference_update(assigned)
 
 
 async def consume(
@@ -978,24 +984,27 @@ async def _consume(
     while True:
         batch = await consumer.getmany(timeout_ms=int(poll_timeout * 1000), max_records=max_records)
         for tp, records in batch.items():
-            if tp not in consumer.assignment():
-                continue  # revoked meanwhile: its new owner has it
+            if tp not in consumer.assignment() or tp in listener.revoked:
+                continue  # revoked meanwhile: its next owner has it
+            # A revoke waits until this batch's database commit and offset commit are done
+            # (the generation is still valid while the listener runs, so the commit counts).
             listener._busy()
             try:
-                result = await apply(records)
-            except InboxError as e:
-                done = e.result.done if e.result is not None else 0
-                offsets = {tp: records[done - 1].offset + 1} if done else {}
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                try:
+                    result = await apply(records)
+                except InboxError as e:
+                    done = e.result.done if e.result is not None else 0
+                    offsets = {tp: records[done - 1].offset + 1} if done else {}
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                        await _commit(consumer, offsets)
+                    raise
+                if result.done:
+                    offsets = {tp: records[result.done - 1].offset + 1}
+                    listener._pending.update(offsets)  # for a revoke, if this commit fails
                     await _commit(consumer, offsets)
-                raise
+                    listener._pending.pop(tp, None)
             finally:
                 listener._done()
-            if result.done:
-                offsets = {tp: records[result.done - 1].offset + 1}
-                listener._pending.update(offsets)
-                await _commit(consumer, offsets)
-                listener._pending.pop(tp, None)
 
 
 def _install_listener(consumer: Any, listener: InboxRebalanceListener | None) -> Any:
@@ -1003,10 +1012,16 @@ def _install_listener(consumer: Any, listener: InboxRebalanceListener | None) ->
     a consumer subscribed to topics without a listener (a listener is set by ``subscribe``)."""
     if listener is None:
         listener = InboxRebalanceListener()
+        # aiokafka sets a listener only through subscribe(), and subscribing again on a
+        # started consumer kills its fetcher (aiokafka 0.14: "Unexpected error in fetcher
+        # routine"). So it is put where subscribe() would have put it, when that slot exists
+        # and is empty; otherwise consume runs without one (a rebalance then redelivers the
+        # batch in flight, which the inbox skips).
         state = getattr(consumer, "_subscription", None)
-        topics = consumer.subscription() if hasattr(consumer, "subscription") else set()
-        if topics and state is not None and getattr(state, "listener", None) is None:
-            consumer.subscribe(topics=sorted(topics), listener=listener)
+        if state is not None and getattr(state, "_listener", False) is None:
+            state._listener = listener
+        else:
+            log.info("consume: the consumer has a rebalance listener already; not adding one")
     listener.consumer = consumer
     return listener
 

@@ -16,7 +16,7 @@ import redis.asyncio
 
 from devstack import StackError
 from devstack.redis import RedisServer
-from notify_outbox.inbox import Inbox, RedisSeen, migrate_inbox
+from notify_outbox.inbox import Inbox, InboxNames, RedisSeen, migrate_inbox
 
 pytestmark = pytest.mark.anyio
 
@@ -152,3 +152,45 @@ async def test_losing_redis_mid_stream_never_applies_twice(
     assert fast.errors > 0  # Redis really was gone for a while
     assert inbox.counts["duplicate_fast"] > 0  # and useful before and after
     assert inbox.counts["duplicate"] > 0  # the database caught what Redis could not
+
+
+async def test_two_databases_sharing_one_redis_never_skip_each_others_ids(
+    pool: asyncpg.Pool, db_dsn: str, client: redis.asyncio.Redis
+) -> None:
+    """Two services, each with its own database and the default inbox names and consumer,
+    share one Redis: an id one of them applied must not make the other skip it."""
+    other = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+    try:
+        async with other.acquire() as conn:
+            await migrate_inbox(conn)
+            await conn.execute("CREATE TABLE applied (event_id text NOT NULL)")
+        fast = RedisSeen(client)
+        here, there = Inbox(fast_path=fast), Inbox(fast_path=fast)
+        msg = event()
+        assert await here.apply(pool, msg, apply_handler(here)) is True
+        assert await there.apply(other, msg, apply_handler(there)) is True
+        # The batch path too, and each database still skips its own repeats via Redis.
+        batch = [event() for _ in range(5)]
+
+        async def bulk(conn: asyncpg.Connection, messages: list[Any]) -> None:
+            ids = [here.event_id(m) for m in messages]
+            await conn.execute("INSERT INTO applied SELECT unnest($1::text[])", ids)
+
+        assert (await here.apply_batch(pool, batch, bulk)).applied == 5
+        assert (await there.apply_batch(other, batch, bulk)).applied == 5
+        with no_database():
+            assert (await here.apply_batch(pool, batch, bulk)).duplicates == 5
+            assert (await there.apply_batch(other, batch, bulk)).duplicates == 5
+        assert here.counts["duplicate_fast"] == there.counts["duplicate_fast"] == 5
+        scopes = {await here.key_scope(pool), await there.key_scope(other)}
+        assert len(scopes) == 2
+        for db in (pool, other):
+            async with db.acquire() as conn:
+                assert await conn.fetchval("SELECT count(*) FROM applied") == 6
+        # Another inbox table in the same database is a scope of its own too.
+        names = InboxNames(table="inbox_two")
+        async with pool.acquire() as conn:
+            await migrate_inbox(conn, names)
+        assert await Inbox(names=names).key_scope(pool) not in scopes
+    finally:
+        await other.close()
