@@ -51,7 +51,7 @@ MODES = ("apply", "consume", "consume_batches", "baseline")
 APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
 BASELINE_SQL = """
 CREATE TABLE baseline_inbox (event_id uuid PRIMARY KEY);
-CREATE TABLE baseline_applied (event_id uuid NOT NULL, value bytea)
+CREATE TABLE baseline_applied (event_id text NOT NULL, value bytea)
 """
 
 
@@ -94,9 +94,11 @@ async def _baseline(consumer: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done) 
                     )
                 }
                 rows = [(i, r.value) for i, r in zip(ids, records, strict=True) if i in fresh]
+                # The business rows are the other modes' (text ids), so that only the inbox
+                # differs between them.
                 await conn.execute(
-                    "INSERT INTO baseline_applied SELECT * FROM unnest($1::uuid[], $2::bytea[])",
-                    [i for i, _ in rows],
+                    "INSERT INTO baseline_applied SELECT * FROM unnest($1::text[], $2::bytea[])",
+                    [str(i) for i, _ in rows],
                     [v for _, v in rows],
                 )
             await consumer.commit({tp: records[-1].offset + 1})
