@@ -1,5 +1,5 @@
 """The command line: ``python -m bench run | smoke | drain | recovery | held-snapshot |
-failing-head | stalled-relay | report``.
+failing-head | stalled-relay | inbox | report``.
 
 Exit codes: 0 done; 1 the bench itself broke (a process failed, events went missing at a light
 load, a smoke check failed); 2 bad usage.
@@ -230,6 +230,25 @@ def _parser() -> argparse.ArgumentParser:
         help="after the load, seconds to wait for every committed event",
     )
     _phase_options(p)
+
+    p = sub.add_parser(
+        "inbox",
+        help="consumer side: a backlog drained through the inbox (per message, batch path, "
+        "the simple batched baseline), msg/s",
+    )
+    p.add_argument("--messages", type=int, default=20_000, help="backlog size (default 20000)")
+    p.add_argument("--partitions", type=int, default=4, help="topic partitions (default 4)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["apply", "consume", "consume_batches", "baseline"],
+        help="default: all four (apply consume consume_batches baseline)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
+    p.add_argument("--max-records", type=int, default=500, help="getmany max_records")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
+    p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
+    p.add_argument("--no-plots", action="store_true")
 
     p = sub.add_parser("report", help="regenerate the markdown (and plots) of a result JSON")
     p.add_argument("json", type=Path)
@@ -465,6 +484,38 @@ def _stalled(
     )
 
 
+def _run_inbox(args: argparse.Namespace) -> int:
+    """``inbox``: run, write the report; exit 1 when a cell applied a message twice or
+    missed one."""
+    from bench.inbox import (
+        MODES as INBOX_MODES,
+    )
+    from bench.inbox import (
+        InboxBenchConfig,
+        inbox_problems,
+        run_inbox_bench,
+        write_inbox_report,
+    )
+    from bench.procs import run_async
+
+    if args.messages < 1 or args.repeat < 1 or args.partitions < 1 or args.max_records < 1:
+        raise BenchError("--messages, --partitions, --repeat and --max-records must be >= 1")
+    cfg = InboxBenchConfig(
+        messages=args.messages,
+        partitions=args.partitions,
+        modes=list(dict.fromkeys(args.modes or INBOX_MODES)),
+        repeat=args.repeat,
+        max_records=args.max_records,
+    )
+    path = run_async(run_inbox_bench(cfg, args.out, keep=args.keep_work_dir))
+    md = write_inbox_report(path, plots=not args.no_plots)
+    print(f"result: {path}\nreport: {md}", file=sys.stderr)
+    problems = inbox_problems(json.loads(path.read_text()))
+    for p in problems:
+        print(f"bench inbox: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     if args.alt_relay is not None:
         tree = args.alt_relay.resolve()
@@ -578,6 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command in ("drain", "recovery", "held-snapshot", "failing-head", "stalled-relay"):
             return _run_phase(args)
+        if args.command == "inbox":
+            return _run_inbox(args)
         if args.command == "smoke":
             cfg = smoke_config()
             out = args.out or Path(tempfile.mkdtemp(prefix="notify-outbox-bench-smoke-"))

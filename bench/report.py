@@ -508,6 +508,10 @@ def _pct(v: float) -> str:
 def write_report(json_path: Path, *, plots: bool = True) -> Path:
     """Write ``<stem>.md`` (and the PNG plots) next to ``json_path``; returns the md path."""
     result = json.loads(json_path.read_text())
+    if result.get("phase") == "inbox":
+        from bench.inbox import write_inbox_report
+
+        return write_inbox_report(json_path, plots=plots)
     if result.get("phase"):  # drain, recovery, held-snapshot, failing-head
         from bench.phase_report import write_phase_report
 

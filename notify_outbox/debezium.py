@@ -18,6 +18,7 @@ name, never ignored.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ import asyncpg
 from .errors import ConfigurationError, MigrationError
 from .names import OutboxNames
 from .sqlfiles import render, sql_dir
+
+log = logging.getLogger("notify_outbox.debezium")
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -348,6 +351,17 @@ def parse_connector_config(text: str) -> dict[str, str]:
                 f"{name}={raw[name]} is not supported: notify-outbox writes the bytes of "
                 "StringConverter / ByteArrayConverter / BinaryDataConverter"
             )
+    unset = [name for name in ("key.converter", "value.converter") if name not in raw]
+    if unset and routers:
+        # The Connect worker's defaults apply to these, and they are not in this file: often
+        # JsonConverter with schemas.enable=true, whose bytes differ from the relay's.
+        log.warning(
+            "%s not set in the connector configuration: Debezium used the Connect worker's "
+            "default there, which this file does not show. If that is JsonConverter, "
+            'consumers written for it expect {"schema": ..., "payload": ...} and will '
+            "see the relay's raw key and payload instead (docs/debezium-costs.md)",
+            " and ".join(unset),
+        )
     if "header.converter" in raw and raw["header.converter"].strip() not in _HEADER_CONVERTERS:
         raise ConfigurationError(
             f"header.converter={raw['header.converter']} is not supported (SimpleHeaderConverter)"

@@ -11,16 +11,25 @@ business change, so a repeat finds its id and is skipped, and a failure rolls bo
         async with inbox.process(conn, message) as fresh:
             if fresh:
                 await conn.execute("INSERT INTO invoices ...")
-    await kafka_consumer.commit()  # offsets move only after the database commit
+    # After the database commit, and only what was processed (a bare commit() would also
+    # commit records getmany() returned that are not processed yet):
+    await kafka_consumer.commit({TopicPartition(message.topic, message.partition):
+                                 message.offset + 1})
 
-or let ``consume`` run that loop (manual offset commits after each database commit, optional
-Redis fast path). The table comes from its own migration track: ``notify-outbox migrate
+or let ``consume`` (a handler per message) or ``consume_batches`` (a handler per batch of
+fresh messages) run that loop: one transaction per fetched partition batch, its ids claimed
+in one statement, offsets committed after the database commit, a rebalance listener, an
+optional Redis fast path. The table comes from its own migration track: ``notify-outbox migrate
 --inbox`` (or ``migrate_inbox``), printed by ``notify-outbox sql --inbox``.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import itertools
+import json
 import logging
 import re
 import zlib
@@ -33,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 import asyncpg
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka import errors as kafka_errors
 
 from .errors import ConfigurationError, MigrationError, NotifyOutboxError
@@ -49,14 +58,22 @@ __all__ = [
     "INBOX_TRACK",
     "OUTBOX_EVENT_ID_HEADER",
     "BadEventId",
+    "BatchHandler",
+    "BatchResult",
+    "HandlerFailed",
+    "InTransaction",
     "Inbox",
     "InboxError",
     "InboxMessage",
     "InboxNames",
     "InboxNotMigrated",
+    "InboxRebalanceListener",
+    "MessageHandler",
     "NotInTransaction",
+    "OnError",
     "RedisSeen",
     "consume",
+    "consume_batches",
     "migrate_inbox",
     "purge_inbox",
     "render_inbox_migrations",
@@ -79,6 +96,9 @@ MAX_ID_BYTES = 512
 class InboxError(NotifyOutboxError):
     """Base class of the inbox's errors."""
 
+    # Set when the error stopped a batch (``apply_each``/``apply_batch``): what was done.
+    result: BatchResult | None = None
+
 
 class BadEventId(InboxError, ValueError):
     """A message has no event id, or one that is malformed (see ``Inbox(on_bad_id=...)``)."""
@@ -90,6 +110,38 @@ class NotInTransaction(InboxError):
 
 class InboxNotMigrated(InboxError, MigrationError):
     """The inbox table does not exist in the consumer's database."""
+
+
+class InTransaction(InboxError):
+    """``apply``, ``apply_each``, ``apply_batch`` or ``consume`` got a connection inside an
+    open transaction, whose commit they could not wait for."""
+
+
+class HandlerFailed(InboxError):
+    """The handler failed on ``message`` (``on_error="stop"``); the messages before it are
+    applied (``result.done`` of them), it and the ones after it are not. The handler's error
+    is the ``__cause__``."""
+
+    def __init__(self, text: str, message: Any) -> None:
+        super().__init__(text)
+        self.message = message
+
+
+@dataclass
+class BatchResult:
+    """What ``Inbox.apply_each`` / ``apply_batch`` did with a batch."""
+
+    done: int = 0  # leading messages finished (applied, repeats, skipped, dead-lettered)
+    applied: int = 0  # fresh messages whose handler's changes committed
+    duplicates: int = 0  # repeats skipped (in the table, earlier in the batch, or in Redis)
+    dead_lettered: int = 0  # recorded in the dead-letter table (on_error="dead_letter")
+
+
+MessageHandler = Callable[[asyncpg.Connection, Any], Awaitable[None]]
+BatchHandler = Callable[[asyncpg.Connection, list[Any]], Awaitable[None]]
+OnError = Literal["stop", "dead_letter"]
+# Transaction conflicts a new attempt resolves: REPEATABLE READ / SERIALIZABLE races, deadlocks.
+_RETRYABLE = (asyncpg.SerializationError, asyncpg.DeadlockDetectedError)
 
 
 # --- names and migrations ---------------------------------------------------------------------
@@ -113,6 +165,11 @@ class InboxNames:
         return f'"{self.schema}"."{self.table}"'
 
     @property
+    def qualified_dead_letter(self) -> str:
+        """The dead-letter table (``<table>_dead_letter``), schema-qualified and quoted."""
+        return f'"{self.schema}"."{self.table}_dead_letter"'
+
+    @property
     def target(self) -> str:
         """The inbox track's key in the tracking table, distinct from any outbox's."""
         return f"inbox:{self.schema}.{self.table}"
@@ -130,6 +187,7 @@ class InboxNames:
             "@schema@": s,
             "@table@": self.qualified_table,
             "@prefix@": self.table,
+            "@dead_letter@": self.qualified_dead_letter,
             # The same tracking table as the outbox's: rows are keyed by ``target``.
             "@migrations@": f'{s}."notify_outbox_migrations"',
         }
@@ -138,7 +196,7 @@ class InboxNames:
 INBOX_TRACK = MigrationTrack[InboxNames](
     folder="inbox",
     command="notify-outbox migrate --inbox",
-    relations=lambda t: [t],
+    relations=lambda t: [t, f"{t}_dead_letter"],
     in_schema=lambda names, schema: InboxNames(schema, names.table),
 )
 
@@ -258,11 +316,14 @@ class Inbox:
       never applies it; ``"apply"`` applies it every time it is delivered, without
       deduplication. Both log a WARNING per message and count it in ``counts``
       (``bad_id_skipped`` / ``bad_id_applied``), so neither is silent.
-    - ``fast_path``: an optional ``RedisSeen``, used by ``apply`` and ``consume``.
+    - ``fast_path``: an optional ``RedisSeen``, used by ``apply``, ``apply_each``,
+      ``apply_batch`` and the ``consume`` loops.
+    - ``retries``: how many times ``apply``/``apply_each``/``apply_batch`` run a transaction
+      again after a serialization failure or a deadlock (default 5).
 
-    ``counts`` holds counters: ``fresh`` and ``duplicate`` (what ``process`` found),
-    ``applied`` (committed by ``apply``), ``duplicate_fast`` (skipped on Redis's word),
-    ``bad_id_skipped``, ``bad_id_applied``.
+    ``counts`` holds counters: ``fresh`` and ``duplicate`` (what ``process`` or a batch
+    found), ``applied`` (committed by ``apply`` or a batch), ``duplicate_fast`` (skipped on
+    Redis's word), ``dead_lettered``, ``retried``, ``bad_id_skipped``, ``bad_id_applied``.
     """
 
     def __init__(
@@ -275,6 +336,7 @@ class Inbox:
         id_format: IdFormat = "uuid",
         on_bad_id: BadIdPolicy = "raise",
         fast_path: RedisSeen | None = None,
+        retries: int = 5,
     ) -> None:
         if not isinstance(consumer, str) or not consumer:
             raise ConfigurationError("consumer must be a non-empty string")
@@ -295,7 +357,13 @@ class Inbox:
         self.id_format = id_format
         self.on_bad_id = on_bad_id
         self.fast_path = fast_path
+        if retries < 0:
+            raise ConfigurationError("retries must be at least 0")
+        self.retries = retries
         self.counts: Counter[str] = Counter()
+        # The Redis key scope of each pool or connection seen (see RedisSeen).
+        self._scopes: dict[int, tuple[object, str]] = {}
+        self.last_scope: str | None = None
 
     @cached_property
     def _claim_sql(self) -> str:
@@ -421,39 +489,364 @@ class Inbox:
         self,
         db: asyncpg.Pool | asyncpg.Connection,
         message: Any,
-        handler: Callable[[asyncpg.Connection, Any], Awaitable[None]],
+        handler: MessageHandler,
     ) -> bool:
         """Apply one message at most once: ``handler(conn, message)`` runs inside a new
         transaction with ``process``, only for a fresh event. Returns whether it was applied
         (committed). With a ``fast_path``, an id Redis has seen is skipped without touching
-        the database, and the id is written to Redis only after the database commit."""
+        the database, and the id is written to Redis only after the database commit.
+
+        ``db`` must not be inside a transaction (``InTransaction``): the "commit" would only
+        release a savepoint, and Redis and the Kafka offset would move before the outer
+        transaction commits. A serialization failure or deadlock (REPEATABLE READ or
+        SERIALIZABLE, a concurrent consumer) is retried up to ``retries`` times."""
         event_id: str | None = None
         with contextlib.suppress(BadEventId):  # process() applies the policy below
             event_id = self.event_id(message)
-        if (
-            self.fast_path is not None
-            and event_id is not None
-            and await self.fast_path.seen(self, event_id)
-        ):
-            self.counts["duplicate_fast"] += 1
-            return False
-        async with (
-            _connection(db) as conn,
-            conn.transaction(),
-            self.process(conn, message) as fresh,
-        ):
-            if fresh:
-                await handler(conn, message)
+        scope = None
+        if self.fast_path is not None and event_id is not None:
+            scope = await self.key_scope(db)
+            if await self.fast_path.seen(self, event_id, scope):
+                self.counts["duplicate_fast"] += 1
+                return False
+        for attempt in itertools.count():
+            try:
+                async with _connection(db) as conn:
+                    _refuse_open_transaction(conn)
+                    async with conn.transaction(), self.process(conn, message) as fresh:
+                        if fresh:
+                            await handler(conn, message)
+                break
+            except _RETRYABLE as e:
+                await self._before_retry(attempt, e)
         # Committed. Redis learns of the id only now, so "seen" in Redis implies "committed".
         if self.fast_path is not None and event_id is not None:
-            await self.fast_path.remember(self, event_id)
+            await self.fast_path.remember(self, event_id, scope)
         if fresh:
             self.counts["applied"] += 1
         return bool(fresh)
 
+    async def apply_each(
+        self,
+        db: asyncpg.Pool | asyncpg.Connection,
+        messages: Sequence[Any],
+        handler: MessageHandler,
+        *,
+        on_error: OnError = "stop",
+    ) -> BatchResult:
+        """Apply a batch of messages (one partition's, in order) at most once each, in one
+        transaction: the ids are claimed in one statement, then ``handler(conn, message)`` runs
+        for each fresh message, in order, in that transaction.
+
+        A handler error rolls the batch back; the messages before the failing one are then
+        applied in a transaction of their own, and the failing one follows ``on_error``:
+        ``"stop"`` raises ``HandlerFailed`` (its ``result.done`` says how many leading messages
+        are finished), ``"dead_letter"`` records it in the ``<table>_dead_letter`` table with
+        its id, and the rest of the batch is applied. See ``apply_batch`` for the rest."""
+        return await self._apply_many(db, messages, handler, per_message=True, on_error=on_error)
+
+    async def apply_batch(
+        self,
+        db: asyncpg.Pool | asyncpg.Connection,
+        messages: Sequence[Any],
+        handler: BatchHandler,
+        *,
+        on_error: OnError = "stop",
+    ) -> BatchResult:
+        """Apply a batch of messages (one partition's, in order) at most once each, in one
+        transaction: the ids are claimed in one statement and ``handler(conn, fresh)`` gets
+        only the fresh messages (in order, each id once), so it can write them in bulk.
+
+        A handler error rolls the whole batch back and the batch is split in halves, each
+        applied in its own transaction, until the failing message is found (a handler that
+        fails for one message fails for every part holding it). The messages before it stay
+        applied; the failing one follows ``on_error`` (``"stop"``: ``HandlerFailed``;
+        ``"dead_letter"``: recorded in ``<table>_dead_letter`` in the transaction that claims
+        its id, so a redelivery is a repeat; then the rest is applied).
+
+        A bad id under ``on_bad_id="raise"`` ends the batch there: the messages before it are
+        applied, then ``BadEventId`` is raised (with ``result``). Serialization failures and
+        deadlocks are retried (``retries``). With a ``fast_path``, ids Redis has seen are
+        dropped before the transaction, and the committed ids are written to Redis after it.
+        Raises ``InTransaction`` for a connection inside a transaction."""
+        return await self._apply_many(db, messages, handler, per_message=False, on_error=on_error)
+
+    async def claim_batch(self, conn: asyncpg.Connection, event_ids: Sequence[str]) -> set[str]:
+        """Record ``event_ids`` (distinct) in the caller's transaction, in one statement;
+        returns those that were not there before (the fresh ones)."""
+        try:
+            rows = await conn.fetch(self._queries["claim_many"], self.consumer, list(event_ids))
+        except asyncpg.UndefinedTableError:
+            raise _not_migrated(self.names) from None
+        return {r[0] for r in rows}
+
+    @cached_property
+    def _queries(self) -> dict[str, str]:
+        return _queries(self.names)
+
+    async def _before_retry(self, attempt: int, error: Exception) -> None:
+        if attempt >= self.retries:
+            raise error
+        self.counts["retried"] += 1
+        log.info("%s: retrying the transaction (%d)", type(error).__name__, attempt + 1)
+        # A short, growing pause, so that the concurrent transaction can finish first.
+        await anyio.sleep(min(0.5, 0.01 * 2**attempt))
+
+    async def key_scope(self, db: asyncpg.Pool | asyncpg.Connection) -> str:
+        """The scope of this inbox's Redis keys in ``db``'s database: a hash of the database's
+        identity (cluster system identifier, database oid) and the inbox table. Looked up once
+        per pool or connection."""
+        target: Any = getattr(db, "_con", None) or db  # a pool's connection proxy: its connection
+        found = self._scopes.get(id(target))
+        if found is not None and found[0] is target:
+            return found[1]
+        async with _connection(db) as conn:
+            ident = await conn.fetchval(self._queries["identity"])
+        scope = hashlib.sha256(f"{ident}/{self.names.target}".encode()).hexdigest()[:16]
+        if len(self._scopes) > 64:  # short-lived connections: keep the cache small
+            self._scopes.clear()
+        self._scopes[id(target)] = (target, scope)
+        self.last_scope = scope
+        return scope
+
+    async def _apply_many(
+        self,
+        db: asyncpg.Pool | asyncpg.Connection,
+        messages: Sequence[Any],
+        handler: Callable[[asyncpg.Connection, Any], Awaitable[None]],
+        *,
+        per_message: bool,
+        on_error: OnError,
+    ) -> BatchResult:
+        if on_error not in ("stop", "dead_letter"):
+            raise ConfigurationError(f"on_error must be 'stop' or 'dead_letter', not {on_error!r}")
+        result = BatchResult()
+        items: list[_Item] = []
+        stop: InboxError | None = None
+        stop_at: int | None = None
+        for index, message in enumerate(messages):
+            try:
+                items.append(_Item(index, message, self.event_id(message)))
+            except BadEventId as e:
+                if self.on_bad_id == "raise":
+                    # The messages before it are applied, then it is raised.
+                    stop, stop_at = e, index
+                    break
+                if self._bad_id(e):
+                    items.append(_Item(index, message, None))  # applied, not deduplicated
+        end = len(messages) if stop_at is None else stop_at
+        scope = None
+        if self.fast_path is not None and items:
+            scope = await self.key_scope(db)
+            seen = await self.fast_path.seen_many(
+                self, [i.event_id for i in items if i.event_id is not None], scope
+            )
+            if seen:
+                kept = [i for i in items if i.event_id is None or i.event_id not in seen]
+                self.counts["duplicate_fast"] += len(items) - len(kept)
+                result.duplicates += len(items) - len(kept)
+                items = kept
+        call = _PerMessage(handler) if per_message else _Whole(handler)
+        failure = await self._settle(db, items, call, on_error, result, scope)
+        if failure is not None:
+            item, error = failure
+            result.done = item.index
+            failed = HandlerFailed(
+                f"the handler failed on {_describe(item.message)} "
+                f"({type(error).__name__}: {error}); the {item.index} messages before it are "
+                "applied, it and the ones after it are not",
+                item.message,
+            )
+            failed.result = result
+            raise failed from error
+        result.done = end
+        if stop is not None:
+            stop.result = result
+            raise stop
+        return result
+
+    async def _settle(
+        self,
+        db: asyncpg.Pool | asyncpg.Connection,
+        items: list[_Item],
+        call: _Call,
+        on_error: OnError,
+        result: BatchResult,
+        scope: str | None,
+    ) -> tuple[_Item, Exception] | None:
+        """Apply ``items`` in order; on a handler error, split them to find the failing
+        message. Returns that message and its error when it stops the batch."""
+        if not items:
+            return None
+        try:
+            await self._attempt(db, items, call, result, scope)
+            return None
+        except Exception as e:
+            if not call.raised:
+                raise  # not the handler's (the database, the inbox table): no message to blame
+            error = e
+        if len(items) == 1:
+            if on_error == "stop":
+                return items[0], error
+            await self._attempt(db, items, call, result, scope, dead=error)
+            return None
+        # A per-message handler tells which message failed: try the ones before it, then it
+        # alone. A batch handler does not: halve the batch (log2(n) transactions per failure).
+        failed = call.failed
+        if failed is not None and failed in items:
+            cut = items.index(failed)
+            pieces = [items[:cut], items[cut : cut + 1], items[cut + 1 :]]
+        else:
+            half = len(items) // 2
+            pieces = [items[:half], items[half:]]
+        for piece in pieces:
+            outcome = await self._settle(db, piece, call, on_error, result, scope)
+            if outcome is not None:
+                return outcome
+        return None
+
+    async def _attempt(
+        self,
+        db: asyncpg.Pool | asyncpg.Connection,
+        items: list[_Item],
+        call: _Call,
+        result: BatchResult,
+        scope: str | None,
+        *,
+        dead: Exception | None = None,
+    ) -> None:
+        """One transaction over ``items`` (retried on serialization failures and deadlocks):
+        claim the ids, run the handler for the fresh messages (or, with ``dead``, record the
+        one message in the dead-letter table instead), commit."""
+        for attempt in itertools.count():
+            call.failed, call.raised = None, False
+            try:
+                async with _connection(db) as conn:
+                    _refuse_open_transaction(conn)
+                    async with conn.transaction():
+                        fresh = await self._fresh(conn, items)
+                        if dead is not None:
+                            for item in fresh:
+                                await self._dead_letter(conn, item, dead)
+                        elif fresh:
+                            try:
+                                await call(conn, fresh)
+                            except Exception:
+                                call.raised = True
+                                raise
+                break
+            except _RETRYABLE as e:
+                await self._before_retry(attempt, e)
+        # Committed.
+        repeats = len(items) - len(fresh)
+        result.duplicates += repeats
+        self.counts["duplicate"] += repeats
+        if dead is not None:
+            result.dead_lettered += len(fresh)
+            self.counts["dead_lettered"] += len(fresh)
+        else:
+            result.applied += len(fresh)
+            self.counts["fresh"] += len(fresh)
+            self.counts["applied"] += len(fresh)
+        if self.fast_path is not None and scope is not None:
+            await self.fast_path.remember_many(
+                self, [i.event_id for i in items if i.event_id is not None], scope
+            )
+
+    async def _fresh(self, conn: asyncpg.Connection, items: list[_Item]) -> list[_Item]:
+        ids = list(dict.fromkeys(i.event_id for i in items if i.event_id is not None))
+        claimed = await self.claim_batch(conn, ids) if ids else set()
+        fresh: list[_Item] = []
+        for item in items:
+            if item.event_id is None:
+                fresh.append(item)
+            elif item.event_id in claimed:
+                claimed.discard(item.event_id)  # a repeat inside the batch is a repeat too
+                fresh.append(item)
+        return fresh
+
+    async def _dead_letter(self, conn: asyncpg.Connection, item: _Item, error: Exception) -> None:
+        message = item.message
+        headers = [
+            [k, base64.b64encode(bytes(v)).decode() if v is not None else None]
+            for k, v in (getattr(message, "headers", None) or ())
+        ]
+        value = getattr(message, "value", None)
+        event_id = item.event_id or (
+            f"no-id:{getattr(message, 'topic', '')}:{getattr(message, 'partition', '')}:"
+            f"{getattr(message, 'offset', '')}"
+        )
+        log.error(
+            "%s: the handler failed (%s: %s); recorded in %s and skipped (on_error='dead_letter')",
+            _describe(message),
+            type(error).__name__,
+            error,
+            self.names.qualified_dead_letter,
+        )
+        await conn.execute(
+            self._queries["dead_letter"],
+            self.consumer,
+            event_id,
+            getattr(message, "topic", None),
+            getattr(message, "partition", None),
+            getattr(message, "offset", None),
+            message.key,
+            value if isinstance(value, bytes | None) else str(value).encode(),
+            json.dumps(headers),
+            f"{type(error).__name__}: {error}"[:10_000],
+        )
+
     async def purge(self, conn: asyncpg.Connection, older_than: timedelta) -> int:
         """``purge_inbox`` for this consumer's ids only."""
         return await purge_inbox(conn, older_than, names=self.names, consumer=self.consumer)
+
+
+@dataclass(eq=False)
+class _Item:
+    index: int  # position in the batch as given
+    message: Any
+    event_id: str | None  # None: a bad id applied without deduplication (on_bad_id="apply")
+
+
+class _Call:
+    """How a batch's fresh messages meet the handler; ``failed`` names the message a
+    per-message handler failed on (None when unknown)."""
+
+    failed: _Item | None = None
+    raised = False  # whether the last attempt's error came out of the handler
+
+    async def __call__(self, conn: asyncpg.Connection, fresh: list[_Item]) -> None:
+        raise NotImplementedError
+
+
+class _PerMessage(_Call):
+    def __init__(self, handler: MessageHandler) -> None:
+        self.handler = handler
+
+    async def __call__(self, conn: asyncpg.Connection, fresh: list[_Item]) -> None:
+        for item in fresh:
+            self.failed = item
+            await self.handler(conn, item.message)
+        self.failed = None
+
+
+class _Whole(_Call):
+    def __init__(self, handler: BatchHandler) -> None:
+        self.handler = handler
+
+    async def __call__(self, conn: asyncpg.Connection, fresh: list[_Item]) -> None:
+        await self.handler(conn, [i.message for i in fresh])
+
+
+def _refuse_open_transaction(conn: Any) -> None:
+    if conn.is_in_transaction():
+        raise InTransaction(
+            "the inbox was given a connection inside an open transaction: its commit would "
+            "only release a savepoint, and Redis and the Kafka offset would move before your "
+            "transaction commits (an event lost if it rolls back). Pass a pool or an idle "
+            "connection, or use Inbox.process inside your own transaction and commit the "
+            "offsets after it"
+        )
 
 
 @contextlib.asynccontextmanager
@@ -468,43 +861,169 @@ async def _connection(db: asyncpg.Pool | asyncpg.Connection) -> AsyncIterator[as
 # --- the Kafka loop ---------------------------------------------------------------------------
 
 
+class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Commits what is done when partitions are revoked, so a rebalance does not hand a
+    whole batch to the partitions' next owner.
+
+    ``consume`` and ``consume_batches`` install one on a consumer that has no listener. With
+    a listener of your own, subclass this one (call its ``on_partitions_revoked`` and
+    ``on_partitions_assigned``), pass it to ``subscribe`` and to ``consume(...,
+    listener=...)``.
+
+    On revoke it waits (up to ``timeout`` seconds) for the partition batch in flight to
+    commit in the database, then commits its Kafka offset, before the group moves on.
+    """
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        self.timeout = timeout
+        self.consumer: Any = None
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._pending: dict[TopicPartition, int] = {}
+        # Revoked and not assigned again yet: aiokafka keeps the old assignment until the
+        # group has a new one, so the loop must not start a batch of these meanwhile.
+        self.revoked: set[TopicPartition] = set()
+
+    def _busy(self) -> None:
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+
+    def _done(self) -> None:
+        self._idle.set()
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        """Wait for the batch in flight, then commit the revoked partitions' done offsets."""
+        self.revoked.update(revoked)
+        with anyio.move_on_after(self.timeout):
+            await self._idle.wait()
+        offsets = {tp: o for tp, o in self._pending.items() if tp in set(revoked)}
+        if offsets and self.consumer is not None:
+            await _commit(self.consumer, offsets)
+        for tp in revoked:
+            self._pending.pop(tp, None)
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        """The new assignment: its partitions' batches may run again (from the committed
+        offsets, where aiokafka resumes)."""
+        self.revoked.difference_update(assigned)
+
+
 async def consume(
     consumer: Any,
     db: asyncpg.Pool | asyncpg.Connection,
-    handler: Callable[[asyncpg.Connection, Any], Awaitable[None]],
+    handler: MessageHandler,
     *,
     inbox: Inbox,
-    max_records: int = 200,
+    max_records: int = 500,
     poll_timeout: float = 0.5,
+    on_error: OnError = "stop",
+    listener: InboxRebalanceListener | None = None,
 ) -> None:
-    """Run an aiokafka consumer through the inbox until cancelled.
+    """Run an aiokafka consumer through the inbox until cancelled, one message at a time for
+    the handler: ``handler(conn, message)`` for each fresh message.
 
     ``consumer`` is a started ``AIOKafkaConsumer`` with ``enable_auto_commit=False`` and a
-    ``group_id``. For each message, in order per partition: ``inbox.apply`` (its own
-    transaction; ``handler(conn, message)`` runs only for a fresh event), then, once a
-    partition's messages of the fetched batch are committed in the database, that
+    ``group_id``. Each fetched partition batch is one transaction (``Inbox.apply_each``): its
+    ids claimed in one statement, the handler run for the fresh messages in order; then that
     partition's offset is committed. A crash anywhere in between only causes redeliveries,
-    which the inbox skips.
-    A handler error commits the offsets of the messages before it, then propagates.
+    which the inbox skips. A handler error: see ``on_error`` in ``Inbox.apply_each``; with
+    ``"stop"`` the offsets of the messages before it are committed, then ``HandlerFailed``
+    propagates (the handler's error is its ``__cause__``).
     """
+    await _consume(
+        consumer,
+        db,
+        lambda records: inbox.apply_each(db, records, handler, on_error=on_error),
+        max_records=max_records,
+        poll_timeout=poll_timeout,
+        listener=listener,
+    )
+
+
+async def consume_batches(
+    consumer: Any,
+    db: asyncpg.Pool | asyncpg.Connection,
+    handler: BatchHandler,
+    *,
+    inbox: Inbox,
+    max_records: int = 500,
+    poll_timeout: float = 0.5,
+    on_error: OnError = "stop",
+    listener: InboxRebalanceListener | None = None,
+) -> None:
+    """``consume`` for a batch handler: ``handler(conn, fresh_messages)`` once per fetched
+    partition batch, with only the messages not applied before (``Inbox.apply_batch``), so it
+    can write them in one statement. The offsets move after the database commit."""
+    await _consume(
+        consumer,
+        db,
+        lambda records: inbox.apply_batch(db, records, handler, on_error=on_error),
+        max_records=max_records,
+        poll_timeout=poll_timeout,
+        listener=listener,
+    )
+
+
+async def _consume(
+    consumer: Any,
+    db: asyncpg.Pool | asyncpg.Connection,
+    apply: Callable[[list[Any]], Awaitable[BatchResult]],
+    *,
+    max_records: int,
+    poll_timeout: float,
+    listener: InboxRebalanceListener | None,
+) -> None:
     if getattr(consumer, "_enable_auto_commit", False):
         raise ConfigurationError(
             "the Kafka consumer must have enable_auto_commit=False: with auto-commit, offsets "
             "can move before the database commit and a crash loses messages"
         )
+    if isinstance(db, asyncpg.Connection):
+        _refuse_open_transaction(db)
+    listener = _install_listener(consumer, listener)
     while True:
         batch = await consumer.getmany(timeout_ms=int(poll_timeout * 1000), max_records=max_records)
         for tp, records in batch.items():
-            done: dict[TopicPartition, int] = {}
+            if tp not in consumer.assignment() or tp in listener.revoked:
+                continue  # revoked meanwhile: its next owner has it
+            # A revoke waits until this batch's database commit and offset commit are done
+            # (the generation is still valid while the listener runs, so the commit counts).
+            listener._busy()
             try:
-                for record in records:
-                    await inbox.apply(db, record, handler)
-                    done[tp] = record.offset + 1
-            except Exception:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await _commit(consumer, done)
-                raise
-            await _commit(consumer, done)
+                try:
+                    result = await apply(records)
+                except InboxError as e:
+                    done = e.result.done if e.result is not None else 0
+                    offsets = {tp: records[done - 1].offset + 1} if done else {}
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                        await _commit(consumer, offsets)
+                    raise
+                if result.done:
+                    offsets = {tp: records[result.done - 1].offset + 1}
+                    listener._pending.update(offsets)  # for a revoke, if this commit fails
+                    await _commit(consumer, offsets)
+                    listener._pending.pop(tp, None)
+            finally:
+                listener._done()
+
+
+def _install_listener(consumer: Any, listener: InboxRebalanceListener | None) -> Any:
+    """The listener ``consume`` reports its batches to: the given one, or a new one put on
+    a consumer subscribed to topics without a listener (a listener is set by ``subscribe``)."""
+    if listener is None:
+        listener = InboxRebalanceListener()
+        # aiokafka sets a listener only through subscribe(), and subscribing again on a
+        # started consumer kills its fetcher (aiokafka 0.14: "Unexpected error in fetcher
+        # routine"). So it is put where subscribe() would have put it, when that slot exists
+        # and is empty; otherwise consume runs without one (a rebalance then redelivers the
+        # batch in flight, which the inbox skips).
+        state = getattr(consumer, "_subscription", None)
+        if state is not None and getattr(state, "_listener", False) is None:
+            state._listener = listener
+        else:
+            log.info("consume: the consumer has a rebalance listener already; not adding one")
+    listener.consumer = consumer
+    return listener
 
 
 async def _commit(consumer: Any, offsets: dict[TopicPartition, int]) -> None:
@@ -534,11 +1053,13 @@ class RedisSeen:
     - Redis unreachable, slow (``timeout``), or emptied: the check answers "not seen" and the
       database decides, as without Redis. Losing Redis costs speed, never a double apply.
 
-    Keys are ``{prefix}:{inbox target}:{consumer}:{event id}`` and expire after ``ttl``, which
-    must be shorter than the inbox table's retention (otherwise nothing is lost, but Redis
-    would skip what the database no longer knows; that is the same trade-off as retention).
-    After restoring the consumer's database from a backup, delete these keys: Redis would
-    otherwise vouch for ids the restored database no longer has. Needs
+    Keys are ``{prefix}:{scope}:{inbox target}:{consumer}:{event id}``; ``scope`` is a hash of
+    the database's identity (the cluster's system identifier and the database's oid) and the
+    inbox table, so services sharing one Redis never see each other's ids. They expire after
+    ``ttl``, which must be shorter than the inbox table's retention (otherwise nothing is lost,
+    but Redis would skip what the database no longer knows; that is the same trade-off as
+    retention). After restoring the consumer's database from a backup, delete these keys:
+    Redis would otherwise vouch for ids the restored database no longer has. Needs
     ``pip install 'notify-outbox[redis]'``.
     """
 
@@ -559,18 +1080,45 @@ class RedisSeen:
         self.errors = 0
         self._down = False
 
-    def key(self, inbox: Inbox, event_id: str) -> str:
-        """The Redis key of one id of one inbox and consumer."""
-        return f"{self.prefix}:{inbox.names.target}:{inbox.consumer}:{event_id}"
+    def key(self, inbox: Inbox, event_id: str, scope: str | None = None) -> str:
+        """The Redis key of one id of one inbox and consumer, in the database ``scope``
+        (default: the one ``inbox`` last used with Redis)."""
+        scope = scope or inbox.last_scope
+        if scope is None:
+            raise InboxError("the inbox has not been used with a database yet: pass scope")
+        return f"{self.prefix}:{scope}:{inbox.names.target}:{inbox.consumer}:{event_id}"
 
-    async def seen(self, inbox: Inbox, event_id: str) -> bool:
+    async def seen(self, inbox: Inbox, event_id: str, scope: str) -> bool:
         """True only if Redis answered that it has the id; False on any trouble."""
-        result = await self._call(self.client.exists, self.key(inbox, event_id))
+        result = await self._call(self.client.exists, self.key(inbox, event_id, scope))
         return bool(result)
 
-    async def remember(self, inbox: Inbox, event_id: str) -> None:
+    async def seen_many(self, inbox: Inbox, event_ids: Sequence[str], scope: str) -> set[str]:
+        """The ids Redis has (one round trip); none on any trouble."""
+        if not event_ids:
+            return set()
+        keys = [self.key(inbox, e, scope) for e in event_ids]
+        found = await self._call(self.client.mget, keys)
+        if not found:
+            return set()
+        return {e for e, v in zip(event_ids, found, strict=True) if v is not None}
+
+    async def remember(self, inbox: Inbox, event_id: str, scope: str | None = None) -> None:
         """Record an id whose database transaction has committed (best effort)."""
-        await self._call(self.client.set, self.key(inbox, event_id), b"1", ex=self.ttl)
+        await self._call(self.client.set, self.key(inbox, event_id, scope), b"1", ex=self.ttl)
+
+    async def remember_many(self, inbox: Inbox, event_ids: Sequence[str], scope: str) -> None:
+        """Record committed ids in one pipelined round trip (best effort)."""
+        if not event_ids:
+            return
+
+        async def write() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for e in event_ids:
+                pipe.set(self.key(inbox, e, scope), b"1", ex=self.ttl)
+            await pipe.execute()
+
+        await self._call(write)
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
         from redis.exceptions import RedisError

@@ -7,10 +7,15 @@ repeat the inbox absorbs is recorded in ``consumer_repeats`` in the same transac
 figure survives the process being killed.
 
 Environment: ``INBOX_TEST_DSN`` (the consumer's database), ``INBOX_TEST_BOOTSTRAP``,
-``INBOX_TEST_TOPIC``, ``INBOX_TEST_GROUP``, ``INBOX_TEST_NAME`` (client id, for logs), and
-optionally ``INBOX_TEST_CRASH_AFTER=N``: SIGKILL itself right after the N-th database commit,
-before that batch's Kafka offsets are committed; the exact window that makes Kafka redeliver
-messages whose changes are already committed.
+``INBOX_TEST_TOPIC``, ``INBOX_TEST_GROUP``, ``INBOX_TEST_NAME`` (client id, for logs),
+``INBOX_TEST_PATH``: ``each`` (``consume``, a handler per message) or ``batch``
+(``consume_batches``, one INSERT for a batch's fresh messages), and optionally
+``INBOX_TEST_CRASH_AFTER=N``: SIGKILL itself right after the N-th database commit (of a message
+or of a partition batch), before its Kafka offset is committed; the exact window that makes
+Kafka redeliver messages whose changes are already committed.
+
+It logs ``partitions assigned: N`` after each rebalance, so the test can tell when the group
+has moved on without a frozen member.
 """
 
 from __future__ import annotations
@@ -22,13 +27,19 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer
 
-from notify_outbox.inbox import Inbox, InboxMessage, consume
+from notify_outbox.inbox import (
+    BatchResult,
+    Inbox,
+    InboxRebalanceListener,
+    consume,
+    consume_batches,
+)
 
 SETUP_SQL = """
 CREATE TABLE IF NOT EXISTS consumer_orders (
@@ -52,29 +63,38 @@ class CountingInbox(Inbox):
         self.crash_after = crash_after
         self.commits = 0
 
-    @contextlib.asynccontextmanager
-    async def process(self, conn: asyncpg.Connection, message: InboxMessage) -> AsyncIterator[bool]:
-        async with super().process(conn, message) as fresh:
-            if not fresh:
-                await conn.execute(
-                    "INSERT INTO consumer_repeats VALUES ($1, $2)",
-                    self.event_id(message),
-                    self.name,
-                )
-            yield fresh
+    async def claim_batch(self, conn: asyncpg.Connection, event_ids: Sequence[str]) -> set[str]:
+        fresh = await super().claim_batch(conn, event_ids)
+        repeats = [e for e in event_ids if e not in fresh]
+        if repeats:  # in the batch's transaction: the figure survives a kill
+            await conn.execute(
+                "INSERT INTO consumer_repeats SELECT unnest($1::text[]), $2", repeats, self.name
+            )
+        return fresh
 
-    async def apply(
-        self,
-        db: asyncpg.Pool | asyncpg.Connection,
-        message: Any,
-        handler: Callable[[asyncpg.Connection, Any], Awaitable[None]],
-    ) -> bool:
-        fresh = await super().apply(db, message, handler)
+    def _committed(self) -> None:
         self.commits += 1
         if self.commits == self.crash_after:
             # Committed in the database, offset not yet committed in Kafka.
             os.kill(os.getpid(), signal.SIGKILL)
-        return fresh
+
+    async def apply_each(self, *args: Any, **kwargs: Any) -> BatchResult:
+        result = await super().apply_each(*args, **kwargs)
+        self._committed()
+        return result
+
+    async def apply_batch(self, *args: Any, **kwargs: Any) -> BatchResult:
+        result = await super().apply_batch(*args, **kwargs)
+        self._committed()
+        return result
+
+
+class LoggingListener(InboxRebalanceListener):
+    """The inbox's rebalance listener, logging each assignment for the test to wait on."""
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        await super().on_partitions_assigned(assigned)
+        log.info("partitions assigned: %d", len(assigned))
 
 
 async def run() -> None:
@@ -82,7 +102,6 @@ async def run() -> None:
     name = env["INBOX_TEST_NAME"]
     pool = await asyncpg.create_pool(env["INBOX_TEST_DSN"], min_size=1, max_size=2)
     consumer = AIOKafkaConsumer(
-        env["INBOX_TEST_TOPIC"],
         bootstrap_servers=env["INBOX_TEST_BOOTSTRAP"],
         group_id=env["INBOX_TEST_GROUP"],
         client_id=name,
@@ -93,6 +112,8 @@ async def run() -> None:
         heartbeat_interval_ms=500,
         max_poll_records=50,
     )
+    listener = LoggingListener()
+    consumer.subscribe([env["INBOX_TEST_TOPIC"]], listener=listener)
     inbox = CountingInbox(
         name=name, crash_after=int(env.get("INBOX_TEST_CRASH_AFTER", "0")), consumer="orders"
     )
@@ -107,10 +128,24 @@ async def run() -> None:
             name,
         )
 
+    async def bulk(conn: asyncpg.Connection, records: list[Any]) -> None:
+        orders = [json.loads(r.value) for r in records]
+        await conn.execute(
+            "INSERT INTO consumer_orders SELECT e, o, t, $4 "
+            "FROM unnest($1::text[], $2::bigint[], $3::integer[]) AS x(e, o, t)",
+            [inbox.event_id(r) for r in records],
+            [o["order_id"] for o in orders],
+            [o["total"] for o in orders],
+            name,
+        )
+
     await consumer.start()
     try:
-        log.info("consumer running")
-        await consume(consumer, pool, handler, inbox=inbox)
+        log.info("consumer running (%s path)", env["INBOX_TEST_PATH"])
+        if env["INBOX_TEST_PATH"] == "batch":
+            await consume_batches(consumer, pool, bulk, inbox=inbox, listener=listener)
+        else:
+            await consume(consumer, pool, handler, inbox=inbox, listener=listener)
     finally:
         await consumer.stop()
         await pool.close()

@@ -5,7 +5,11 @@ transaction each; the relay (a subprocess) publishes them; two consumer processe
 group apply them to their own database through the inbox. Meanwhile a seeded schedule kills
 the relay and the consumers with SIGKILL and restarts them. The first consumer also kills
 itself once right after a database commit, before its Kafka offsets are committed, so at
-least one redelivery is certain. At the end, every committed order was applied exactly once
+least one redelivery is certain. One consumer is frozen (SIGSTOP) until the group has given all
+its partitions to the other (past ``session.timeout.ms``), then resumed (SIGCONT): a zombie
+that finishes the batch it was in while its partitions already belong to the other. The test
+runs once per consumer path: ``consume`` (a handler per message) and ``consume_batches`` (one
+INSERT per batch of fresh messages). At the end, every committed order was applied exactly once
 (counted in the consumer's table, which has no unique constraint that could hide a double
 apply), none is missing, and none appeared that was not committed.
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import time
 import uuid
@@ -37,6 +42,7 @@ from tests.support import create_topics
 pytestmark = pytest.mark.anyio
 
 EVENTS = 1200
+PARTITIONS = 4
 PRODUCE_SECONDS = 12.0
 CHAOS_SECONDS = 16.0
 PRODUCER_SQL = """
@@ -64,6 +70,15 @@ class ConsumerProcess(LoggedProcess):
     async def kill(self) -> None:
         self.proc.kill()
         await anyio.to_thread.run_sync(lambda: self.proc.wait(30))
+
+    def assignments(self, partitions: int) -> int:
+        """How many times the group gave this consumer all ``partitions``."""
+        return len(self.matching(rf"partitions assigned: {partitions}$"))
+
+    async def assigned_all(self, partitions: int, count: int, within: float = 60.0) -> None:
+        """Until the group gave this consumer all ``partitions`` for the ``count``-th time."""
+        pattern = rf"partitions assigned: {partitions}$"
+        await anyio.to_thread.run_sync(lambda: self.wait_for_line(pattern, within, count=count))
 
 
 async def produce(dsn: str, topic: str, rng: random.Random) -> int:
@@ -96,15 +111,16 @@ async def produce(dsn: str, topic: str, rng: random.Random) -> int:
     return written
 
 
+@pytest.mark.parametrize("path", ["each", "batch"])
 async def test_every_order_is_applied_exactly_once_through_kills(
-    services: Services, db_dsn: str, empty_db_dsn: str
+    services: Services, db_dsn: str, empty_db_dsn: str, path: str
 ) -> None:
     seed = int(os.environ.get("NOTIFY_OUTBOX_FAULT_SEED", "0")) or random.randrange(1, 10**9)
     rng = random.Random(seed)
-    print(f"inbox e2e: seed {seed}")
+    print(f"inbox e2e ({path} path): seed {seed}")
     started = time.monotonic()
     topic = f"orders-{uuid.uuid4().hex[:8]}"
-    await create_topics(services.bootstrap, [topic], partitions=4)
+    await create_topics(services.bootstrap, [topic], partitions=PARTITIONS)
     async with connect(db_dsn) as conn:
         await conn.execute(PRODUCER_SQL)
     async with connect(empty_db_dsn) as conn:
@@ -115,8 +131,9 @@ async def test_every_order_is_applied_exactly_once_through_kills(
         "INBOX_TEST_BOOTSTRAP": services.bootstrap,
         "INBOX_TEST_TOPIC": topic,
         "INBOX_TEST_GROUP": f"orders-projection-{uuid.uuid4().hex[:6]}",
+        "INBOX_TEST_PATH": path,
     }
-    kills = {"relay": 0, "consumer": 0, "self": 0}
+    kills = {"relay": 0, "consumer": 0, "self": 0, "zombie": 0}
     generation = {"relay": 0, "c0": 0, "c1": 0}
     procs: dict[str, FaultRelay | ConsumerProcess] = {}
 
@@ -131,8 +148,9 @@ async def test_every_order_is_applied_exactly_once_through_kills(
                 db_dsn, services.bootstrap, env=env, name=name
             )
         else:
-            # The first consumer crashes itself once, in the commit-to-offset window.
-            crash = 60 if name == "c0#1" else 0
+            # The first consumer crashes itself once, in the commit-to-offset window (after
+            # its 10th commit: a message's or a partition batch's, by the path).
+            crash = 10 if name == "c0#1" else 0
             proc = ConsumerProcess(consumer_env, name, crash_after=crash)
         procs[which] = proc
         return proc
@@ -175,7 +193,29 @@ async def test_every_order_is_applied_exactly_once_through_kills(
                 await ready(procs[which])
             async with task_group() as tg:
                 tg.start_soon(chaos, ["relay"], random.Random(rng.random()))
-                tg.start_soon(chaos, ["c0", "c1"], random.Random(rng.random()))
+                tg.start_soon(consumer_faults, random.Random(rng.random()))
+
+        async def consumer_faults(rng: random.Random) -> None:
+            await zombie("c1", "c0")
+            await chaos(["c0", "c1"], rng)
+
+        async def zombie(frozen: str, other: str) -> None:
+            """Freeze ``frozen`` until the group gave all partitions to ``other`` (its session
+            timed out), then let it run on, unaware, as a zombie."""
+            victim, survivor = procs[frozen], procs[other]
+            assert isinstance(victim, ConsumerProcess)
+            assert isinstance(survivor, ConsumerProcess)
+            # A member of the group (else freezing it would not make the group move on).
+            await anyio.to_thread.run_sync(
+                lambda: victim.wait_for_line(r"partitions assigned: [1-9]", 60)
+            )
+            before = survivor.assignments(PARTITIONS)
+            victim.signal(signal.SIGSTOP)
+            try:
+                await survivor.assigned_all(PARTITIONS, before + 1)
+            finally:
+                victim.signal(signal.SIGCONT)
+            kills["zombie"] += 1
 
         async with task_group() as tg:
             tg.start_soon(faults)
@@ -232,13 +272,22 @@ async def test_every_order_is_applied_exactly_once_through_kills(
         "relay_kills": kills["relay"],
         "consumer_kills": kills["consumer"],
         "self_crashes": kills["self"],
+        "zombies": kills["zombie"],
+        # Offset commits refused because the group had moved on (a zombie's, or a killed
+        # member's partitions reassigned meanwhile): a count for the record, not a check.
+        "stale_offset_commits": sum(
+            len(p.matching("offset commit after a rebalance failed"))
+            for p in all_started
+            if isinstance(p, ConsumerProcess)
+        ),
+        "path": path,
         "kafka_messages": published,
         "kafka_duplicates_from_relay": published - len(expected),
         "repeats_absorbed_by_inbox": repeats,
         "seconds": round(time.monotonic() - started, 1),
         "seed": seed,
     }
-    FIGURES.notes["inbox end to end"] = figures
+    FIGURES.notes[f"inbox end to end ({path})"] = figures
     print(f"inbox e2e figures: {figures}")
     assert not doubles, f"applied more than once: {list(doubles.items())[:5]} ({figures})"
     assert not missing, f"{len(missing)} orders never applied ({figures})"
@@ -248,6 +297,7 @@ async def test_every_order_is_applied_exactly_once_through_kills(
     # The scripted crashes (relay after an ack, consumer after a commit) make repeats certain.
     assert published > len(expected), f"the relay published no duplicate ({figures})"
     assert repeats >= 1, f"the inbox absorbed no repeat: the test exercised nothing ({figures})"
+    assert kills["zombie"] == 1, f"no consumer was frozen past its session ({figures})"
 
 
 async def _wrong_totals(producer: asyncpg.Connection, consumer_dsn: str) -> int:

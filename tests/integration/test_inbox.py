@@ -87,9 +87,9 @@ async def applied(conn: asyncpg.Connection) -> dict[str, int]:
 async def test_inbox_track_migrates_verifies_and_lives_beside_the_outbox(empty_db_dsn: str) -> None:
     async with connect(empty_db_dsn) as conn:
         report = await verify_inbox(conn)
-        assert report.pending == [1]
+        assert report.pending == [1, 2]
         assert "notify-outbox migrate --inbox" in report.describe()
-        assert await migrate_inbox(conn) == [1]
+        assert await migrate_inbox(conn) == [1, 2]
         assert await migrate_inbox(conn) == []
         assert (await verify_inbox(conn)).ok
         # The outbox in the same database and schema: one tracking table, separate tracks.
@@ -102,7 +102,7 @@ async def test_inbox_track_migrates_verifies_and_lives_beside_the_outbox(empty_d
         assert {r["target"] for r in targets} == {"public.outbox", "inbox:public.inbox"}
         # A second inbox under other names is a track of its own too.
         custom = InboxNames("select", "order")
-        assert await migrate_inbox(conn, custom) == [1]
+        assert await migrate_inbox(conn, custom) == [1, 2]
         assert (await verify_inbox(conn, custom)).ok
         # Drift is reported.
         await conn.execute("DROP INDEX inbox_processed_at_idx")
@@ -115,7 +115,7 @@ async def test_concurrent_inbox_migrations_are_safe(empty_db_dsn: str) -> None:
     conns = [await asyncpg.connect(empty_db_dsn) for _ in range(3)]
     try:
         results = await asyncio.gather(*(migrate_inbox(c) for c in conns))
-        assert sorted(map(len, results)) == [0, 0, 1]
+        assert sorted(map(len, results)) == [0, 0, 2]
     finally:
         for c in conns:
             await c.close()
@@ -136,10 +136,10 @@ def test_inbox_cli(empty_db_dsn: str) -> None:
     assert printed.stdout == render_inbox_migrations()
     before = cli("migrate", "--inbox", "--check")
     assert before.returncode == 4, before.stdout + before.stderr
-    assert "pending migrations: [1] (run `notify-outbox migrate --inbox`)" in before.stdout
+    assert "pending migrations: [1, 2] (run `notify-outbox migrate --inbox`)" in before.stdout
     done = cli("migrate", "--inbox")
     assert done.returncode == 0, done.stderr
-    assert "inbox: applied migrations [1]" in done.stdout
+    assert "inbox: applied migrations [1, 2]" in done.stdout
     assert cli("verify", "--inbox").returncode == 0
     # The outbox is untouched by --inbox: still pending there.
     assert cli("verify").returncode == 4

@@ -4,6 +4,7 @@ lose."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import redis.asyncio
 
 from devstack import StackError
 from devstack.redis import RedisServer
-from notify_outbox.inbox import Inbox, RedisSeen, migrate_inbox
+from notify_outbox.inbox import Inbox, InboxNames, RedisSeen, migrate_inbox
 
 pytestmark = pytest.mark.anyio
 
@@ -69,11 +70,20 @@ def apply_handler(inbox: Inbox) -> Any:
     return handler
 
 
-class NoDatabase:
-    """Stands in for the pool where the database must not be touched."""
+@contextlib.contextmanager
+def no_database() -> Iterator[None]:
+    """Where the database must not be touched: acquiring a pool's connection fails."""
 
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"the database was used ({name}) although Redis had the id")
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the database was used although Redis had the id")
+
+    # Pool has slots: the method is replaced on the class, for the test's one pool.
+    original = asyncpg.Pool.acquire
+    asyncpg.Pool.acquire = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        asyncpg.Pool.acquire = original  # type: ignore[method-assign]
 
 
 async def test_a_seen_id_is_skipped_without_the_database(
@@ -84,7 +94,10 @@ async def test_a_seen_id_is_skipped_without_the_database(
     msg = event()
     assert await inbox.apply(pool, msg, apply_handler(inbox)) is True
     assert await client.exists(fast.key(inbox, inbox.event_id(msg))) == 1
-    assert await inbox.apply(NoDatabase(), msg, apply_handler(inbox)) is False  # type: ignore[arg-type]
+    # The repeat, with every way into the database closed (the keys' database scope was
+    # learned from this pool by the first apply, so the check needs no query).
+    with no_database():
+        assert await inbox.apply(pool, msg, apply_handler(inbox)) is False
     assert inbox.counts["duplicate_fast"] == 1
     # Another consumer's keys are its own.
     other = Inbox(consumer="other", fast_path=fast)
@@ -97,7 +110,7 @@ async def test_redis_learns_an_id_only_after_the_commit(
     fast = RedisSeen(client)
     inbox = Inbox(fast_path=fast)
     msg = event()
-    key = fast.key(inbox, inbox.event_id(msg))
+    key = fast.key(inbox, inbox.event_id(msg), await inbox.key_scope(pool))
 
     async def failing(conn: asyncpg.Connection, message: Msg) -> None:
         await conn.execute("INSERT INTO applied VALUES ($1)", inbox.event_id(message))
@@ -139,3 +152,45 @@ async def test_losing_redis_mid_stream_never_applies_twice(
     assert fast.errors > 0  # Redis really was gone for a while
     assert inbox.counts["duplicate_fast"] > 0  # and useful before and after
     assert inbox.counts["duplicate"] > 0  # the database caught what Redis could not
+
+
+async def test_two_databases_sharing_one_redis_never_skip_each_others_ids(
+    pool: asyncpg.Pool, db_dsn: str, client: redis.asyncio.Redis
+) -> None:
+    """Two services, each with its own database and the default inbox names and consumer,
+    share one Redis: an id one of them applied must not make the other skip it."""
+    other = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+    try:
+        async with other.acquire() as conn:
+            await migrate_inbox(conn)
+            await conn.execute("CREATE TABLE applied (event_id text NOT NULL)")
+        fast = RedisSeen(client)
+        here, there = Inbox(fast_path=fast), Inbox(fast_path=fast)
+        msg = event()
+        assert await here.apply(pool, msg, apply_handler(here)) is True
+        assert await there.apply(other, msg, apply_handler(there)) is True
+        # The batch path too, and each database still skips its own repeats via Redis.
+        batch = [event() for _ in range(5)]
+
+        async def bulk(conn: asyncpg.Connection, messages: list[Any]) -> None:
+            ids = [here.event_id(m) for m in messages]
+            await conn.execute("INSERT INTO applied SELECT unnest($1::text[])", ids)
+
+        assert (await here.apply_batch(pool, batch, bulk)).applied == 5
+        assert (await there.apply_batch(other, batch, bulk)).applied == 5
+        with no_database():
+            assert (await here.apply_batch(pool, batch, bulk)).duplicates == 5
+            assert (await there.apply_batch(other, batch, bulk)).duplicates == 5
+        assert here.counts["duplicate_fast"] == there.counts["duplicate_fast"] == 5
+        scopes = {await here.key_scope(pool), await there.key_scope(other)}
+        assert len(scopes) == 2
+        for db in (pool, other):
+            async with db.acquire() as conn:
+                assert await conn.fetchval("SELECT count(*) FROM applied") == 6
+        # Another inbox table in the same database is a scope of its own too.
+        names = InboxNames(table="inbox_two")
+        async with pool.acquire() as conn:
+            await migrate_inbox(conn, names)
+        assert await Inbox(names=names).key_scope(pool) not in scopes
+    finally:
+        await other.close()

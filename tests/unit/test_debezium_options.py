@@ -4,6 +4,7 @@ configuration, the topic pattern and the record mapping of a captured row."""
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 import pytest
@@ -86,6 +87,9 @@ def test_additional_header_fields_parse_like_the_router() -> None:
     )
 
 
+_ROUTER = "io.debezium.transforms.outbox.EventRouter"
+
+
 def test_a_properties_connector_config() -> None:
     text = """
     # the connector
@@ -164,3 +168,20 @@ def test_debezium_header_style_sends_only_the_rows_headers_id_first() -> None:
 def test_debezium_header_style_refuses_rows_the_capture_did_not_write(headers: str | None) -> None:
     with pytest.raises(ValueError, match=r"id|string"):
         to_message(row(headers), header_style="debezium")
+
+
+def test_converters_left_to_the_worker_are_pointed_out(caplog: pytest.LogCaptureFixture) -> None:
+    """The worker's default converters (often JsonConverter) are not in the connector's file:
+    the consumers' bytes may differ, which is said, not refused."""
+    router = {"transforms": "outbox", "transforms.outbox.type": _ROUTER}
+    with caplog.at_level(logging.WARNING, logger="notify_outbox.debezium"):
+        parse_connector_config(json.dumps({"config": router}))
+    assert "key.converter and value.converter not set" in caplog.text
+    assert "docs/debezium-costs.md" in caplog.text
+    caplog.clear()
+    raw = "org.apache.kafka.connect.storage.StringConverter"
+    with caplog.at_level(logging.WARNING, logger="notify_outbox.debezium"):
+        parse_connector_config(
+            json.dumps({"config": {**router, "key.converter": raw, "value.converter": raw}})
+        )
+    assert caplog.text == ""

@@ -1,0 +1,410 @@
+"""The inbox regime (``python -m bench inbox``): a consumer group drains a backlog of messages
+through the inbox into a fresh database, and the bench measures messages per second.
+
+Modes, interleaved in every round, each with its own consumer group and database:
+
+- ``apply``: ``Inbox.apply`` per message, one transaction each (what ``consume`` did before
+  the batch path);
+- ``consume``: ``notify_outbox.inbox.consume``, a handler per message (one INSERT each), one
+  transaction and one claim statement per fetched partition batch;
+- ``consume_batches``: ``consume_batches``, the handler writes the fresh messages in one
+  statement;
+- ``baseline``: the simple batched inbox of issue 18, written out below in 40 lines: the same
+  consumer, one transaction per partition batch, ``INSERT ... SELECT unnest($1::uuid[]) ON
+  CONFLICT DO NOTHING RETURNING``, the rows in one statement, then the offset commit.
+
+Every mode runs in this process (uvloop, as the relay) against the bench's own devstack, or
+``NOTIFY_OUTBOX_DSN`` / ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``. The handler of every mode
+writes the same row per message (event id, value). The clock runs from the moment the consumer
+has its partitions (the group join before it is reported apart, as ``join_seconds``) until every
+message is committed in the database (the offset commit of the last batch follows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncpg
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from bench.phase import loadavg, utc
+from bench.procs import BenchError
+from bench.services import close_services, dsn_for, make_work_dir, open_services, remove_work_dir
+from devstack.relayproc import create_topics
+from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
+
+__all__ = ["MODES", "InboxBenchConfig", "inbox_problems", "run_inbox_bench", "write_inbox_report"]
+
+MODES = ("apply", "consume", "consume_batches", "baseline")
+APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
+BASELINE_SQL = """
+CREATE TABLE baseline_inbox (event_id uuid PRIMARY KEY);
+CREATE TABLE baseline_applied (event_id text NOT NULL, value bytea)
+"""
+
+
+@dataclass
+class InboxBenchConfig:
+    """What one ``python -m bench inbox`` run does."""
+
+    messages: int = 20_000
+    partitions: int = 4
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    repeat: int = 3
+    max_records: int = 500
+    cell_timeout: float = 300.0
+
+
+Done = Callable[[int], None]
+Drain = Callable[[AIOKafkaConsumer, asyncpg.Pool, Done], Coroutine[Any, Any, None]]
+
+
+def _header_id(record: Any) -> str:
+    for k, v in record.headers:
+        if k == "outbox-event-id":
+            return bytes(v).decode()
+    raise ValueError("no outbox-event-id header")
+
+
+async def _baseline(consumer: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done) -> None:
+    """The simple batched inbox the issue measured: nothing but the fast path."""
+    while True:
+        batch = await consumer.getmany(timeout_ms=500, max_records=500)
+        for tp, records in batch.items():
+            ids = [uuid.UUID(_header_id(r)) for r in records]
+            async with pool.acquire() as conn, conn.transaction():
+                fresh = {
+                    r[0]
+                    for r in await conn.fetch(
+                        "INSERT INTO baseline_inbox SELECT unnest($1::uuid[]) "
+                        "ON CONFLICT DO NOTHING RETURNING event_id",
+                        ids,
+                    )
+                }
+                rows = [(i, r.value) for i, r in zip(ids, records, strict=True) if i in fresh]
+                # The business rows are the other modes' (text ids), so that only the inbox
+                # differs between them.
+                await conn.execute(
+                    "INSERT INTO baseline_applied SELECT * FROM unnest($1::text[], $2::bytea[])",
+                    [str(i) for i, _ in rows],
+                    [v for _, v in rows],
+                )
+            await consumer.commit({tp: records[-1].offset + 1})
+            done(len(records))
+
+
+def _drains(cfg: InboxBenchConfig) -> dict[str, Drain]:
+    async def one(conn: asyncpg.Connection, record: Any) -> None:
+        await conn.execute("INSERT INTO applied VALUES ($1, $2)", _header_id(record), record.value)
+
+    async def bulk(conn: asyncpg.Connection, records: list[Any]) -> None:
+        await conn.execute(
+            "INSERT INTO applied SELECT * FROM unnest($1::text[], $2::bytea[])",
+            [_header_id(r) for r in records],
+            [r.value for r in records],
+        )
+
+    async def apply_mode(c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done) -> None:
+        inbox = Inbox(consumer="bench")
+        while True:
+            batch = await c.getmany(timeout_ms=500, max_records=cfg.max_records)
+            for tp, records in batch.items():
+                for r in records:
+                    await inbox.apply(pool, r, one)
+                await c.commit({tp: records[-1].offset + 1})
+                done(len(records))
+
+    async def loop_mode(c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done, batches: bool) -> None:
+        inbox = Inbox(consumer="bench")
+        # The loops' progress: the inbox's committed count, read by the watcher below.
+        watcher = asyncio.create_task(_watch(inbox, done))
+        try:
+            if batches:
+                await consume_batches(c, pool, bulk, inbox=inbox, max_records=cfg.max_records)
+            else:
+                await consume(c, pool, one, inbox=inbox, max_records=cfg.max_records)
+        finally:
+            watcher.cancel()
+
+    return {
+        "apply": apply_mode,
+        "consume": lambda c, p, d: loop_mode(c, p, d, False),
+        "consume_batches": lambda c, p, d: loop_mode(c, p, d, True),
+        "baseline": _baseline,
+    }
+
+
+async def _watch(inbox: Inbox, done: Done) -> None:
+    reported = 0
+    while True:
+        n = inbox.counts["applied"] + inbox.counts["duplicate"]
+        if n > reported:
+            done(n - reported)
+            reported = n
+        await asyncio.sleep(0.005)
+
+
+async def _produce(bootstrap: str, topic: str, n: int) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, acks="all")
+    await producer.start()
+    try:
+        for i in range(n):
+            eid = str(uuid.uuid4())
+            await producer.send(
+                topic,
+                json.dumps({"n": i, "total": i % 500}).encode(),
+                key=f"customer-{i % 1000}".encode(),
+                headers=[("outbox-event-id", eid.encode())],
+            )
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def _cell(
+    cfg: InboxBenchConfig, dsn: str, bootstrap: str, topic: str, mode: str, drain: Drain
+) -> dict[str, Any]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate_inbox(conn)
+        await conn.execute(APPLIED_SQL)
+        await conn.execute(BASELINE_SQL)
+    finally:
+        await conn.close()
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"bench-inbox-{mode}-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+    )
+    finished = asyncio.Event()
+    count = 0
+
+    def done(n: int) -> None:
+        nonlocal count
+        count += n
+        if count >= cfg.messages:
+            finished.set()
+
+    started = time.perf_counter()
+    await consumer.start()
+    task = asyncio.create_task(drain(consumer, pool, done))
+    try:
+        # The clock starts once the group gave the consumer its partitions: joining a group
+        # takes a while and is the same for every mode, so it is reported apart.
+        with anyio.fail_after(60):
+            while True:
+                if consumer.assignment() or task.done():
+                    break
+                await asyncio.sleep(0.001)
+        assigned = time.perf_counter()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        waiter = asyncio.create_task(finished.wait())
+        await asyncio.wait({task, waiter}, timeout=cfg.cell_timeout, return_when="FIRST_COMPLETED")
+        if task.done():
+            task.result()  # raises what broke the drain
+            raise BenchError(f"{mode}: the drain stopped by itself")
+        if not finished.is_set():
+            raise BenchError(f"{mode}: {count} of {cfg.messages} in {cfg.cell_timeout} s")
+        ended = time.perf_counter()
+        seconds = ended - assigned
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.stop()
+        await pool.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        table = "baseline_applied" if mode == "baseline" else "applied"
+        rows = await conn.fetchval(f"SELECT count(*) FROM {table}")
+        distinct = await conn.fetchval(f"SELECT count(DISTINCT event_id) FROM {table}")
+    finally:
+        await conn.close()
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    return {
+        "mode": mode,
+        "messages": cfg.messages,
+        "seconds": round(seconds, 3),
+        "join_seconds": round(assigned - started, 3),
+        "msg_per_s": round(cfg.messages / seconds, 1),
+        "consumer_cpu_us_per_msg": round(1e6 * cpu / cfg.messages, 1),
+        "rows": rows,
+        "distinct": distinct,
+    }
+
+
+async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = False) -> Path:
+    """Run every round, write ``inbox-<timestamp>.json`` under ``out``; returns its path."""
+    work = make_work_dir()
+    services = await open_services(work)
+    started = utc()
+    result: dict[str, Any] = {
+        "phase": "inbox",
+        "started": started,
+        "config": asdict(cfg),
+        "environment": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": loadavg(),
+            "services": "bench devstack" if services.own_stack else "from the environment",
+        },
+        "cells": [],
+    }
+    stamp = started.replace("-", "").replace(":", "")
+    path = out / f"inbox-{stamp}.json"
+    await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+    try:
+        topic = f"bench-inbox-{uuid.uuid4().hex[:8]}"
+        await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
+        await _produce(services.bootstrap, topic, cfg.messages)
+        drains = _drains(cfg)
+        for round_ in range(cfg.repeat):
+            for mode in cfg.modes:
+                name = f"bench_inbox_{mode}_{round_}"
+                await services.admin(
+                    f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'
+                )
+                services.databases.append(name)
+                cell = await _cell(
+                    cfg, dsn_for(services.dsn, name), services.bootstrap, topic, mode, drains[mode]
+                )
+                cell["round"] = round_
+                cell["loadavg_after"] = loadavg()
+                result["cells"].append(cell)
+                print(
+                    f"inbox bench: round {round_ + 1}/{cfg.repeat} {mode}: "
+                    f"{cell['msg_per_s']:.0f} msg/s ({cell['seconds']:.2f} s)",
+                    flush=True,
+                )
+                await services.drop_database(name)
+    finally:
+        result["environment"]["loadavg_after"] = loadavg()
+        result["finished"] = utc()
+        result["summary"] = _summary(result["cells"])
+        await asyncio.to_thread(path.write_text, json.dumps(result, indent=2) + "\n")
+        await close_services(services)
+        if not keep:
+            remove_work_dir(work)
+    return path
+
+
+def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    by: dict[str, list[float]] = {}
+    for c in cells:
+        by.setdefault(c["mode"], []).append(c["msg_per_s"])
+    summary: dict[str, Any] = {
+        m: {"median_msg_per_s": round(statistics.median(v), 1), "runs": v} for m, v in by.items()
+    }
+    base = summary.get("baseline", {}).get("median_msg_per_s")
+    if base:
+        for s in summary.values():
+            s["vs_baseline"] = round(s["median_msg_per_s"] / base, 3)
+        # Each round's ratio to that round's baseline: the modes of one round ran back to
+        # back, so a load that drifts between rounds (a shared host) cancels out.
+        base_of = {c["round"]: c["msg_per_s"] for c in cells if c["mode"] == "baseline"}
+        for mode, s in summary.items():
+            paired = [
+                c["msg_per_s"] / base_of[c["round"]]
+                for c in cells
+                if c["mode"] == mode and c.get("round") in base_of
+            ]
+            if paired:
+                s["paired_vs_baseline"] = [round(r, 3) for r in paired]
+                s["median_paired_vs_baseline"] = round(statistics.median(paired), 3)
+    return summary
+
+
+def inbox_problems(result: dict[str, Any]) -> list[str]:
+    """What makes a run fail: a message applied twice or missing in any cell."""
+    return [
+        f"{c['mode']} round {c['round']}: {c['rows']} rows, {c['distinct']} distinct, "
+        f"{c['messages']} messages"
+        for c in result["cells"]
+        if not (c["rows"] == c["distinct"] == c["messages"])
+    ]
+
+
+def write_inbox_report(json_path: Path, *, plots: bool = True) -> Path:
+    """``inbox-<ts>.md`` (and ``.png``) next to the JSON; returns the md path."""
+    result = json.loads(json_path.read_text())
+    summary = result["summary"] = _summary(result["cells"])
+    cfg = result["config"]
+    env = result["environment"]
+    lines = [
+        f"# Inbox backlog drain ({result['started']})",
+        "",
+        f"{cfg['messages']} messages on {cfg['partitions']} partitions, one consumer, "
+        f"max_records {cfg['max_records']}, {cfg['repeat']} rounds (modes interleaved), "
+        f"{env['cpus']} CPUs, load average before {env['loadavg_before']}, after "
+        f"{env['loadavg_after']}; services: {env['services']}.",
+        "",
+        "| mode | median msg/s | vs baseline (medians) | vs baseline (per round; median) "
+        "| runs (msg/s) | consumer CPU µs/msg (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, s in summary.items():
+        cpu = statistics.median(
+            c["consumer_cpu_us_per_msg"] for c in result["cells"] if c["mode"] == mode
+        )
+        runs = ", ".join(f"{v:,.0f}" for v in s["runs"])
+        vs = f"{s['vs_baseline']:.2f}x" if "vs_baseline" in s else "-"
+        paired = (
+            ", ".join(f"{r:.2f}" for r in s["paired_vs_baseline"])
+            + f"; {s['median_paired_vs_baseline']:.2f}x"
+            if "paired_vs_baseline" in s
+            else "-"
+        )
+        lines.append(
+            f"| {mode} | {s['median_msg_per_s']:,.0f} | {vs} | {paired} | {runs} | {cpu:.0f} |"
+        )
+    problems = inbox_problems(result)
+    lines += ["", "Every cell applied each message exactly once." if not problems else ""]
+    lines += [f"- PROBLEM: {p}" for p in problems]
+    png = json_path.with_suffix(".png")
+    if plots:
+        _plot(result, png)
+        lines += ["", f"![inbox drain]({png.name})"]
+    md = json_path.with_suffix(".md")
+    md.write_text("\n".join(lines) + "\n")
+    return md
+
+
+def _plot(result: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    modes = list(summary)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(modes, [summary[m]["median_msg_per_s"] for m in modes], color="#8fb3d9")
+    for i, m in enumerate(modes):
+        ax.scatter([i] * len(summary[m]["runs"]), summary[m]["runs"], color="black", s=12)
+        ax.annotate(
+            f"{summary[m]['median_msg_per_s']:,.0f}",
+            (i, summary[m]["median_msg_per_s"]),
+            ha="center",
+            va="bottom",
+        )
+    ax.set_ylabel("messages/s (bar: median, dots: runs)")
+    ax.set_title(f"Inbox backlog drain, {result['config']['messages']} messages")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
