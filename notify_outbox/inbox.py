@@ -46,6 +46,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka import errors as kafka_errors
 
 from .errors import ConfigurationError, MigrationError, NotifyOutboxError
+from .message import EVENT_ID_HEADER
 from .migrations import MigrationTrack, VerifyReport, migrate_track, render_track, verify_track
 from .names import validate_identifier
 from .sqlfiles import render_queries
@@ -83,7 +84,7 @@ __all__ = [
 log = logging.getLogger("notify_outbox.inbox")
 
 # The header the relay puts on every record (publisher.to_message): the outbox row's event_id.
-OUTBOX_EVENT_ID_HEADER = "outbox-event-id"
+OUTBOX_EVENT_ID_HEADER = EVENT_ID_HEADER  # the relay's own (message.py)
 # Canonical text form of a UUID, as the relay writes it; any case is accepted and lowered.
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.IGNORECASE)
 # The table's CHECK constraint: a btree entry must stay well under PostgreSQL's ~2.7 kB limit.
