@@ -7,8 +7,10 @@ rows in one transaction.
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
+from devstack._common import free_ports
 from notify_outbox import OutboxSettings, Relay
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
@@ -21,6 +23,7 @@ from tests.faults.harness import (
     relays,
     task_group,
 )
+from tests.support import metric
 
 pytestmark = pytest.mark.anyio
 
@@ -73,10 +76,16 @@ async def test_02_fallback_poll_delivers_when_notifications_never_arrive(
 async def test_04_backlog_at_start_while_writers_keep_inserting(
     db_dsn: str, services: Services, topic: str
 ) -> None:
-    """A backlog is waiting when the relay starts, and writers insert all through its
-    start-up. The poll is 30 s away: only LISTEN plus the catch-up claim that follows it can
-    deliver in time, and only if the LISTEN is committed before that claim."""
+    """A backlog is waiting when the relay starts, twice, with the fallback poll 600 s away:
+    only LISTEN plus the catch-up claim that follows it can deliver in time.
+
+    1. The catch-up alone: the writers stop before the relay starts, so no notification
+       arrives after its LISTEN to claim the backlog instead. The relay must still deliver
+       all of it, and its own counters show no wake-up but its start.
+    2. Writers insert all through the next relay's start-up: nothing may be missed, which
+       needs the LISTEN committed before that claim."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "4 backlog").setup()
+    env = {"NOTIFY_OUTBOX_POLL_INTERVAL": "600"}
     async with checker.producer() as p:
         for chunk in range(10):
             await p.bulk([f"key-{(chunk * 7 + i) % 25}" for i in range(200)])
@@ -86,7 +95,35 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
         await eventually(
             lambda: _at_least(load.produced, 30), within=30, what="writers are running"
         )
-        async with relays(FaultRelay(db_dsn, services.bootstrap)) as (relay,):
+        await load.halt()
+    port = free_ports(1)[0]
+    first = FaultRelay(
+        db_dsn, services.bootstrap, env={**env, "NOTIFY_OUTBOX_HTTP_PORT": str(port)}
+    )
+    async with relays(first):
+        await first.ready()
+        report = await checker.drain_and_check(within=60)
+        wakeups = {
+            source: await anyio.to_thread.run_sync(
+                lambda: metric(port, "notify_outbox_wakeups_total", source=source)  # noqa: B023
+            )
+            for source in ("start", "notification", "poll", "reconnect")
+        }
+        await first.stop_ok()
+    print(report.text())
+    print(f"wake-ups of the first relay: {wakeups}")
+    assert wakeups == {"start": 1, "notification": 0, "poll": 0, "reconnect": 0}, wakeups
+    assert report.committed > 2000  # the bulk backlog and some of the writers
+    assert report.duplicates == 0
+    report.assert_ok()
+
+    load = checker.writers(writers=3, keys=25, pause=0.01, seed=1)
+    async with task_group() as tg:
+        tg.start_soon(load.run)
+        await eventually(
+            lambda: _at_least(load.produced, 30), within=30, what="writers are running"
+        )
+        async with relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,):
             await relay.ready()
             at_ready = load.produced
             await eventually(
