@@ -121,11 +121,21 @@ async def test_05_listener_backend_terminated_while_writers_insert(
     """The listener's backend is terminated three times, each after a burst of writers. The
     writers stop before each kill, so that no later notification can claim in the catch-up's
     place: the relay reconnects, LISTENs again and catches up alone, and an event committed
-    right after the kill (its notification had nobody to hear it) arrives without the fallback
+    right after the kill (its notification has nobody to hear it) arrives without the fallback
     poll (600 s away; the relay's own counters show that it never ran)."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "5 listener kill").setup()
     port = free_ports(1)[0]
-    env = {"NOTIFY_OUTBOX_POLL_INTERVAL": "600", "NOTIFY_OUTBOX_HTTP_PORT": str(port)}
+    env = {
+        "NOTIFY_OUTBOX_POLL_INTERVAL": "600",
+        "NOTIFY_OUTBOX_HTTP_PORT": str(port),
+        # The listener waits 2 s before it reconnects, so that the marker surely commits
+        # while nobody listens (at 0.05 s the new LISTEN could come first and hear it).
+        "NOTIFY_OUTBOX_RECONNECT_MIN_DELAY": "2",
+        "NOTIFY_OUTBOX_RECONNECT_MAX_DELAY": "2",
+        # A claim that found other claims busy wakes the relay again after 1.1 x this (a
+        # "retry" wake-up): far away, so that no such timer claims the marker instead.
+        "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT": "300",
+    }
     async with (
         relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,),
         KafkaTail(services.bootstrap, [topic]) as tail,
@@ -143,6 +153,11 @@ async def test_05_listener_backend_terminated_while_writers_insert(
                     what=f"writers ran before listener kill {kill}",
                 )
                 await load.halt()
+            # And the relay has gone to sleep: nothing pending, and its listening session holds
+            # no awake marker (workers still draining would claim the marker themselves).
+            await eventually(
+                lambda: _asleep(watch), within=60, what=f"the relay sleeps before kill {kill}"
+            )
             killed_at = time.monotonic()
             assert await terminate_listeners(db_dsn) == 1
             marker = await p.produce("marker")
@@ -206,6 +221,20 @@ async def _live_listener_port(
 
 async def _at_least(value: int, target: int) -> bool:
     return value >= target
+
+
+async def _asleep(watch: asyncpg.Connection) -> bool:
+    """No row pending, and the relay's listening session holds no advisory lock (the gate's
+    awake marker, taken while it drains)."""
+    return bool(
+        await watch.fetchval(
+            "SELECT NOT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL) "
+            "AND NOT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+            "WHERE a.application_name = $1 AND a.datname = current_database() "
+            "AND l.locktype = 'advisory' AND l.granted)",
+            LISTENER_APP,
+        )
+    )
 
 
 async def _one_listener(dsn: str) -> bool:
