@@ -18,8 +18,9 @@ install: $(STAMP)
 
 # The whole suite against a real PostgreSQL and a real Kafka broker (started automatically;
 # see docs/contributing.md). pytest's exit code 5 (no tests collected) is a failure here too.
+# --durations=20: the 20 slowest tests are listed at the end, so that slow ones show in CI.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest --durations=20 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # Only the fault-injection suite (part of `make test` too; ~5 min): crashes, restarts, outages.

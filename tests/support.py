@@ -4,10 +4,12 @@ shared with the bench and the demo) topics and the relay CLI as a subprocess."""
 from __future__ import annotations
 
 import socket
+import urllib.request
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.relayproc import ROOT, RelayProcess, create_topics
 
@@ -20,6 +22,7 @@ __all__ = [
     "dsn_with_database",
     "dsn_with_user",
     "header",
+    "metric",
 ]
 
 
@@ -77,3 +80,17 @@ def header(record: ConsumerRecord[bytes, bytes], name: str) -> str | None:
         if key == name:
             return value.decode()
     return None
+
+
+def metric(port: int, sample: str, **labels: str) -> float:
+    """The sum of a relay's ``sample`` (e.g. ``notify_outbox_published_total``) over the
+    samples that carry ``labels``, read from its /metrics on ``port`` (NOTIFY_OUTBOX_HTTP_PORT):
+    what the relay itself counted, for tests that need to know what one process did."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )

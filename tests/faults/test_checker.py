@@ -2,7 +2,8 @@
 
 A checker that always says OK would make the whole suite worthless, so this stages one lost
 event, one phantom, one duplicate and one same-key pair committed out of id order, and
-requires the report to count exactly those.
+requires the report to count exactly those; and a key whose rows on two topics were sent in
+the wrong order.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from aiokafka import AIOKafkaProducer
 from tests.conftest import Services
 from tests.faults.checker import INSERT_RETURNING, RECORD_AND_STAMP, Attempt, OutboxChecker
 from tests.faults.harness import FaultRelay, connect, relays
+from tests.support import create_topics
 
 pytestmark = pytest.mark.anyio
 
@@ -72,3 +74,50 @@ async def test_the_checker_counts_staged_violations(
     assert report.inversions == 1
     assert not report.ok
     assert "FAILED" in report.text()
+
+
+async def test_the_checker_sees_a_key_out_of_order_across_topics(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A key's rows on two topics: the later row sent (by its record's CreateTime) before the
+    earlier one was. Offsets cannot show it (two partitions); the checker must. Another key,
+    sent in order, and a tie within one millisecond, must pass."""
+    other = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(services.bootstrap, [other], partitions=3)
+    checker = await OutboxChecker(
+        db_dsn, services.bootstrap, [topic, other], "checker control, across topics"
+    ).setup()
+    async with checker.producer() as p:
+        sent: list[tuple[str, str, str, int]] = []  # (topic, key, event id, CreateTime)
+        base = 1_700_000_000_000
+        for key, (first_at, second_at) in {
+            "key-inverted": (base + 1000, base),
+            "key-in-order": (base, base + 1000),
+            "key-tie": (base, base),
+        }.items():
+            sent.append((topic, key, await p.produce(key, topic=topic), first_at))
+            sent.append((other, key, await p.produce(key, topic=other), second_at))
+    async with connect(db_dsn) as admin:
+        await admin.execute("UPDATE outbox SET published_at = now()")  # no relay: sent below
+    producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap)
+    await producer.start()
+    try:
+        for to, key, event_id, at in sent:
+            await producer.send_and_wait(
+                to,
+                b"{}",
+                key=key.encode(),
+                timestamp_ms=at,
+                headers=[("outbox-event-id", event_id.encode())],
+            )
+    finally:
+        await producer.stop()
+    report = await checker.drain_and_check(within=60, record=False)
+    print(report.text())
+    assert report.lost == []
+    assert report.phantom == []
+    assert report.duplicates == 0
+    assert report.keys_across_topics == 3
+    assert list(report.out_of_order) == ["*/key-inverted"]
+    assert report.inversions == 1
+    assert not report.ok

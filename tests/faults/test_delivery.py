@@ -7,8 +7,10 @@ rows in one transaction.
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
+from devstack._common import free_ports
 from notify_outbox import OutboxSettings, Relay
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
@@ -21,6 +23,7 @@ from tests.faults.harness import (
     relays,
     task_group,
 )
+from tests.support import metric
 
 pytestmark = pytest.mark.anyio
 
@@ -73,10 +76,16 @@ async def test_02_fallback_poll_delivers_when_notifications_never_arrive(
 async def test_04_backlog_at_start_while_writers_keep_inserting(
     db_dsn: str, services: Services, topic: str
 ) -> None:
-    """A backlog is waiting when the relay starts, and writers insert all through its
-    start-up. The poll is 30 s away: only LISTEN plus the catch-up claim that follows it can
-    deliver in time, and only if the LISTEN is committed before that claim."""
+    """A backlog is waiting when the relay starts, twice, with the fallback poll 600 s away:
+    only LISTEN plus the catch-up claim that follows it can deliver in time.
+
+    1. The catch-up alone: the writers stop before the relay starts, so no notification
+       arrives after its LISTEN to claim the backlog instead. The relay must still deliver
+       all of it, and its own counters show no wake-up but its start.
+    2. Writers insert all through the next relay's start-up: nothing may be missed, which
+       needs the LISTEN committed before that claim."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "4 backlog").setup()
+    env = {"NOTIFY_OUTBOX_POLL_INTERVAL": "600"}
     async with checker.producer() as p:
         for chunk in range(10):
             await p.bulk([f"key-{(chunk * 7 + i) % 25}" for i in range(200)])
@@ -86,7 +95,35 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
         await eventually(
             lambda: _at_least(load.produced, 30), within=30, what="writers are running"
         )
-        async with relays(FaultRelay(db_dsn, services.bootstrap)) as (relay,):
+        await load.halt()
+    port = free_ports(1)[0]
+    first = FaultRelay(
+        db_dsn, services.bootstrap, env={**env, "NOTIFY_OUTBOX_HTTP_PORT": str(port)}
+    )
+    async with relays(first):
+        await first.ready()
+        report = await checker.drain_and_check(within=60)
+        wakeups = {
+            source: await anyio.to_thread.run_sync(
+                lambda: metric(port, "notify_outbox_wakeups_total", source=source)  # noqa: B023
+            )
+            for source in ("start", "notification", "poll", "reconnect")
+        }
+        await first.stop_ok()
+    print(report.text())
+    print(f"wake-ups of the first relay: {wakeups}")
+    assert wakeups == {"start": 1, "notification": 0, "poll": 0, "reconnect": 0}, wakeups
+    assert report.committed > 2000  # the bulk backlog and some of the writers
+    assert report.duplicates == 0
+    report.assert_ok()
+
+    load = checker.writers(writers=3, keys=25, pause=0.01, seed=1)
+    async with task_group() as tg:
+        tg.start_soon(load.run)
+        await eventually(
+            lambda: _at_least(load.produced, 30), within=30, what="writers are running"
+        )
+        async with relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,):
             await relay.ready()
             at_ready = load.produced
             await eventually(
@@ -174,14 +211,14 @@ async def test_17_many_rows_in_one_transaction_are_all_published(
 ) -> None:
     """5000 rows in one INSERT and 500 rows in 500 INSERTs of one transaction: each
     transaction's NOTIFYs fold into one wake-up, and still every row is published, once,
-    in order per key, without the fallback poll (30 s away)."""
+    in order per key, without the fallback poll (600 s away: it never runs)."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "17 one big tx").setup()
     settings = OutboxSettings.model_validate(
         {
             "dsn": db_dsn,
             "kafka_bootstrap_servers": services.bootstrap,
             "workers": 3,
-            "poll_interval": 30.0,  # the folded notification must be enough
+            "poll_interval": 600.0,  # the folded notification must be enough
         }
     )
     async with Relay(settings) as relay, checker.producer() as p:
@@ -190,8 +227,13 @@ async def test_17_many_rows_in_one_transaction_are_all_published(
         await p.bulk(keys)
         await p.many([f"key-{i % 13}" for i in range(500)])
         report = await checker.drain_and_check(within=90)
-        notifications = relay.events.counts["wake:notification"]
+        counts = dict(relay.events.counts)
+        notifications = counts.get("wake:notification", 0)
     print(report.text())
+    print(f"relay events: {counts}")
+    # The relay's own account: no fallback poll ran, none woke a worker.
+    assert counts.get("poll", 0) == 0, counts
+    assert counts.get("wake:poll", 0) == 0, counts
     # At most one wake-up per transaction: the NOTIFYs of one transaction fold into one (and
     # with the gated notify a producer may skip it while the relay is awake).
     assert notifications <= 2, f"{notifications} notifications for two transactions"

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import uuid
 
+import anyio
 import pytest
 
+from devstack._common import free_ports
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
 from tests.faults.harness import FaultRelay, KafkaTail, eventually, fetchval, relays, task_group
+from tests.support import metric
 
 pytestmark = pytest.mark.anyio
 
@@ -130,16 +133,35 @@ async def test_15_three_relays_with_three_workers_keep_per_key_order(
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "15 three relays").setup()
     env = {"NOTIFY_OUTBOX_WORKERS": "3", "NOTIFY_OUTBOX_BATCH_SIZE": "20"}
     load = checker.writers(writers=6, keys=30, pause=0.002, keyless_ratio=0.05, max_events=400)
-    procs = [FaultRelay(db_dsn, services.bootstrap, env=env, name=f"relay-{i}") for i in range(3)]
+    ports = free_ports(3)
+    procs = [
+        FaultRelay(
+            db_dsn,
+            services.bootstrap,
+            env={**env, "NOTIFY_OUTBOX_HTTP_PORT": str(port)},
+            name=f"relay-{i}",
+        )
+        for i, port in enumerate(ports)
+    ]
     async with relays(*procs):
         for r in procs:
             await r.ready()
         async with task_group() as tg:
             tg.start_soon(load.run)
         report = await checker.drain_and_check(within=120)
+        # What each relay published, by its own count: the scenario is three relays at work.
+        published = [
+            await anyio.to_thread.run_sync(
+                lambda: metric(port, "notify_outbox_published_total")  # noqa: B023
+            )
+            for port in ports
+        ]
         for r in procs:
             await r.stop_ok()
     print(report.text())
+    print(f"published by each relay: {published}")
+    assert sum(published) == report.expected_live, published
+    assert sum(1 for n in published if n > 0) >= 2, f"one relay did all the work: {published}"
     assert report.committed > 1800
     assert report.duplicates == 0
     report.assert_ok()

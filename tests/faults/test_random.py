@@ -53,11 +53,25 @@ def _base_seed() -> int:
 
 
 def _soak() -> tuple[int, float | None]:
-    """(sequences, seconds): by default three sequences, about two minutes here."""
+    """(sequences, seconds): by default three sequences, about two minutes here. A soak of
+    nothing (0, 0s, a negative or unreadable value) is refused: it would run no sequence and
+    still pass."""
     given = os.environ.get(SOAK_ENV, "").strip()
-    if given.endswith("s"):
-        return 0, float(given[:-1])
-    return (int(given) if given else 3), None
+    try:
+        if given.endswith("s"):
+            seconds = float(given[:-1])
+            if not seconds > 0:
+                raise ValueError(given)
+            return 0, seconds
+        sequences = int(given) if given else 3
+        if sequences < 1:
+            raise ValueError(given)
+        return sequences, None
+    except ValueError:
+        raise pytest.UsageError(
+            f"{SOAK_ENV}={given!r}: give a number of sequences (1 or more) or of seconds "
+            f"(more than 0, such as 600s); this would run no sequence and pass"
+        ) from None
 
 
 BASE_SEED = _base_seed()
@@ -283,3 +297,19 @@ else:
             async with fresh_database(services) as (dsn, topic):
                 await run_sequence(dsn, topic, services, index)
             index += 1
+        assert index > 0, "the soak ran no sequence"
+
+
+@pytest.mark.parametrize("given", ["0", "0s", "-2", "-5s", "0.0s", "nans", "x", "3x"])
+def test_22_a_soak_of_nothing_is_refused(monkeypatch: pytest.MonkeyPatch, given: str) -> None:
+    monkeypatch.setenv(SOAK_ENV, given)
+    with pytest.raises(pytest.UsageError, match="would run no sequence"):
+        _soak()
+
+
+@pytest.mark.parametrize(("given", "soak"), [("", (3, None)), ("2", (2, None)), ("90s", (0, 90.0))])
+def test_22_soak_settings_are_read(
+    monkeypatch: pytest.MonkeyPatch, given: str, soak: tuple[int, float | None]
+) -> None:
+    monkeypatch.setenv(SOAK_ENV, given)
+    assert _soak() == soak

@@ -480,9 +480,12 @@ def test_status_counts_are_bounded_and_say_so(
 ) -> None:
     fetch(
         db_dsn,
-        "INSERT INTO outbox (topic, payload, published_at, next_attempt_at, attempts) "
+        "INSERT INTO outbox (topic, payload, published_at, next_attempt_at, attempts, "
+        "created_at) "
         "SELECT 'orders', '{}', CASE WHEN i <= 30 THEN now() END, "
-        "CASE WHEN i > 45 THEN now() + interval '1 hour' END, CASE WHEN i > 45 THEN 1 ELSE 0 END "
+        "CASE WHEN i > 45 THEN now() + interval '1 hour' END, CASE WHEN i > 45 THEN 1 ELSE 0 END, "
+        # The oldest pending row (the first after the published ones) is an hour old.
+        "CASE WHEN i = 31 THEN now() - interval '1 hour' ELSE now() END "
         "FROM generate_series(1, 50) AS i",
     )
     seed(db_dsn, {"id": 1}, {"id": 2})
@@ -495,7 +498,7 @@ def test_status_counts_are_bounded_and_say_so(
         "published_kept": 30,
         "dead_lettered": 2,
     }
-    assert doc["oldest_pending_seconds"] >= 0
+    assert 3600 <= doc["oldest_pending_seconds"] < 3600 + 300, doc
     assert (doc["count_limit"], doc["capped"]) == (100_000, [])
     code, out, _ = cli(capsys, monkeypatch, db_dsn, "status", "--count-limit", "10")
     doc = json.loads(out)

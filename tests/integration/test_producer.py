@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import asyncpg
 import pytest
 from sqlalchemy import create_engine, text
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session
 from notify_outbox import EventValidationError, OutboxEvent, enqueue, enqueue_many
 from notify_outbox.sqlalchemy import enqueue as sa_enqueue
 from notify_outbox.sqlalchemy import enqueue_async as sa_enqueue_async
+from tests.faults.harness import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -101,25 +103,81 @@ async def test_bad_events_are_rejected_before_touching_the_database(
 
 async def test_same_key_writers_are_serialized_so_ids_follow_commit_order(db_dsn: str) -> None:
     """The BEFORE INSERT trigger locks the key before drawing the id: a second transaction
-    writing the same key waits for the first to finish; other keys do not wait."""
+    writing the same key waits for the first to finish; other keys do not wait. And the id is
+    drawn after that wait: a writer that took its default id first but reached the key's lock
+    last gets an id above the row committed before it (id order is commit order)."""
     first = await asyncpg.connect(db_dsn)
     second = await asyncpg.connect(db_dsn)
+    control = await asyncpg.connect(db_dsn)
     try:
         tx = first.transaction()
         await tx.start()
-        await first.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', '{}')")
+        first_k = await first.fetchval(
+            "INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', '{}') RETURNING id"
+        )
         await second.execute("SET lock_timeout = '200ms'")
         with pytest.raises(asyncpg.LockNotAvailableError):
             await second.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', '{}')")
         await second.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'j', '{}')")
         await tx.commit()
-        await second.execute("INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', '{}')")
-        ids = [r["id"] for r in await first.fetch("SELECT id FROM outbox WHERE key = 'k'")]
-        assert len(ids) == 2
-        assert ids == sorted(ids)
+        await second.execute("RESET lock_timeout")
+        second_k = await second.fetchval(
+            "INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', '{}') RETURNING id"
+        )
+
+        # A test trigger that fires before the ordering one (triggers fire in name order) holds
+        # rows whose payload says so on an advisory lock of the test's: such a row has drawn its
+        # default id but not reached the key's lock yet.
+        await control.execute(
+            "CREATE FUNCTION test_hold() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.payload ? 'hold' THEN PERFORM pg_advisory_xact_lock_shared(-4242, -4242); "
+            "END IF; RETURN NEW; END $$"
+        )
+        await control.execute(
+            "CREATE TRIGGER outbox_a_hold BEFORE INSERT ON outbox "
+            "FOR EACH ROW EXECUTE FUNCTION test_hold()"
+        )
+        await control.execute("SELECT pg_advisory_lock(-4242, -4242)")
+        late: list[int] = []
+        async with anyio.create_task_group() as tg:
+
+            async def held_writer() -> None:
+                late.append(
+                    await second.fetchval(
+                        "INSERT INTO outbox (topic, key, payload) "
+                        """VALUES ('t', 'm', '{"hold": true}') RETURNING id"""
+                    )
+                )
+
+            tg.start_soon(held_writer)
+
+            async def held() -> bool:
+                wait = await control.fetchval(
+                    "SELECT wait_event FROM pg_stat_activity WHERE pid = $1",
+                    second.get_server_pid(),
+                )
+                return bool(wait == "advisory")
+
+            await eventually(held, within=30, what="the held writer waits on the test's lock")
+            early = await first.fetchval(
+                "INSERT INTO outbox (topic, key, payload) VALUES ('t', 'm', '{}') RETURNING id"
+            )
+            await control.execute("SELECT pg_advisory_unlock(-4242, -4242)")
+        # Both committed, ``early`` first: in id order, ``early`` comes first too.
+        ids = [
+            r["id"]
+            for r in await control.fetch("SELECT id FROM outbox WHERE key = 'm' ORDER BY id")
+        ]
+        assert ids == [early, late[0]], "the later commit of key m got the lower id"
+        ids = [
+            r["id"]
+            for r in await control.fetch("SELECT id FROM outbox WHERE key = 'k' ORDER BY id")
+        ]
+        assert ids == [first_k, second_k]
     finally:
         await first.close()
         await second.close()
+        await control.close()
 
 
 def _sqlalchemy_url(dsn: str, driver: str) -> str:

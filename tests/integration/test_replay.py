@@ -135,8 +135,16 @@ async def test_replay_sends_kept_rows_again_as_the_same_records_in_key_order(
         half = len(events) // 2
         assert events[:half] == events[half:], f"key {key!r}: the replay changed the order"
     assert sum(len(v) for v in per_key.values()) == 2 * total
-    # ...and the first pass itself was in id order.
+    # ...and the first pass itself was in id order, per key.
     assert {header(r, "outbox-event-id") for r in first} == set(by_event)
+    id_of = {str(row[1]): row[0] for row in before}
+    first_ids: dict[bytes, list[int]] = defaultdict(list)
+    for r in sorted(first, key=lambda r: (r.partition, r.offset)):
+        assert r.key is not None
+        first_ids[r.key].append(id_of[header(r, "outbox-event-id") or ""])
+    assert len(first_ids) == 7
+    for key, ids in first_ids.items():
+        assert ids == sorted(ids), f"key {key!r}: the first pass was not in id order"
 
 
 @pytest.mark.anyio

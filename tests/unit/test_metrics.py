@@ -195,6 +195,20 @@ async def test_server_endpoints_and_bounded_stats_reads() -> None:
 
     relay = Relay(settings(), store=FakeStore(), publisher=FakePublisher())
     metrics = RelayMetrics(relay, stats=stats, stats_interval=60)
+    # Count the scrapes that reached the shared read (the server calls metrics.refresh()
+    # for each /metrics request), so that the test knows when all three are waiting on it.
+    refreshing = 0
+    all_refreshing = anyio.Event()
+    shared_refresh = metrics.refresh
+
+    async def counted_refresh() -> None:
+        nonlocal refreshing
+        refreshing += 1
+        if refreshing == 3:
+            all_refreshing.set()
+        await shared_refresh()
+
+    metrics.refresh = counted_refresh  # type: ignore[method-assign]
     server = MonitoringServer(metrics, "127.0.0.1", 0)
     await server.start()
     metrics.start(refresh=False)
@@ -212,7 +226,9 @@ async def test_server_endpoints_and_bounded_stats_reads() -> None:
 
                 for _ in range(3):
                     tg.start_soon(scrape)
-                await anyio.sleep(0.1)  # let all three arrive while the read is held
+                with anyio.fail_after(30):
+                    await all_refreshing.wait()  # all three wait while the read is held
+                assert reads == 1
                 release.set()
             assert reads == 1
             status, headers, text = results[0]

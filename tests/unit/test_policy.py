@@ -89,7 +89,13 @@ def test_backoff_doubles_with_jitter_caps_and_resets() -> None:
     assert b.next_delay() <= 0.1
 
 
-def test_an_outage_logs_its_start_and_end_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_outage_logs_its_start_and_end_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A clock of the test's own: the outage lasts exactly 12.5 s, and the duration returned
+    # and logged must be that (not merely some non-negative number).
+    now = [1000.0]
+    monkeypatch.setattr("notify_outbox.outage.time.monotonic", lambda: now[0])
     log = logging.getLogger("test.outage")
     outage = Outage("Kafka", log, remind_every=3600)
     with caplog.at_level(logging.INFO, logger="test.outage"):
@@ -97,14 +103,15 @@ def test_an_outage_logs_its_start_and_end_once(caplog: pytest.LogCaptureFixture)
         for _ in range(1000):
             assert outage.failed("broker down") is False
             outage.remind()
+            now[0] += 0.0125
         outage.held += 7
         duration = outage.recovered(pending=42)
         assert outage.recovered() is None
-    assert duration is not None
-    assert duration >= 0
+    assert duration == pytest.approx(12.5)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert lines[0] == "Kafka unavailable (broker down); rows stay pending"
+    assert "available again after 12.5s" in lines[1]
     assert "7 claimed rows were given back" in lines[1]
     assert "42 rows pending" in lines[1]
 

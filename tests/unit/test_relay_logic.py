@@ -126,7 +126,7 @@ async def test_shutdown_timeout_aborts_a_stuck_batch_and_keeps_rows_pending() ->
     task = asyncio.create_task(relay.run())
     await pub.entered.wait()
     relay.request_stop()
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):  # a generous deadline on the exit: load slows any process
         await task
     assert relay.outcome == "forced"
     assert len(store.pending()) == 1
@@ -140,7 +140,7 @@ async def test_cancelling_the_embedded_relay_rolls_back_the_batch() -> None:
     task = asyncio.create_task(Relay(settings(), store=store, publisher=pub).run())
     await pub.entered.wait()
     task.cancel()
-    with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
+    with anyio.fail_after(30), pytest.raises(asyncio.CancelledError):  # generous, as above
         await task
     assert len(store.pending()) == 1
     assert not store.locked
@@ -154,7 +154,7 @@ async def test_an_unexpected_error_stops_the_whole_relay() -> None:
         raise RuntimeError("bug")
 
     relay = Relay(settings(workers=3), store=store, publisher=FakePublisher(explode))
-    with anyio.fail_after(5), pytest.raises(ExceptionGroup) as info:
+    with anyio.fail_after(30), pytest.raises(ExceptionGroup) as info:  # generous, as above
         await relay.run()
     assert info.group_contains(RuntimeError, match="bug")
     assert relay.outcome == "failed"
