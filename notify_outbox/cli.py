@@ -278,6 +278,7 @@ def _install_signal_handlers(
     ``call_soon_threadsafe`` (which also wakes a loop blocked in its selector)."""
     undo: list[Callable[[], object]] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(sig)
         try:
             loop.add_signal_handler(sig, on_signal, sig)
         except NotImplementedError:
@@ -288,13 +289,24 @@ def _install_signal_handlers(
             restore = previous if previous is not None else signal.SIG_DFL
             undo.append(functools.partial(signal.signal, sig, restore))
         else:
-            undo.append(functools.partial(loop.remove_signal_handler, sig))
+            undo.append(functools.partial(_remove_loop_handler, loop, sig, before))
 
     def uninstall() -> None:
         for step in reversed(undo):
             step()
 
     return uninstall
+
+
+def _remove_loop_handler(
+    loop: asyncio.AbstractEventLoop, sig: int, previous: Callable[..., object] | int | None
+) -> None:
+    """Take the loop's handler off ``sig`` and put back the one before it: asyncio's own
+    removal installs the default (Python's KeyboardInterrupt for SIGINT), even where SIGINT
+    was ignored, as it is for a job started in the background by a non-interactive shell."""
+    loop.remove_signal_handler(sig)
+    if previous is not None:
+        signal.signal(sig, previous)
 
 
 async def _run_relay(settings: OutboxSettings) -> int:
