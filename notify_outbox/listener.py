@@ -241,8 +241,9 @@ class Listener:
             wait: float | None = None
             try:
                 with anyio.fail_after(s.db_command_timeout):
-                    # No statement cache: a few statements a minute do not need one, and a
-                    # pooler in between would break it.
+                    # No statement cache: a pooler in between would break it, and whether
+                    # there is one is known only once connected. The gate's statements,
+                    # the only frequent ones, are prepared on a direct session (_fetchval).
                     conn = await self._connect(
                         dsn,
                         statement_cache_size=0,

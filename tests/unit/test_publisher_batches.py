@@ -15,6 +15,7 @@ from aiokafka import errors as kafka_errors
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
+from notify_outbox.message import PublishResult
 from notify_outbox.publisher import KafkaPublisher, RowRejected, _next_wave, _Partitions, to_message
 from notify_outbox.store import OutboxRow
 from tests.fakes import fake_settings
@@ -76,6 +77,12 @@ def _records(batch: BatchBuilder) -> list[Any]:
     return list(DefaultRecordBatch(bytearray(batch._build())))
 
 
+async def _publish_into(
+    pub: KafkaPublisher, rows: list[OutboxRow], results: list[PublishResult]
+) -> None:
+    results.append(await pub.publish(rows))
+
+
 def publisher(producer: FakeProducer) -> KafkaPublisher:
     pub = KafkaPublisher(fake_settings())
     pub._producer = producer  # type: ignore[assignment]
@@ -120,14 +127,10 @@ async def test_a_keys_row_for_another_topic_waits_for_the_acks_of_the_wave_befor
     producer = FakeProducer()
     pub = publisher(producer)
     rows = [row(1, "k", "a"), row(2, "j", "a"), row(3, "k", "b"), row(4, "k", "a")]
+    results: list[PublishResult] = []
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            results: list[Any] = []
-
-            async def run() -> None:
-                results.append(await pub.publish(rows))
-
-            tg.start_soon(run)
+            tg.start_soon(_publish_into, pub, rows, results)
             await producer.handed.wait()
             await anyio.wait_all_tasks_blocked()  # it must not go on without the ack
             assert producer.sent == [("a", 0, [b"k", b"j"])]
@@ -145,14 +148,10 @@ async def test_a_failed_batch_holds_back_its_keys_rows_for_other_topics() -> Non
     producer = FakeProducer()
     pub = publisher(producer)
     rows = [row(1, "k", "a"), row(2, "k", "b"), row(3, "j", "b")]
+    results: list[PublishResult] = []
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            results: list[Any] = []
-
-            async def run() -> None:
-                results.append(await pub.publish(rows))
-
-            tg.start_soon(run)
+            tg.start_soon(_publish_into, pub, rows, results)
             await producer.handed.wait()
             while len(producer.sent) < 2:  # wave 1: k's row for a, and j's for b
                 producer.handed = anyio.Event()
