@@ -346,7 +346,9 @@ class KafkaPublisher:
                 result.unavailable = f"Kafka metadata unavailable: {_describe(e)}"
             todo: Sequence[OutboxRow] = rows
             while todo and result.unavailable is None:
-                wave, todo = _next_wave(todo, blocked)
+                # One topic, the common case: the whole claim is one wave (blocked keys are
+                # skipped while the wave is built).
+                wave, todo = (todo, ()) if len(topics) == 1 else _next_wave(todo, blocked)
                 # Filled as batches are handed over: a timeout that cuts the wave short
                 # must still find every batch sent, to park its ack (_classify).
                 unsettled = []
