@@ -28,6 +28,7 @@ from notify_outbox.inbox import (
     migrate_inbox,
 )
 from tests.conftest import Services
+from tests.integration.test_inbox import connect
 from tests.support import create_topics
 
 pytestmark = pytest.mark.anyio
@@ -53,15 +54,6 @@ def batch_of(n: int, ids: Sequence[str] | None = None) -> list[Msg]:
 
 def eid(m: Msg) -> str:
     return m.headers[0][1].decode()
-
-
-@contextlib.asynccontextmanager
-async def connect(dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 @pytest.fixture
