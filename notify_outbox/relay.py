@@ -24,7 +24,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -50,7 +50,7 @@ from .publisher import KafkaPublisher, Publisher, PublishResult
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
 from .store import ClaimedBatch, LowWaterMark, OutboxStore, PgOutboxStore
-from .wakeup import Doorbell
+from .wakeup import Doorbell, RetryTimers
 
 __all__ = ["Relay"]
 
@@ -155,7 +155,7 @@ class Relay:
         self._busy_workers = 0
         self.kafka_outage = Outage("Kafka", log)
         self.db_outage = Outage("PostgreSQL", log)
-        self._retry_wakes: dict[float, asyncio.TimerHandle] = {}
+        self._retry_timers = RetryTimers(lambda: self._wake("retry"))
         self._stop_deadline: float | None = None
         self._close_forced = False  # a graceful close had to abandon the producer or pool
         #: Whether NOTIFY_OUTBOX_DSN goes through a connection pooler (found at start).
@@ -359,8 +359,7 @@ class Relay:
                 services.cancel_scope.cancel()
             clean = not self._abort_scope.cancel_called
         finally:
-            for handle in self._retry_wakes.values():
-                handle.cancel()
+            self._retry_timers.cancel()
             self.gate.close()
             # Cancelled, aborted or failed: tear down at once (rows in flight stay pending).
             with anyio.CancelScope(shield=True):
@@ -475,20 +474,11 @@ class Relay:
         else:
             self._doorbell.ring()
 
-    def _wake_for_retry(self, delay: float) -> None:
+    def _wake_for_retry(self, delay: float, rows: Iterable[int] | None = None) -> None:
         """Wake a worker when a row's retry becomes due (otherwise only the fallback poll
-        would notice). Deadlines are rounded up to 50 ms so a burst of failures shares one
-        timer; a little late never hurts, early would find the row not yet due."""
-        loop = asyncio.get_running_loop()
-        at = -(-(loop.time() + delay + 0.01) // 0.05) * 0.05
-        if at in self._retry_wakes or self._stopping:
-            return
-
-        def fire() -> None:
-            self._retry_wakes.pop(at, None)
-            self._wake("retry")
-
-        self._retry_wakes[at] = loop.call_at(at, fire)
+        would notice); ``rows``: the rows due then (``wakeup.RetryTimers``)."""
+        if not self._stopping:
+            self._retry_timers.after(delay, rows)
 
     async def _poller(self) -> None:
         assert self._store is not None
@@ -501,7 +491,7 @@ class Relay:
                 # The safety net failing is worth a line (once per outage).
                 self.db_outage.failed(redact(str(e) or type(e).__name__, self.settings))
                 continue
-            if retry_in is not None:
+            if retry_in is not None and not self._retry_timers.near(retry_in):
                 self._wake_for_retry(retry_in)  # e.g. retries scheduled by a relay that died
             if due:
                 self._wake("poll")
@@ -675,6 +665,10 @@ class Relay:
                 # table: the next chunk waits for the next claim, now rather than at a poll.
                 return 0, batch.parked
             self.events.emit("claimed", len(rows))
+            if self._retry_timers.tracking:
+                # Retries claimed before their own timer fired: that timer would wake a
+                # worker into an empty claim.
+                self._retry_timers.claimed(r.id for r in rows if r.attempts)
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
             result = await self._publish_kept_alive(batch)
@@ -689,7 +683,8 @@ class Relay:
         self.events.emit("published", len(outcome.published))
         if outcome.retry:
             self.events.emit("retried", len(outcome.retry))
-            self._wake_for_retry(min(delay for _, _, delay in outcome.retry))
+            for row_id, _, delay in outcome.retry:
+                self._wake_for_retry(delay, (row_id,))
         if outcome.dead:
             self.events.emit("dead_lettered", len(outcome.dead))
         self.events.report_batch(rows, outcome, result.unavailable)

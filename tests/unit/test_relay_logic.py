@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
-from notify_outbox.store import ClaimedBatch
+from notify_outbox.store import ClaimedBatch, OutboxRow
 from tests.fakes import FakePublisher, FakeStore, fake_settings
 
 pytestmark = pytest.mark.anyio
@@ -277,3 +277,48 @@ async def test_a_read_only_server_is_retried_at_the_reconnect_cadence(
     assert len(lines) == 1, lines
     assert "read-only server, reconnecting" in lines[0]
     assert any("PostgreSQL available again" in r.getMessage() for r in caplog.records)
+
+
+async def test_each_retry_is_claimed_on_its_own_schedule_with_no_empty_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rows of one batch fail with different retry delays (the jitter): each is claimed when
+    # it comes due, not at the next fallback poll (an hour away); and a retry claimed early
+    # (with an earlier one) cancels its own timer, so no claim comes back empty.
+    jitters = iter([1.0, 0.1, 1.0, 0.5, 1.0, 0.5] + [1.0] * 100)
+    monkeypatch.setattr("notify_outbox.relay._jitter", lambda: next(jitters))
+    store = FakeStore(clock=time.monotonic)
+    rows = [store.add(key=f"k{i}") for i in range(3)]
+    fails = dict.fromkeys(rows, 2)
+
+    def behaviour(row: OutboxRow) -> tuple[str, str] | None:
+        row_id = row.id
+        if fails[row_id] > 0:
+            fails[row_id] -= 1
+            return ("fail", "not yet")
+        return None
+
+    pub = FakePublisher(behaviour)
+    s = settings(workers=1, poll_interval=3600.0, retry_base_delay=0.2, retry_max_delay=0.2)
+    # What each retry wake-up led to: the next claim's result (one worker, so it is that
+    # wake-up's claim). The fake store cannot say whether more is due after a claim, so the
+    # relay also claims once more after each batch; those claims are not counted.
+    after_retry: list[str] = []
+    woken = {"retry": False}
+
+    def hook(name: str, amount: int) -> None:
+        if name == "wake:retry":
+            woken["retry"] = True
+        elif name in ("claimed", "claimed_none") and woken["retry"]:
+            woken["retry"] = False
+            after_retry.append(name)
+
+    async with Relay(s, store=store, publisher=pub) as relay:
+        relay.events.add_hook(hook)
+        with anyio.fail_after(10):
+            while not all(store.rows[r].published for r in rows):
+                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+    assert all(store.rows[r].errors == ["not yet", "not yet"] for r in rows)
+    assert relay.events.counts["wake:poll"] == 0
+    assert after_retry
+    assert set(after_retry) == {"claimed"}, after_retry
