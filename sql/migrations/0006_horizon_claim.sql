@@ -75,6 +75,17 @@
 --    release. The gate G and the sleep protocol are unchanged (the relay releases every epoch
 --    lock it holds in the statement that took G).
 --
+-- 4. One bucket at a time, whatever the statistics say.
+--    The claim reads one key bucket at a time in the bucket index's order. With the bucket
+--    written as `bucket = b`, the fresh index (by id) can serve the same order, filtering on
+--    the bucket: cheap only if the bucket's rows are spread evenly. An outbox is analyzed while
+--    it is nearly empty (or never, when a backlog comes soon after it was created), so the
+--    planner takes every index as tiny, and chose that plan: with 100,000 fresh rows of 5
+--    failing keys, the look for each other bucket's first row read all of them, 256 times per
+--    claim (6-8 s per claim). Each bucket is therefore written as a range of the bucket index,
+--    `(bucket, id) >= (b, floor) AND bucket <= b`, which no other index returns in that order
+--    without a sort, and sorts are disabled for those statements.
+--
 -- Upgrading: apply this migration while relays of 0005 run, then restart them one by one. The
 -- claim of 0005 stays (same name, two arguments) and keeps working: claims of both kinds own
 -- the same key buckets, an old claim treats a parked row as a failed one (its key waits), and
@@ -199,7 +210,8 @@ RETURNS TABLE (id bigint, event_id uuid, topic text, key text, payload text, pay
 -- a sequential scan would read every one of them at every call. Generic plans: planning a
 -- statement for its values looks up the column's actual extremes in the index (when a value is
 -- beyond the statistics), and under a held snapshot that look-up walks every dead entry.
-LANGUAGE plpgsql SET jit = off SET enable_seqscan = off SET plan_cache_mode = force_generic_plan
+LANGUAGE plpgsql SET jit = off SET enable_seqscan = off SET enable_sort = on
+    SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -320,6 +332,8 @@ BEGIN
     -- their key, and the batch is not full, every other bucket that has fresh rows, in order
     -- of its first one: a failing key at the head of the queue does not hide the others.
     buckets := heads;
+    -- Every statement of this loop reads one bucket in the bucket index's order (see 4).
+    PERFORM set_config('enable_sort', 'off', true);
     LOOP
         FOREACH b IN ARRAY buckets LOOP
             EXIT WHEN cardinality(taken) >= batch;
@@ -339,14 +353,17 @@ BEGIN
                           AND w.next_attempt_at IS NOT NULL AND w.id < o.id
                         ORDER BY w.key, w.id LIMIT 1) IS NOT NULL AS held
                 FROM @table@ AS o
-                WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
-                            ELSE hashtext(o.key) & 255 END) = b
+                -- The bucket b from the floor on, as a range of the bucket index (see 4).
+                WHERE ((CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                             ELSE hashtext(o.key) & 255 END), o.id)
+                      -- outbox_floor(mark, xids, lows), written out: a SQL function with a
+                      -- FROM is never inlined, and its body is planned again at every statement.
+                      >= (b, least(mark, (
+                            SELECT min(u.lo) FROM unnest(xids, lows) AS u(x, lo)
+                            WHERE pg_visible_in_snapshot(u.x::text::xid8, pg_current_snapshot()))))
+                  AND (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                            ELSE hashtext(o.key) & 255 END) <= b
                   AND o.published_at IS NULL AND o.next_attempt_at IS NULL
-                  -- outbox_floor(mark, xids, lows), written out: a SQL function with a FROM
-                  -- is never inlined, and its body is planned again at every statement.
-                  AND o.id >= least(mark, (
-                        SELECT min(u.lo) FROM unnest(xids, lows) AS u(x, lo)
-                        WHERE pg_visible_in_snapshot(u.x::text::xid8, pg_current_snapshot())))
                 -- The bucket index's own order (the bucket is fixed): whatever the statistics
                 -- say, no other index can return the rows in this order without reading all.
                 ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
@@ -372,10 +389,11 @@ BEGIN
             IF cardinality(taken) < batch THEN
                 taken := taken || ARRAY(
                     SELECT o.id FROM @table@ AS o
-                    WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
-                                ELSE hashtext(o.key) & 255 END) = b
+                    WHERE ((CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                 ELSE hashtext(o.key) & 255 END), o.id) > (b, past)
+                      AND (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                ELSE hashtext(o.key) & 255 END) <= b
                       AND o.published_at IS NULL AND o.next_attempt_at IS NULL
-                      AND o.id > past
                       AND (o.key IS NULL OR o.key <> ALL(held_keys))
                       AND (SELECT w.id FROM @table@ AS w
                            WHERE w.key = o.key AND w.published_at IS NULL
@@ -395,10 +413,12 @@ BEGIN
             UPDATE @table@ AS o SET next_attempt_at = 'infinity'
             WHERE o.id = ANY(ARRAY(
                     SELECT h.id FROM @table@ AS h
-                    WHERE (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
-                                ELSE hashtext(h.key) & 255 END) = b
+                    WHERE ((CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
+                                 ELSE hashtext(h.key) & 255 END), h.id)
+                          >= (b, @schema@.@prefix@_floor(mark, xids, lows))
+                      AND (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
+                                ELSE hashtext(h.key) & 255 END) <= b
                       AND h.published_at IS NULL AND h.next_attempt_at IS NULL
-                      AND h.id >= @schema@.@prefix@_floor(mark, xids, lows)
                       AND h.key = ANY(held_keys) AND @schema@.@prefix@_held(h.key, h.id)
                     ORDER BY (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
                                    ELSE hashtext(h.key) & 255 END), h.id
@@ -418,10 +438,12 @@ BEGIN
         SELECT ARRAY(
             SELECT x.b FROM generate_series(0, 255) AS x(b),
                  LATERAL (SELECT o.id FROM @table@ AS o
-                          WHERE (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
-                                      ELSE hashtext(o.key) & 255 END) = x.b
+                          WHERE ((CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                       ELSE hashtext(o.key) & 255 END), o.id)
+                                >= (x.b, (SELECT f.lo FROM f))
+                            AND (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                                      ELSE hashtext(o.key) & 255 END) <= x.b
                             AND o.published_at IS NULL AND o.next_attempt_at IS NULL
-                            AND o.id >= (SELECT f.lo FROM f)
                           ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
                                          ELSE hashtext(o.key) & 255 END), o.id
                           LIMIT 1) AS first
@@ -429,6 +451,7 @@ BEGIN
             ORDER BY first.id)
         INTO buckets;
     END LOOP;
+    PERFORM set_config('enable_sort', 'on', true);
     changed := changed OR parked > 0;
 
     RETURN QUERY
