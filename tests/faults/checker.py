@@ -270,6 +270,32 @@ class Producer:
             await event.commit()
         return event.event_id
 
+    async def prepare(self, key: str | None, gid: str) -> PreparedEvent:
+        """Insert one event in a new transaction and ``PREPARE TRANSACTION`` it (two-phase
+        commit): the session is free again, the transaction lives on in the server until
+        ``COMMIT PREPARED`` or ``ROLLBACK PREPARED`` (the returned handle, from any session).
+        Its transaction id and row id are read before the PREPARE."""
+        assert self.conn is not None
+        conn = self.conn
+        event_id = str(uuid.uuid4())
+        attempt = self.ledger.attempts[event_id] = Attempt(self.topic, key)
+        await conn.execute("BEGIN")
+        try:
+            await self._insert(conn, event_id, key)
+            row_id, xid = await conn.fetchrow(
+                "SELECT id, pg_current_xact_id()::text::bigint FROM outbox WHERE event_id = $1",
+                event_id,
+            )
+            # Its fate is settled by the second phase; until then a check must not run.
+            attempt.outcome = "uncertain"
+            await conn.execute(f"PREPARE TRANSACTION '{gid}'")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.execute("ROLLBACK")
+            attempt.outcome = "failed"
+            raise
+        return PreparedEvent(event_id, gid, int(row_id), int(xid), attempt)
+
     async def many(self, keys: Sequence[str | None]) -> list[str]:
         """Many events in one transaction, one INSERT statement each (their identical
         NOTIFYs fold into one at commit)."""
@@ -340,6 +366,25 @@ class OpenEvent:
         await self.tx.rollback()
         for a in self.attempts:
             a.outcome = "rolled_back"
+
+
+@dataclass
+class PreparedEvent:
+    """An event of a PREPAREd transaction (``Producer.prepare``)."""
+
+    event_id: str
+    gid: str
+    row_id: int
+    xid: int  # the transaction's full id (xid8), as the relay's low-water mark lists it
+    attempt: Attempt
+
+    async def commit(self, conn: asyncpg.Connection) -> None:
+        await conn.execute(f"COMMIT PREPARED '{self.gid}'")
+        self.attempt.outcome = "committed"
+
+    async def rollback(self, conn: asyncpg.Connection) -> None:
+        await conn.execute(f"ROLLBACK PREPARED '{self.gid}'")
+        self.attempt.outcome = "rolled_back"
 
 
 @dataclass
