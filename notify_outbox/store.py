@@ -247,6 +247,16 @@ class _PgBatch:
         self._more_due = True if full else status != "SELECT 0"
 
 
+# Errors after which a claim's connection is suspect (a timed-out statement on a socket that
+# may be silently dead, a protocol left mid-operation): the claim ends the session instead of
+# rolling back on it.
+_BROKEN: tuple[type[Exception], ...] = (
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
+
+
 async def _rollback(conn: asyncpg.Connection) -> None:
     """Roll a failed claim back; if even that fails, end the session (which rolls back)."""
     if conn.is_closed() or not conn.is_in_transaction():
@@ -254,7 +264,10 @@ async def _rollback(conn: asyncpg.Connection) -> None:
     try:
         await conn.execute("ROLLBACK")
     except Exception:
-        await terminate(conn)
+        # asyncpg may have ended the connection itself (and handed it back to the pool):
+        # the error to report is the claim's, not terminate()'s complaint about that.
+        with contextlib.suppress(asyncpg.InterfaceError):
+            await terminate(conn)
 
 
 class PgOutboxStore:
@@ -319,12 +332,17 @@ class PgOutboxStore:
                 )
                 try:
                     yield batch
+                except _BROKEN:
+                    # Ended below without a ROLLBACK: after a timeout, asyncpg sends the
+                    # ROLLBACK only once the server acknowledged its cancel request, which a
+                    # silent socket never does (a second db_command_timeout of waiting).
+                    raise
                 except Exception:
                     await _rollback(conn)
                     raise
                 if not batch.committed:  # the caller did not complete it: rows unchanged
                     await conn.execute("COMMIT" if changed else "ROLLBACK")
-            except (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
+            except _BROKEN:
                 # The connection may be left mid-protocol (the pool's release no longer runs a
                 # reset query that would have caught it): never hand it out again. (When the
                 # server already ended it, the pool may have let go of it: nothing to end.)

@@ -477,6 +477,15 @@ class SilentProxy:
 
         asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
 
+    def upstream_ports(self) -> list[int]:
+        """The upstream local ports of every connection proxied so far (PostgreSQL's
+        ``client_port``): which server sessions are the proxied client's."""
+
+        async def run() -> list[int]:
+            return list(self._links)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
     def silence_next(self, match: bytes) -> None:
         """Make the next connection whose start-up packet contains ``match`` (such as an
         ``application_name``) go silent as soon as its start-up completes: the client's

@@ -1,0 +1,295 @@
+"""A relay that stops answering while it holds a claim.
+
+Scenarios: 30 a relay frozen (SIGSTOP) right after a claim; 31 a relay whose worker
+connections go silent (the proxy swallows every byte, nothing is closed) right after a claim.
+
+In both, PostgreSQL ends the claim after ``claim_idle_timeout`` (``SET LOCAL
+idle_in_transaction_session_timeout`` in the claim's ``BEGIN``), another relay delivers its
+rows without waiting for the fallback poll (300 s here), and relay A, once it runs again,
+finds its claim gone, claims anew and keeps delivering. Only the rows of A's claim may be
+sent twice.
+
+Relay A stops itself at the claim (``NOTIFY_OUTBOX_TEST_STOP_AT=after_claim``, one worker):
+the moment is exact, not timing luck. A reaches PostgreSQL through a ``SilentProxy`` (its
+listener directly, ``NOTIFY_OUTBOX_LISTEN_DSN``), so the server sessions of A's workers are
+known by their ``client_port``, and the rows of its claim by their ``xmax``.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import anyio
+import asyncpg
+import pytest
+
+from tests.conftest import Services
+from tests.faults.checker import FIGURES, OutboxChecker
+from tests.faults.harness import (
+    FaultRelay,
+    KafkaTail,
+    SilentProxy,
+    connect,
+    dsn_with_port,
+    eventually,
+    idle_latency,
+    log_time,
+    relays,
+    task_group,
+)
+
+pytestmark = pytest.mark.anyio
+
+CLAIM_IDLE = 2.0  # claim_idle_timeout of both relays (s)
+# Room for a loaded machine above what the relays promise. Without the server's timeout the
+# frozen claim holds its rows for as long as A does not run: far beyond this.
+MARGIN = 10.0
+
+ENV = {
+    "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT": str(CLAIM_IDLE),
+    # Nothing here may be rescued by the fallback poll.
+    "NOTIFY_OUTBOX_POLL_INTERVAL": "300",
+    "NOTIFY_OUTBOX_BATCH_SIZE": "20",
+}
+
+# The claim of each proxied (relay A's) worker session inside a transaction: the rows it
+# locked (FOR UPDATE stamps them with its xid) and when it went idle (server clock, the same
+# host as the test's).
+_CLAIMS = """
+SELECT a.pid, a.state, extract(epoch FROM a.state_change)::float8 AS since,
+       array(SELECT o.event_id::text FROM outbox o
+             WHERE o.xmax = a.backend_xid AND o.published_at IS NULL) AS held
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.client_port = ANY($1::int[])
+  AND a.xact_start IS NOT NULL
+"""
+
+
+@dataclass(frozen=True)
+class Claim:
+    pid: int
+    since: float  # epoch seconds when the session went idle in its transaction
+    held: frozenset[str]  # event ids of the rows it locked
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def _frozen(relay: FaultRelay) -> bool:
+    return _stopped(relay.proc.pid)
+
+
+async def _frozen_claim(watch: asyncpg.Connection, proxy: SilentProxy) -> Claim:
+    """Relay A's one claim, A being stopped in it: its session idle in its transaction."""
+    rows: list[asyncpg.Record] = []
+
+    async def settled() -> bool:
+        nonlocal rows
+        rows = await watch.fetch(_CLAIMS, proxy.upstream_ports())
+        return bool(rows) and all(r["state"] == "idle in transaction" for r in rows)
+
+    await eventually(
+        settled,
+        within=CLAIM_IDLE / 2,
+        what="relay A's session is idle inside its claim (if PostgreSQL already ended it, the "
+        "host is too slow for this test's claim_idle_timeout)",
+        details=lambda: str([dict(r) for r in rows]),
+    )
+    assert len(rows) == 1, f"one worker, one claim: {[dict(r) for r in rows]}"
+    (row,) = rows
+    assert row["held"], "relay A stopped after a claim that locked no row"
+    return Claim(row["pid"], row["since"], frozenset(row["held"]))
+
+
+async def _ended(watch: asyncpg.Connection, pid: int) -> bool:
+    return not await watch.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid)
+
+
+def _wall(monotonic: float) -> float:
+    """A ``time.monotonic()`` reading (KafkaTail's arrivals) as epoch seconds."""
+    return time.time() - (time.monotonic() - monotonic)
+
+
+def _relay_a(proxy: SilentProxy, db_dsn: str, services: Services, **env: str) -> FaultRelay:
+    return FaultRelay(
+        dsn_with_port(db_dsn, "127.0.0.1", proxy.port),
+        services.bootstrap,
+        env={
+            **ENV,
+            "NOTIFY_OUTBOX_WORKERS": "1",  # at the stop, the claim is the one thing in flight
+            "NOTIFY_OUTBOX_TEST_STOP_AT": "after_claim",
+            "NOTIFY_OUTBOX_LISTEN_DSN": db_dsn,
+            **env,
+        },
+        name="relay-a",
+    )
+
+
+def _proxy(db_dsn: str) -> SilentProxy:
+    parts = urlsplit(db_dsn)
+    return SilentProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+
+
+async def _settled(watch: asyncpg.Connection, claim: Claim) -> bool:
+    """Whether every row of the claim was published and deleted (keep_published 0)."""
+    left = await watch.fetchval(
+        "SELECT count(*) FROM outbox WHERE event_id::text = ANY($1::text[])", list(claim.held)
+    )
+    return not left
+
+
+async def _released(watch: asyncpg.Connection, claim: Claim, label: str) -> None:
+    """PostgreSQL ends A's claim about ``CLAIM_IDLE`` after it went idle, and relay B
+    publishes and deletes its rows soon after (B's claims saw A's buckets busy and look again
+    1.1 x ``claim_idle_timeout`` later): both timed from the moment the claim went idle."""
+    await eventually(
+        lambda: _ended(watch, claim.pid),
+        within=CLAIM_IDLE + MARGIN,
+        what="PostgreSQL ended relay A's claim (idle_in_transaction_session_timeout)",
+    )
+    ended = time.time() - claim.since
+    await eventually(
+        lambda: _settled(watch, claim),
+        within=CLAIM_IDLE + MARGIN,
+        what="another relay published (and deleted) the rows of relay A's claim",
+    )
+    settled = time.time() - claim.since
+    FIGURES.recovery(f"{label}: claim ended by PostgreSQL", ended)
+    FIGURES.recovery(f"{label}: its rows settled by another relay", settled)
+    print(
+        f"{label}: claim of {len(claim.held)} rows ended {ended:.2f}s after it went idle "
+        f"(claim_idle_timeout {CLAIM_IDLE}s); its rows settled by relay B after {settled:.2f}s"
+    )
+    assert ended <= CLAIM_IDLE + MARGIN, f"the claim held its rows {ended:.1f}s"
+    assert settled <= CLAIM_IDLE + MARGIN, f"its rows were settled after {settled:.1f}s"
+
+
+async def test_30_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Relay A freezes right after a claim while writers run. The writers stop (so only the
+    relays' own wake-ups are left); PostgreSQL ends A's claim after claim_idle_timeout, and
+    relay B delivers its rows, A still frozen. Resumed among new writers, A sends its stale
+    batch (duplicates of what B sent: allowed for exactly those rows), finds its claim ended,
+    says so once, and claims again; alone after B stops, it still delivers at once."""
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "30 frozen claim").setup()
+    before = checker.writers(writers=2, keys=10, pause=0.01)
+    after = checker.writers(writers=2, keys=10, pause=0.01, seed=1, max_events=100)
+    with _proxy(db_dsn) as proxy:
+        a = _relay_a(proxy, db_dsn, services)
+        b = FaultRelay(db_dsn, services.bootstrap, env=ENV, name="relay-b")
+        async with (
+            relays(a, b),
+            KafkaTail(services.bootstrap, [topic]) as tail,
+            task_group() as tg,
+            checker.producer() as p,
+            connect(db_dsn) as watch,
+        ):
+            await a.ready()
+            await b.ready()
+            # A burst first: A's claim takes a batch of keys (heads and followers), and those
+            # keys' later rows must wait behind it.
+            await p.bulk([f"key-{i % 10}" for i in range(200)])
+            tg.start_soon(before.run)
+            await eventually(lambda: _frozen(a), within=60, what="relay A froze in a claim")
+            claim = await _frozen_claim(watch, proxy)
+            await before.halt()
+            await _released(watch, claim, "30 frozen relay")
+            # A is frozen: the first copies in Kafka are B's.
+            arrived = await tail.wait_for(claim.held, within=MARGIN, what="A's claimed rows")
+            delivered = _wall(arrived) - claim.since
+            print(f"30: relay B's copies of them in Kafka {delivered:.2f}s after it went idle")
+            assert delivered <= CLAIM_IDLE + MARGIN
+            assert _stopped(a.proc.pid), "relay A woke up: the test proves nothing"
+            tg.start_soon(after.run)
+            a.signal(signal.SIGCONT)
+            # Its claim's session is gone: A's next statement on it fails; it says so once,
+            # then claims on a new connection.
+            await a.line("PostgreSQL unavailable", within=30)
+            await a.line("PostgreSQL available again", within=30)
+            with anyio.fail_after(60):
+                await after.finished.wait()
+            await b.stop_ok()
+            latency = await idle_latency(
+                db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, resumed"
+            )
+            print(f"30: relay A alone, resumed: an event on the idle relay in {latency:.2f}s")
+            checker.allow_duplicate_ids(claim.held, "relay A's frozen claim, sent after it ended")
+            report = await checker.drain_and_check(within=60)
+            await a.stop_ok()
+    print(report.text())
+    report.assert_ok()
+
+
+async def test_31_a_relay_cut_off_from_postgresql_mid_claim(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Relay A's worker connections go silent while it holds a claim (writers running): the
+    proxy swallows every byte both ways and closes nothing, like a dead NAT entry, so neither
+    side hears of it from TCP. PostgreSQL still ends A's claim after claim_idle_timeout (what
+    A sends to finish it never arrives), relay B delivers its rows, and A gives the dead
+    socket up within db_command_timeout (its statement deadline, plus a second for the cancel
+    request), says so once, claims again on a new connection and delivers alone."""
+    command_timeout = 5.0
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "31 cut off").setup()
+    load = checker.writers(writers=2, keys=10, pause=0.01)
+    env = {"NOTIFY_OUTBOX_DB_COMMAND_TIMEOUT": str(command_timeout)}
+    with _proxy(db_dsn) as proxy:
+        a = _relay_a(proxy, db_dsn, services, **env)
+        b = FaultRelay(db_dsn, services.bootstrap, env={**ENV, **env}, name="relay-b")
+        async with (
+            relays(a, b),
+            KafkaTail(services.bootstrap, [topic]) as tail,
+            task_group() as tg,
+            checker.producer() as p,
+            connect(db_dsn) as watch,
+        ):
+            await a.ready()
+            await b.ready()
+            await p.bulk([f"key-{i % 10}" for i in range(200)])
+            tg.start_soon(load.run)
+            await eventually(lambda: _frozen(a), within=60, what="relay A stopped in a claim")
+            claim = await _frozen_claim(watch, proxy)
+            # Every connection of A's pool, the claim's among them, goes silent while A is
+            # stopped: nothing A sends from now on reaches PostgreSQL.
+            silenced = proxy.upstream_ports()
+            for port in silenced:
+                proxy.silence(port)
+            cut = time.time()
+            a.signal(signal.SIGCONT)
+            # A resumes and sends its batch to Kafka at once; what it sends to PostgreSQL to
+            # mark it never arrives. The server's timeout still ends the claim, and B settles
+            # the rows (sending them again).
+            await _released(watch, claim, "31 relay cut off")
+            # Promised: a statement on the silent socket times out after db_command_timeout,
+            # and ending the connection waits at most 1 s for asyncpg's cancel request. The
+            # slack is for a loaded host, below the second timeout a ROLLBACK on the dead
+            # socket would add.
+            bound = command_timeout + 1 + 3
+            line = await a.line("PostgreSQL unavailable", within=bound + MARGIN)
+            detected = log_time(line) - cut
+            FIGURES.recovery("31 relay cut off: dead socket given up", detected)
+            print(f"31: relay A gave its silent claim connection up after {detected:.2f}s: {line}")
+            assert detected <= bound, f"relay A gave the dead socket up after {detected:.1f}s"
+            await a.line("PostgreSQL available again", within=30)
+            # No session of A's is left holding rows (the idle ones stay, unreachable).
+            assert not await watch.fetch(_CLAIMS, silenced)
+            await load.halt()
+            await b.stop_ok()
+            latency = await idle_latency(
+                db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, reconnected"
+            )
+            print(f"31: relay A alone, reconnected: an event on the idle relay in {latency:.2f}s")
+            checker.allow_duplicate_ids(claim.held, "relay A's cut-off claim, sent after it ended")
+            report = await checker.drain_and_check(within=60)
+            await a.stop_ok()
+    print(f"31: {len(silenced)} connection(s) of relay A silenced")
+    print(report.text())
+    report.assert_ok()
