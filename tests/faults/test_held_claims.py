@@ -171,7 +171,7 @@ async def _released(watch: asyncpg.Connection, claim: Claim, label: str) -> None
     assert settled <= CLAIM_IDLE + MARGIN, f"its rows were settled after {settled:.1f}s"
 
 
-async def test_30_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
+async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
     db_dsn: str, services: Services, topic: str
 ) -> None:
     """Relay A freezes right after a claim while writers run. The writers stop (so only the
@@ -228,7 +228,7 @@ async def test_30_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
     report.assert_ok()
 
 
-async def test_31_a_relay_cut_off_from_postgresql_mid_claim(
+async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
     db_dsn: str, services: Services, topic: str
 ) -> None:
     """Relay A's worker connections go silent while it holds a claim (writers running): the
