@@ -13,7 +13,7 @@ from bench.drain import drain_problems, summarize_drain
 from bench.failing_head import failing_head_problems, summarize_failing_head
 from bench.held_snapshot import held_snapshot_problems, summarize_held_snapshot, window_table
 from bench.recovery import recovery_problems, summarize_recovery
-from bench.report import _f, _table, environment_lines
+from bench.report import _f, _table, environment_lines, profile_lines
 from bench.stalled_relay import stalled_relay_problems, summarize_stalled_relay
 
 __all__ = ["compact_table", "write_phase_report"]
@@ -105,19 +105,8 @@ def _profile_lines(result: dict[str, Any]) -> list[str]:
     """Per profiled cell (``--profile``), the functions with the most own time."""
     lines: list[str] = []
     for c in result.get("cells", []):
-        prof = c.get("profile")
-        if not prof or not prof.get("samples"):
-            continue
-        lines += [
-            "",
-            f"## Profile: {c['mix']}, {c['mode']} (py-spy, {prof['samples']:,} samples, "
-            f"`{prof['file']}`)",
-            "",
-        ]
-        lines += _table(
-            ["function (own time)", "share"],
-            [[f"`{t['function']}`", f"{100 * t['share']:.1f}%"] for t in prof["top"]],
-        )
+        if c.get("profile"):
+            lines += profile_lines(f"{c['mix']}, {c['mode']}", c["profile"])
     return lines
 
 

@@ -269,6 +269,17 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def profile_lines(title: str, prof: dict[str, Any]) -> list[str]:
+    """A profiled cell's functions with the most own time (``bench.profile.top_self``)."""
+    if not prof.get("samples"):
+        return []
+    lines = ["", f"## Profile: {title} (py-spy, {prof['samples']:,} samples, `{prof['file']}`)", ""]
+    return lines + _table(
+        ["function (own time)", "share"],
+        [[f"`{t['function']}`", f"{100 * t['share']:.1f}%"] for t in prof["top"]],
+    )
+
+
 def environment_lines(result: dict[str, Any]) -> list[str]:
     """The markdown bullets describing the machine, services, revision and noise of a run."""
     env = result.get("environment", {})
@@ -444,6 +455,15 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "",
         "The Kafka send time is the record's CreateTime, stamped by the publishing producer "
         "at `send()` with millisecond resolution.",
+    ]
+    for c in result.get("latency_cells", []):
+        if c.get("profile"):
+            lines += profile_lines(
+                f"{c['mode']} at {c['load']:g} ev/s, {c['arrival']}/{c['producer']} "
+                f"(relay CPU {_f(c.get('mode_cpu_us_per_event'), 0)} µs per event)",
+                c["profile"],
+            )
+    lines += [
         "",
         "## Producer overhead (single-row INSERT transactions, as fast as possible)",
         "",

@@ -9,7 +9,6 @@ import json
 import math
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
+from bench.profile import start_profiler, stop_profiler, top_self
 from bench.services import (
     Services,
     db_counters,
@@ -73,6 +73,7 @@ class Runner:
             }
         )
         self._cell_no = 0
+        self._profile_out = Path()  # the raw profile of the cell being profiled
         self._dir_no = 0  # numbers the pgbench and closed-loop working directories
 
     # --- the run ------------------------------------------------------------------------------
@@ -343,8 +344,10 @@ class Runner:
         reply = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
         cpu_used = process.cpu() - cpu0
         host1 = envinfo.cpu_times()
+        profile_summary: dict[str, Any] | None = None
         if profiler is not None:
-            await self._stop_profiler(profiler)
+            await stop_profiler(profiler)
+            profile_summary = {"file": self._profile_out.name, **top_self(self._profile_out)}
         analysis = analyse_cell(
             load_arrays(gen_path),
             load_arrays(got_path),
@@ -380,6 +383,8 @@ class Runner:
             "residual_rows": residual,
             **analysis,
         }
+        if profile_summary is not None:
+            cell["profile"] = profile_summary
         self.result["latency_cells"].append(cell)
         lat = cell["latency"]["e2e"]
         ack = cell["latency"]["ack_to_recv"]
@@ -412,38 +417,13 @@ class Runner:
             await asyncio.sleep(0.1)
 
     async def _start_profiler(self, process: Child, n: int) -> asyncio.subprocess.Process | None:
-        spy = shutil.which("py-spy") or shutil.which(
-            "py-spy", path=str(Path(sys.executable).parent)
-        )
-        if spy is None:
+        out = self._run.out_dir / f"{self.run_id}-profile-{slug(process.name)}-cell{n}.txt"
+        proc = await start_profiler(process.pid, out)
+        if proc is None:
             self.result["notes"].append("profile asked, but py-spy is not installed")
-            return None
-        out = self._run.out_dir / f"{self.run_id}-profile-{process.name}-cell{n}"
-        self._run.out_dir.mkdir(parents=True, exist_ok=True)
-        self.result.setdefault("profiles", []).append(str(out) + ".txt")
-        return await asyncio.create_subprocess_exec(
-            spy,
-            "record",
-            "--pid",
-            str(process.pid),
-            "--rate",
-            "200",
-            "--format",
-            "raw",
-            "--output",
-            str(out) + ".txt",
-            "--duration",
-            str(int(self.cfg.warmup + self.cfg.duration + 5)),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-
-    async def _stop_profiler(self, proc: asyncio.subprocess.Process) -> None:
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        else:
+            self._profile_out = out
+        return proc
 
     # --- producer overhead --------------------------------------------------------------------
 

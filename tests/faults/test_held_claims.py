@@ -179,7 +179,7 @@ async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
     relay B delivers its rows, A still frozen. Resumed among new writers, A sends its stale
     batch (duplicates of what B sent: allowed for exactly those rows), finds its claim ended,
     says so once, and claims again; alone after B stops, it still delivers at once."""
-    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "30 frozen claim").setup()
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "31 frozen claim").setup()
     before = checker.writers(writers=2, keys=10, pause=0.01)
     after = checker.writers(writers=2, keys=10, pause=0.01, seed=1, max_events=100)
     with _proxy(db_dsn) as proxy:
@@ -201,7 +201,7 @@ async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
             await eventually(lambda: _frozen(a), within=60, what="relay A froze in a claim")
             claim = await _frozen_claim(watch, proxy)
             await before.halt()
-            await _released(watch, claim, "30 frozen relay")
+            await _released(watch, claim, "31 frozen relay")
             # A is frozen: the first copies in Kafka are B's.
             arrived = await tail.wait_for(claim.held, within=MARGIN, what="A's claimed rows")
             delivered = _wall(arrived) - claim.since
@@ -238,7 +238,7 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
     socket up within db_command_timeout (its statement deadline, plus a second for the cancel
     request), says so once, claims again on a new connection and delivers alone."""
     command_timeout = 5.0
-    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "31 cut off").setup()
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "32 cut off").setup()
     load = checker.writers(writers=2, keys=10, pause=0.01)
     env = {"NOTIFY_OUTBOX_DB_COMMAND_TIMEOUT": str(command_timeout)}
     with _proxy(db_dsn) as proxy:
@@ -267,7 +267,7 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             # A resumes and sends its batch to Kafka at once; what it sends to PostgreSQL to
             # mark it never arrives. The server's timeout still ends the claim, and B settles
             # the rows (sending them again).
-            await _released(watch, claim, "31 relay cut off")
+            await _released(watch, claim, "32 relay cut off")
             # Promised: a statement on the silent socket times out after db_command_timeout,
             # and ending the connection waits at most 1 s for asyncpg's cancel request. The
             # slack is for a loaded host, below the second timeout a ROLLBACK on the dead
@@ -275,7 +275,7 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             bound = command_timeout + 1 + 3
             line = await a.line("PostgreSQL unavailable", within=bound + MARGIN)
             detected = log_time(line) - cut
-            FIGURES.recovery("31 relay cut off: dead socket given up", detected)
+            FIGURES.recovery("32 relay cut off: dead socket given up", detected)
             print(f"31: relay A gave its silent claim connection up after {detected:.2f}s: {line}")
             assert detected <= bound, f"relay A gave the dead socket up after {detected:.1f}s"
             await a.line("PostgreSQL available again", within=30)
