@@ -262,8 +262,10 @@ class OutboxSettings(DatabaseSettings):
     db_command_timeout: Seconds = Field(
         30.0,
         gt=0,
-        description="Deadline of the listener's and the metrics connection's own statements "
-        "(LISTEN, the health probe, the table gauges)",
+        description="Deadline of every statement the relay sends: the workers' claims and marks, "
+        "LISTEN, the health probe, the table gauges. It is what bounds a silently dead "
+        "connection (a network cut that closes nothing): the relay gives it up after this long "
+        "and reconnects, while claim_idle_timeout frees that claim's rows for the other relays",
     )
     gate_linger: Seconds = Field(
         0.01,
