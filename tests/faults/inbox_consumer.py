@@ -38,12 +38,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
 from notify_outbox.inbox import (
     BatchResult,
     Inbox,
-    InboxRebalanceListener,
     consume,
     consume_batches,
 )
@@ -167,11 +166,14 @@ class ZombieConsumer(AIOKafkaConsumer):  # type: ignore[misc]
         log.info("zombie: offset commit of the held batch (%s): accepted", where)
 
 
-class LoggingListener(InboxRebalanceListener):
-    """The inbox's rebalance listener, logging each assignment for the test to wait on."""
+class LoggingListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """The application's own rebalance listener, chained by ``consume(topics=...)`` to the
+    inbox's: it logs each assignment for the test to wait on."""
 
-    async def on_partitions_assigned(self, assigned: Any) -> None:
-        await super().on_partitions_assigned(assigned)
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        pass
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
         log.info("partitions assigned: %d", len(assigned))
 
 
@@ -190,8 +192,9 @@ async def run() -> None:
         heartbeat_interval_ms=500,
         max_poll_records=50,
     )
+    # consume subscribes it to the topic, with the inbox's listener chained to this one.
+    topics = [env["INBOX_TEST_TOPIC"]]
     listener = LoggingListener()
-    consumer.subscribe([env["INBOX_TEST_TOPIC"]], listener=listener)
     inbox = CountingInbox(
         name=name, crash_after=int(env.get("INBOX_TEST_CRASH_AFTER", "0")), consumer="orders"
     )
@@ -223,9 +226,11 @@ async def run() -> None:
     try:
         log.info("consumer running (%s path)", env["INBOX_TEST_PATH"])
         if env["INBOX_TEST_PATH"] == "batch":
-            await consume_batches(consumer, pool, bulk, inbox=inbox, listener=listener)
+            await consume_batches(
+                consumer, pool, bulk, inbox=inbox, topics=topics, listener=listener
+            )
         else:
-            await consume(consumer, pool, handler, inbox=inbox, listener=listener)
+            await consume(consumer, pool, handler, inbox=inbox, topics=topics, listener=listener)
     finally:
         await consumer.stop()
         await pool.close()
