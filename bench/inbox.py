@@ -68,7 +68,8 @@ class InboxBenchConfig:
 
 
 Done = Callable[[int], None]
-Drain = Callable[[AIOKafkaConsumer, asyncpg.Pool, Done], Coroutine[Any, Any, None]]
+# A drain subscribes the consumer to the topic (its last argument) and applies until cancelled.
+Drain = Callable[[AIOKafkaConsumer, asyncpg.Pool, Done, str], Coroutine[Any, Any, None]]
 
 
 def _header_id(record: Any) -> str:
@@ -78,8 +79,9 @@ def _header_id(record: Any) -> str:
     raise ValueError("no outbox-event-id header")
 
 
-async def _baseline(consumer: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done) -> None:
+async def _baseline(consumer: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done, topic: str) -> None:
     """The simple batched inbox the issue measured: nothing but the fast path."""
+    consumer.subscribe([topic])
     while True:
         batch = await consumer.getmany(timeout_ms=500, max_records=500)
         for tp, records in batch.items():
@@ -116,8 +118,9 @@ def _drains(cfg: InboxBenchConfig) -> dict[str, Drain]:
             [r.value for r in records],
         )
 
-    async def apply_mode(c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done) -> None:
+    async def apply_mode(c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done, topic: str) -> None:
         inbox = Inbox(consumer="bench")
+        c.subscribe([topic])
         while True:
             batch = await c.getmany(timeout_ms=500, max_records=cfg.max_records)
             for tp, records in batch.items():
@@ -126,22 +129,28 @@ def _drains(cfg: InboxBenchConfig) -> dict[str, Drain]:
                 await c.commit({tp: records[-1].offset + 1})
                 done(len(records))
 
-    async def loop_mode(c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done, batches: bool) -> None:
+    async def loop_mode(
+        c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done, topic: str, batches: bool
+    ) -> None:
         inbox = Inbox(consumer="bench")
         # The loops' progress: the inbox's committed count, read by the watcher below.
         watcher = asyncio.create_task(_watch(inbox, done))
         try:
             if batches:
-                await consume_batches(c, pool, bulk, inbox=inbox, max_records=cfg.max_records)
+                await consume_batches(
+                    c, pool, bulk, inbox=inbox, max_records=cfg.max_records, topics=[topic]
+                )
             else:
-                await consume(c, pool, one, inbox=inbox, max_records=cfg.max_records)
+                await consume(
+                    c, pool, one, inbox=inbox, max_records=cfg.max_records, topics=[topic]
+                )
         finally:
             watcher.cancel()
 
     return {
         "apply": apply_mode,
-        "consume": lambda c, p, d: loop_mode(c, p, d, False),
-        "consume_batches": lambda c, p, d: loop_mode(c, p, d, True),
+        "consume": lambda c, p, d, t: loop_mode(c, p, d, t, False),
+        "consume_batches": lambda c, p, d, t: loop_mode(c, p, d, t, True),
         "baseline": _baseline,
     }
 
@@ -184,8 +193,7 @@ async def _cell(
     finally:
         await conn.close()
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
-    consumer = AIOKafkaConsumer(
-        topic,
+    consumer = AIOKafkaConsumer(  # subscribed by the drain (the loops: with their listener)
         bootstrap_servers=bootstrap,
         group_id=f"bench-inbox-{mode}-{uuid.uuid4().hex[:8]}",
         enable_auto_commit=False,
@@ -203,7 +211,7 @@ async def _cell(
 
     started = time.perf_counter()
     await consumer.start()
-    task = asyncio.create_task(drain(consumer, pool, done))
+    task = asyncio.create_task(drain(consumer, pool, done, topic))
     try:
         # The clock starts once the group gave the consumer its partitions: joining a group
         # takes a while and is the same for every mode, so it is reported apart.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -866,17 +867,26 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Commits what is done when partitions are revoked, so a rebalance does not hand a
     whole batch to the partitions' next owner.
 
-    ``consume`` and ``consume_batches`` install one on a consumer that has no listener. With
-    a listener of your own, subclass this one (call its ``on_partitions_revoked`` and
-    ``on_partitions_assigned``), pass it to ``subscribe`` and to ``consume(...,
-    listener=...)``.
+    ``consume(..., topics=[...])`` and ``consume_batches`` subscribe the consumer with one
+    (aiokafka sets a listener only through ``subscribe``). To subscribe yourself (a pattern,
+    say), pass ``InboxRebalanceListener()`` to ``subscribe(..., listener=...)`` and the same
+    object to ``consume(..., listener=...)``.
+
+    ``chain``: a listener of your own (any aiokafka ``ConsumerRebalanceListener``, its methods
+    plain or ``async``), called after this one's work: on revoke, once the batch in flight is
+    committed; on assign, after this one. Its errors propagate (aiokafka logs them).
 
     On revoke it waits (up to ``timeout`` seconds) for the partition batch in flight to
     commit in the database, then commits its Kafka offset, before the group moves on.
     """
 
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(
+        self, timeout: float = 30.0, *, chain: ConsumerRebalanceListener | None = None
+    ) -> None:
+        if chain is not None and not isinstance(chain, ConsumerRebalanceListener):
+            raise ConfigurationError("chain must be an aiokafka ConsumerRebalanceListener")
         self.timeout = timeout
+        self.chain = chain
         self.consumer: Any = None
         self._idle = anyio.Event()
         self._idle.set()
@@ -893,7 +903,8 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         self._idle.set()
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
-        """Wait for the batch in flight, then commit the revoked partitions' done offsets."""
+        """Wait for the batch in flight, then commit the revoked partitions' done offsets;
+        then the chained listener's ``on_partitions_revoked``."""
         self.revoked.update(revoked)
         with anyio.move_on_after(self.timeout):
             await self._idle.wait()
@@ -902,11 +913,22 @@ class InboxRebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
             await _commit(self.consumer, offsets)
         for tp in revoked:
             self._pending.pop(tp, None)
+        if self.chain is not None:
+            await _maybe_await(self.chain.on_partitions_revoked(revoked))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         """The new assignment: its partitions' batches may run again (from the committed
-        offsets, where aiokafka resumes)."""
+        offsets, where aiokafka resumes); then the chained listener's
+        ``on_partitions_assigned``."""
         self.revoked.difference_update(assigned)
+        if self.chain is not None:
+            await _maybe_await(self.chain.on_partitions_assigned(assigned))
+
+
+async def _maybe_await(result: Any) -> None:
+    # aiokafka accepts listeners with plain or async methods; so does the chain.
+    if inspect.isawaitable(result):
+        await result
 
 
 async def consume(
@@ -918,7 +940,8 @@ async def consume(
     max_records: int = 500,
     poll_timeout: float = 0.5,
     on_error: OnError = "stop",
-    listener: InboxRebalanceListener | None = None,
+    topics: Sequence[str] | None = None,
+    listener: ConsumerRebalanceListener | None = None,
 ) -> None:
     """Run an aiokafka consumer through the inbox until cancelled, one message at a time for
     the handler: ``handler(conn, message)`` for each fresh message.
@@ -930,6 +953,14 @@ async def consume(
     which the inbox skips. A handler error: see ``on_error`` in ``Inbox.apply_each``; with
     ``"stop"`` the offsets of the messages before it are committed, then ``HandlerFailed``
     propagates (the handler's error is its ``__cause__``).
+
+    Rebalances: with ``topics``, ``consume`` subscribes the consumer to them (replacing any
+    earlier subscription) with an ``InboxRebalanceListener``, which commits the batch in
+    flight when partitions are revoked. ``listener``, a ``ConsumerRebalanceListener`` of your
+    own, is chained to it (an ``InboxRebalanceListener`` is used as it is). Without
+    ``topics``, the consumer must be subscribed already: pass the ``InboxRebalanceListener``
+    it was subscribed with as ``listener``. With neither, a rebalance hands the batch in
+    flight to the next owner again (the inbox skips it; a warning says so).
     """
     await _consume(
         consumer,
@@ -937,6 +968,7 @@ async def consume(
         lambda records: inbox.apply_each(db, records, handler, on_error=on_error),
         max_records=max_records,
         poll_timeout=poll_timeout,
+        topics=topics,
         listener=listener,
     )
 
@@ -950,17 +982,20 @@ async def consume_batches(
     max_records: int = 500,
     poll_timeout: float = 0.5,
     on_error: OnError = "stop",
-    listener: InboxRebalanceListener | None = None,
+    topics: Sequence[str] | None = None,
+    listener: ConsumerRebalanceListener | None = None,
 ) -> None:
     """``consume`` for a batch handler: ``handler(conn, fresh_messages)`` once per fetched
     partition batch, with only the messages not applied before (``Inbox.apply_batch``), so it
-    can write them in one statement. The offsets move after the database commit."""
+    can write them in one statement. The offsets move after the database commit. ``topics``
+    and ``listener``: as in ``consume``."""
     await _consume(
         consumer,
         db,
         lambda records: inbox.apply_batch(db, records, handler, on_error=on_error),
         max_records=max_records,
         poll_timeout=poll_timeout,
+        topics=topics,
         listener=listener,
     )
 
@@ -972,7 +1007,8 @@ async def _consume(
     *,
     max_records: int,
     poll_timeout: float,
-    listener: InboxRebalanceListener | None,
+    topics: Sequence[str] | None,
+    listener: ConsumerRebalanceListener | None,
 ) -> None:
     if getattr(consumer, "_enable_auto_commit", False):
         raise ConfigurationError(
@@ -981,15 +1017,15 @@ async def _consume(
         )
     if isinstance(db, asyncpg.Connection):
         _refuse_open_transaction(db)
-    listener = _install_listener(consumer, listener)
+    inbox_listener = _subscribe(consumer, topics, listener)
     while True:
         batch = await consumer.getmany(timeout_ms=int(poll_timeout * 1000), max_records=max_records)
         for tp, records in batch.items():
-            if tp not in consumer.assignment() or tp in listener.revoked:
+            if tp not in consumer.assignment() or tp in inbox_listener.revoked:
                 continue  # revoked meanwhile: its next owner has it
             # A revoke waits until this batch's database commit and offset commit are done
             # (the generation is still valid while the listener runs, so the commit counts).
-            listener._busy()
+            inbox_listener._busy()
             try:
                 try:
                     result = await apply(records)
@@ -1001,30 +1037,44 @@ async def _consume(
                     raise
                 if result.done:
                     offsets = {tp: records[result.done - 1].offset + 1}
-                    listener._pending.update(offsets)  # for a revoke, if this commit fails
+                    inbox_listener._pending.update(offsets)  # for a revoke, if this commit fails
                     await _commit(consumer, offsets)
-                    listener._pending.pop(tp, None)
+                    inbox_listener._pending.pop(tp, None)
             finally:
-                listener._done()
+                inbox_listener._done()
 
 
-def _install_listener(consumer: Any, listener: InboxRebalanceListener | None) -> Any:
-    """The listener ``consume`` reports its batches to: the given one, or a new one put on
-    a consumer subscribed to topics without a listener (a listener is set by ``subscribe``)."""
-    if listener is None:
-        listener = InboxRebalanceListener()
-        # aiokafka sets a listener only through subscribe(), and subscribing again on a
-        # started consumer kills its fetcher (aiokafka 0.14: "Unexpected error in fetcher
-        # routine"). So it is put where subscribe() would have put it, when that slot exists
-        # and is empty; otherwise consume runs without one (a rebalance then redelivers the
-        # batch in flight, which the inbox skips).
-        state = getattr(consumer, "_subscription", None)
-        if state is not None and getattr(state, "_listener", False) is None:
-            state._listener = listener
-        else:
-            log.info("consume: the consumer has a rebalance listener already; not adding one")
-    listener.consumer = consumer
-    return listener
+def _subscribe(
+    consumer: Any, topics: Sequence[str] | None, listener: ConsumerRebalanceListener | None
+) -> InboxRebalanceListener:
+    """The listener the loop reports its batches to. With ``topics``, the consumer is
+    subscribed with it (aiokafka's public way to set a listener); without, it is the caller's
+    (who subscribed with it), or one that no rebalance calls."""
+    if isinstance(topics, str):
+        raise ConfigurationError("topics must be a list of topic names, not one string")
+    inbox_listener = (
+        listener
+        if isinstance(listener, InboxRebalanceListener)
+        else InboxRebalanceListener(chain=listener)
+    )
+    if topics is not None:
+        if not topics:
+            raise ConfigurationError("topics must name at least one topic")
+        consumer.subscribe(list(topics), listener=inbox_listener)
+    elif listener is not None and inbox_listener is not listener:
+        raise ConfigurationError(
+            "a listener that is not an InboxRebalanceListener needs topics=: consume "
+            "subscribes the consumer with it chained to the inbox's listener (or subscribe "
+            "with InboxRebalanceListener(chain=your_listener) and pass that as listener=)"
+        )
+    elif listener is None:
+        log.warning(
+            "consume: no topics= and no listener=, so no rebalance listener: a rebalance hands "
+            "the batch in flight to the next owner again (the inbox skips it). Pass topics= to "
+            "consume, or subscribe with an InboxRebalanceListener and pass it as listener="
+        )
+    inbox_listener.consumer = consumer
+    return inbox_listener
 
 
 async def _commit(consumer: Any, offsets: dict[TopicPartition, int]) -> None:

@@ -41,7 +41,6 @@ async def create_invoice(conn: asyncpg.Connection, message: Any) -> None:
 async def run(bootstrap: str, pool: asyncpg.Pool, *, topic: str, group: str) -> None:
     """Consume ``topic`` in consumer group ``group`` until cancelled."""
     consumer = AIOKafkaConsumer(
-        topic,
         bootstrap_servers=bootstrap,
         group_id=group,
         enable_auto_commit=False,  # offsets move only after the database commit
@@ -49,6 +48,8 @@ async def run(bootstrap: str, pool: asyncpg.Pool, *, topic: str, group: str) -> 
     )
     await consumer.start()
     try:
-        await consume(consumer, pool, create_invoice, inbox=inbox)
+        # consume subscribes the consumer to the topic with the inbox's rebalance listener,
+        # which commits the batch in flight when partitions move to another consumer.
+        await consume(consumer, pool, create_invoice, inbox=inbox, topics=[topic])
     finally:
         await consumer.stop()

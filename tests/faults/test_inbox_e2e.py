@@ -5,9 +5,13 @@ transaction each; the relay (a subprocess) publishes them; two consumer processe
 group apply them to their own database through the inbox. Meanwhile a seeded schedule kills
 the relay and the consumers with SIGKILL and restarts them. The first consumer also kills
 itself once right after a database commit, before its Kafka offsets are committed, so at
-least one redelivery is certain. One consumer is frozen (SIGSTOP) until the group has given all
-its partitions to the other (past ``session.timeout.ms``), then resumed (SIGCONT): a zombie
-that finishes the batch it was in while its partitions already belong to the other. The test
+least one redelivery is certain. One consumer is made a zombie deterministically: armed by
+SIGUSR1, it stops itself (SIGSTOP) holding a batch it fetched and has not applied; it stays
+frozen until the group has given all its partitions to the other (past ``session.timeout.ms``)
+and the other has applied that batch; then it is resumed (SIGCONT) and applies the batch it
+holds, unaware. Its log says what it did: the test checks that its transaction found every held
+id recorded and applied none, that each held message was applied once (by the survivor), and
+that Kafka refused its offset commit. The test
 runs once per consumer path: ``consume`` (a handler per message) and ``consume_batches`` (one
 INSERT per batch of fresh messages). At the end, every committed order was applied exactly once
 (counted in the consumer's table, which has no unique constraint that could hide a double
@@ -24,6 +28,7 @@ import signal
 import sys
 import time
 import uuid
+from typing import Any
 
 import anyio
 import asyncpg
@@ -136,6 +141,8 @@ async def test_every_order_is_applied_exactly_once_through_kills(
     kills = {"relay": 0, "consumer": 0, "self": 0, "zombie": 0}
     generation = {"relay": 0, "c0": 0, "c1": 0}
     procs: dict[str, FaultRelay | ConsumerProcess] = {}
+    # What the zombie held when it froze and did after it resumed (read from its log).
+    zombie_seen: dict[str, Any] = {}
 
     def start(which: str) -> FaultRelay | ConsumerProcess:
         generation[which] += 1
@@ -200,8 +207,9 @@ async def test_every_order_is_applied_exactly_once_through_kills(
             await chaos(["c0", "c1"], rng)
 
         async def zombie(frozen: str, other: str) -> None:
-            """Freeze ``frozen`` until the group gave all partitions to ``other`` (its session
-            timed out), then let it run on, unaware, as a zombie."""
+            """Freeze ``frozen`` while it holds a fetched, unapplied batch, until the group gave
+            all partitions to ``other`` (its session timed out) and ``other`` applied that
+            batch; then let it run on, unaware, as a zombie, and read what it did."""
             victim, survivor = procs[frozen], procs[other]
             assert isinstance(victim, ConsumerProcess)
             assert isinstance(survivor, ConsumerProcess)
@@ -210,12 +218,50 @@ async def test_every_order_is_applied_exactly_once_through_kills(
                 lambda: victim.wait_for_line(r"partitions assigned: [1-9]", 60)
             )
             before = survivor.assignments(PARTITIONS)
-            victim.signal(signal.SIGSTOP)
+            # Armed, it stops itself (SIGSTOP) before applying the next batch it fetched.
+            victim.signal(signal.SIGUSR1)
+            line = await anyio.to_thread.run_sync(
+                lambda: victim.wait_for_line(r"zombie: holding \d+ messages", 60)
+            )
+            held = line.rsplit("ids: ", 1)[1].split(",")
+            zombie_seen.update(name=victim.name, survivor=survivor.name, held=held)
+            await eventually(
+                lambda: _stopped(victim.proc.pid),
+                within=30,
+                what=f"{victim.name} stopped itself",
+            )
             try:
                 await survivor.assigned_all(PARTITIONS, before + 1)
+
+                async def survivor_applied_held() -> bool:
+                    async with connect(empty_db_dsn) as conn:
+                        n = await conn.fetchval(
+                            "SELECT count(*) FROM inbox WHERE consumer = 'orders' "
+                            "AND event_id = ANY($1::text[])",
+                            held,
+                        )
+                    return int(n) == len(held)
+
+                # The interesting case: the batch the zombie holds is already applied by the
+                # partitions' new owner when the zombie resumes.
+                await eventually(
+                    survivor_applied_held,
+                    within=60,
+                    what=f"{survivor.name} applied the {len(held)} messages the zombie holds",
+                    interval=0.1,
+                )
             finally:
                 victim.signal(signal.SIGCONT)
             kills["zombie"] += 1
+            applied_line = await anyio.to_thread.run_sync(
+                lambda: victim.wait_for_line(r"zombie: resumed, applied \d+ of", 60)
+            )
+            words = applied_line.split("zombie: resumed, applied ", 1)[1].split()
+            zombie_seen["applied_after_resume"] = int(words[0])
+            commit_line = await anyio.to_thread.run_sync(
+                lambda: victim.wait_for_line(r"zombie: offset commit of the held batch", 60)
+            )
+            zombie_seen["offset_commit"] = commit_line.rsplit(": ", 1)[1]
 
         async with task_group() as tg:
             tg.start_soon(faults)
@@ -246,6 +292,22 @@ async def test_every_order_is_applied_exactly_once_through_kills(
                 )
             }
             repeats = int(await conn.fetchval("SELECT count(*) FROM consumer_repeats"))
+            held_by = {
+                r["event_id"]: r["applied_by"]
+                for r in await conn.fetch(
+                    "SELECT event_id, applied_by FROM consumer_orders "
+                    "WHERE event_id = ANY($1::text[])",
+                    zombie_seen.get("held", []),
+                )
+            }
+            zombie_repeats = int(
+                await conn.fetchval(
+                    "SELECT count(DISTINCT event_id) FROM consumer_repeats "
+                    "WHERE seen_by = $1 AND event_id = ANY($2::text[])",
+                    zombie_seen.get("name", ""),
+                    zombie_seen.get("held", []),
+                )
+            )
             mismatched = await conn.fetchval(
                 "SELECT count(*) FROM consumer_orders c WHERE NOT EXISTS (SELECT 1 FROM inbox i "
                 "WHERE i.consumer = 'orders' AND i.event_id = c.event_id)"
@@ -261,6 +323,7 @@ async def test_every_order_is_applied_exactly_once_through_kills(
             pass
 
     doubles = {e: n for e, n in counts.items() if n > 1}
+    held = zombie_seen.get("held", [])
     missing = expected - counts.keys()
     phantom = counts.keys() - expected
     figures = {
@@ -273,6 +336,10 @@ async def test_every_order_is_applied_exactly_once_through_kills(
         "consumer_kills": kills["consumer"],
         "self_crashes": kills["self"],
         "zombies": kills["zombie"],
+        "zombie_held": len(zombie_seen.get("held", [])),
+        "zombie_applied_after_resume": zombie_seen.get("applied_after_resume"),
+        "zombie_repeats_of_held": zombie_repeats,
+        "zombie_offset_commit": zombie_seen.get("offset_commit"),
         # Offset commits refused because the group had moved on (a zombie's, or a killed
         # member's partitions reassigned meanwhile): a count for the record, not a check.
         "stale_offset_commits": sum(
@@ -289,6 +356,28 @@ async def test_every_order_is_applied_exactly_once_through_kills(
     }
     FIGURES.notes[f"inbox end to end ({path})"] = figures
     print(f"inbox e2e figures: {figures}")
+    # The zombie: it resumed holding a batch the survivor had applied; its transaction found
+    # every id recorded and applied none of them; each held message was applied once, by the
+    # survivor; and Kafka refused the zombie's offset commit (its generation was over).
+    assert kills["zombie"] == 1, f"no consumer was frozen past its session ({figures})"
+    assert held, f"the zombie held no batch ({figures})"
+    assert zombie_seen.get("applied_after_resume") == 0, (
+        f"the zombie applied {zombie_seen.get('applied_after_resume')} of the {len(held)} "
+        f"messages it held after resuming: the survivor had applied them ({figures})"
+    )
+    assert zombie_repeats == len(set(held)), (
+        f"the zombie's transaction found {zombie_repeats} of its {len(set(held))} held ids "
+        f"recorded ({figures})"
+    )
+    assert {e: counts.get(e, 0) for e in held} == dict.fromkeys(held, 1), (
+        f"a held message was not applied exactly once ({figures})"
+    )
+    assert set(held_by.values()) == {zombie_seen["survivor"]}, (
+        f"held messages applied by {set(held_by.values())}, not by the survivor only ({figures})"
+    )
+    assert zombie_seen.get("offset_commit", "").startswith("refused"), (
+        f"the zombie's offset commit after resuming: {zombie_seen.get('offset_commit')} ({figures})"
+    )
     assert not doubles, f"applied more than once: {list(doubles.items())[:5]} ({figures})"
     assert not missing, f"{len(missing)} orders never applied ({figures})"
     assert not phantom, f"{len(phantom)} applied orders were never committed ({figures})"
@@ -297,7 +386,12 @@ async def test_every_order_is_applied_exactly_once_through_kills(
     # The scripted crashes (relay after an ack, consumer after a commit) make repeats certain.
     assert published > len(expected), f"the relay published no duplicate ({figures})"
     assert repeats >= 1, f"the inbox absorbed no repeat: the test exercised nothing ({figures})"
-    assert kills["zombie"] == 1, f"no consumer was frozen past its session ({figures})"
+
+
+async def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc/<pid>/stat)."""
+    stat = await anyio.Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def _wrong_totals(producer: asyncpg.Connection, consumer_dsn: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -15,8 +16,9 @@ from typing import Any
 import anyio
 import asyncpg
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 
+from notify_outbox.errors import ConfigurationError
 from notify_outbox.inbox import (
     BadEventId,
     HandlerFailed,
@@ -493,3 +495,175 @@ async def test_a_rebalance_commits_the_batch_in_flight(
     # The batch in flight was committed with its offset: nobody got it again.
     assert inbox_a.counts["duplicate"] + inbox_b.counts["duplicate"] == 0
     assert by["b"], "the second member never got a partition: no rebalance was exercised"
+
+
+class Recorder(ConsumerRebalanceListener):  # type: ignore[misc]
+    """A listener of the application's own, for consume(topics=...) to chain: a plain
+    ``on_partitions_assigned`` and an ``async`` ``on_partitions_revoked`` (aiokafka takes
+    both), which notes the revoked partitions' committed offsets as it is called."""
+
+    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+        self.consumer = consumer
+        self.assigned: list[set[TopicPartition]] = []
+        self.committed_at_revoke: dict[TopicPartition, int | None] = {}
+        self.revoked = anyio.Event()
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.assigned.append(set(assigned))
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        if revoked:
+            for tp in revoked:
+                self.committed_at_revoke[tp] = await self.consumer.committed(tp)
+            self.revoked.set()
+
+
+class RevokeSeen(logging.Handler):
+    """aiokafka's log line "Revoking previously assigned partitions ..." (logged by the group
+    coordinator just before it calls the listener) with partitions in it, as an event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = anyio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("Revoking previously assigned") and record.args:
+            revoked = record.args[0]  # type: ignore[index]
+            if revoked:
+                self.event.set()
+
+
+async def test_consume_subscribes_with_its_listener_and_chains_yours(
+    pool: asyncpg.Pool, services: Services
+) -> None:
+    """consume(topics=...) subscribes the consumer itself (aiokafka's public subscribe) with
+    the inbox's listener, chained to the application's: on a rebalance, the batch in flight
+    is committed (database and offset) before the application's on_partitions_revoked runs,
+    and the new owner redelivers none of it."""
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(services.bootstrap, [topic], partitions=2)
+    ids = [str(uuid.uuid4()) for _ in range(200)]
+    await produce(services.bootstrap, topic, ids[:100], partition=0)
+    await produce(services.bootstrap, topic, ids[100:], partition=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+
+    def member(name: str) -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            bootstrap_servers=services.bootstrap,
+            group_id=group,
+            client_id=name,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=10_000,
+            heartbeat_interval_ms=300,
+        )
+
+    entered, release = anyio.Event(), anyio.Event()
+    in_flight: list[Any] = []
+
+    def handler_for(name: str) -> Any:
+        async def handler(conn: asyncpg.Connection, messages: list[Any]) -> None:
+            if name == "a" and not entered.is_set():
+                in_flight.extend(messages)
+                entered.set()
+                await release.wait()  # the first batch is in flight during the rebalance
+            await bulk(conn, messages)
+
+        return handler
+
+    a, b = member("a"), member("b")  # neither subscribed: consume does it
+    revoke_seen = RevokeSeen()
+    coordinator_log = logging.getLogger("aiokafka.consumer.group_coordinator")
+    coordinator_log.addHandler(revoke_seen)
+    level = coordinator_log.level
+    coordinator_log.setLevel(logging.INFO)
+    recorder = Recorder(a)
+    inbox_a, inbox_b = Inbox(consumer=group), Inbox(consumer=group)
+    await a.start()
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        tasks.append(
+            asyncio.create_task(
+                consume_batches(
+                    a,
+                    pool,
+                    handler_for("a"),
+                    inbox=inbox_a,
+                    max_records=50,
+                    topics=[topic],
+                    listener=recorder,
+                )
+            )
+        )
+        with anyio.fail_after(30):
+            await entered.wait()
+        assert recorder.assigned, "the chained listener was not told of the assignment"
+
+        async def second_member() -> None:
+            await b.start()
+            await consume_batches(
+                b, pool, handler_for("b"), inbox=inbox_b, max_records=50, topics=[topic]
+            )
+
+        tasks.append(asyncio.create_task(second_member()))
+        # a's coordinator begins the revoke while a's batch is held.
+        with anyio.fail_after(30):
+            await revoke_seen.event.wait()
+        assert not recorder.revoked.is_set(), "the chain ran before the batch in flight ended"
+        release.set()
+        with anyio.fail_after(30):
+            await recorder.revoked.wait()
+
+        async def everything_applied() -> None:
+            while len(await applied(pool)) < len(ids):
+                for t in tasks:
+                    assert not t.done(), t.exception()
+                await anyio.sleep(0.05)
+
+        with anyio.fail_after(60):
+            await everything_applied()
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await a.stop()
+        await b.stop()
+        coordinator_log.removeHandler(revoke_seen)
+        coordinator_log.setLevel(level)
+    duplicates = {"a": inbox_a.counts["duplicate"], "b": inbox_b.counts["duplicate"]}
+    assert await applied(pool) == dict.fromkeys(ids, 1)
+    # By the time the application's listener ran, the batch in flight had its offset committed.
+    tp = TopicPartition(topic, in_flight[-1].partition)
+    assert recorder.committed_at_revoke.get(tp) == in_flight[-1].offset + 1
+    assert duplicates == {"a": 0, "b": 0}, "a rebalance redelivered the batch in flight"
+    assert inbox_b.counts["applied"] > 0, "the second member never got a partition"
+
+
+async def test_the_loops_check_their_rebalance_arguments() -> None:
+    """A listener of the application's own needs topics (consume subscribes with it chained);
+    a string is not a list of topics; a chain must be a ConsumerRebalanceListener."""
+
+    class Subscribing:
+        _enable_auto_commit = False
+
+        def subscribe(self, topics: list[str], listener: Any = None) -> None:
+            raise AssertionError("subscribed despite bad arguments")
+
+    class Mine(ConsumerRebalanceListener):  # type: ignore[misc]
+        def on_partitions_revoked(self, revoked: Any) -> None:
+            pass
+
+        def on_partitions_assigned(self, assigned: Any) -> None:
+            pass
+
+    mine = Mine()
+    with pytest.raises(ConfigurationError, match="needs topics="):
+        await consume(Subscribing(), object(), one, inbox=Inbox(), listener=mine)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not one string"):
+        await consume_batches(Subscribing(), object(), bulk, inbox=Inbox(), topics="orders")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="at least one topic"):
+        await consume_batches(Subscribing(), object(), bulk, inbox=Inbox(), topics=[])  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="chain must be"):
+        InboxRebalanceListener(chain=object())  # type: ignore[arg-type]
