@@ -17,11 +17,27 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The whole suite against a real PostgreSQL and a real Kafka broker (started automatically;
-# see docs/contributing.md). pytest's exit code 5 (no tests collected) is a failure here too.
-# --durations=20: the 20 slowest tests are listed at the end, so that slow ones show in CI.
+# see docs/contributing.md), as two pytest sessions side by side, each with its own local stack
+# and --basetemp: the fault suite and the bench's smoke tests (tests/faults, which stops and
+# restarts its services, and tests/bench), and everything else. Their tests mostly wait on
+# servers and processes, so on 2 cores the two take little longer than the longer one alone.
+# The first session's output follows the second's. pytest's exit code 5 (no tests collected)
+# is a failure here too. --durations=20: each session's 20 slowest tests, at its end.
 test: $(STAMP)
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+	@set -u; log=$$(mktemp); tmp=$$(mktemp -d); \
+	$(PY) -m pytest tests/faults tests/bench --durations=20 --basetemp="$$tmp/a" $(PYTEST_ARGS) \
+		>"$$log" 2>&1 & first=$$!; \
+	trap 'kill $$first 2>/dev/null' INT TERM; \
+	$(PY) -m pytest --ignore=tests/faults --ignore=tests/bench --durations=20 \
+		--basetemp="$$tmp/b" $(PYTEST_ARGS); rc=$$?; \
+	wait $$first; frc=$$?; \
+	echo "== tests/faults and tests/bench, run beside the tests above"; cat "$$log"; \
+	rm -rf "$$log" "$$tmp"; \
+	for code in $$rc $$frc; do \
+		if [ $$code -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
+	done; \
+	if [ $$rc -ne 0 ] || [ $$frc -ne 0 ]; then \
+		echo "make test: pytest exited $$rc (the rest), $$frc (tests/faults, tests/bench)" >&2; exit 1; fi
 
 # Only the fault-injection suite (part of `make test` too; ~5 min): crashes, restarts, outages.
 # Its own --basetemp, so it can run beside another pytest session of the same user.
