@@ -1,6 +1,6 @@
 """A relay that stops answering while it holds a claim.
 
-Scenarios: 30 a relay frozen (SIGSTOP) right after a claim; 31 a relay whose worker
+Scenarios: 31 a relay frozen (SIGSTOP) right after a claim; 32 a relay whose worker
 connections go silent (the proxy swallows every byte, nothing is closed) right after a claim.
 
 In both, PostgreSQL ends the claim after ``claim_idle_timeout`` (``SET LOCAL
@@ -205,7 +205,7 @@ async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
             # A is frozen: the first copies in Kafka are B's.
             arrived = await tail.wait_for(claim.held, within=MARGIN, what="A's claimed rows")
             delivered = _wall(arrived) - claim.since
-            print(f"30: relay B's copies of them in Kafka {delivered:.2f}s after it went idle")
+            print(f"31: relay B's copies of them in Kafka {delivered:.2f}s after it went idle")
             assert delivered <= CLAIM_IDLE + MARGIN
             assert _stopped(a.proc.pid), "relay A woke up: the test proves nothing"
             tg.start_soon(after.run)
@@ -220,7 +220,7 @@ async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
             latency = await idle_latency(
                 db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, resumed"
             )
-            print(f"30: relay A alone, resumed: an event on the idle relay in {latency:.2f}s")
+            print(f"31: relay A alone, resumed: an event on the idle relay in {latency:.2f}s")
             checker.allow_duplicate_ids(claim.held, "relay A's frozen claim, sent after it ended")
             report = await checker.drain_and_check(within=60)
             await a.stop_ok()
@@ -276,7 +276,7 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             line = await a.line("PostgreSQL unavailable", within=bound + MARGIN)
             detected = log_time(line) - cut
             FIGURES.recovery("32 relay cut off: dead socket given up", detected)
-            print(f"31: relay A gave its silent claim connection up after {detected:.2f}s: {line}")
+            print(f"32: relay A gave its silent claim connection up after {detected:.2f}s: {line}")
             assert detected <= bound, f"relay A gave the dead socket up after {detected:.1f}s"
             await a.line("PostgreSQL available again", within=30)
             # No session of A's is left holding rows (the idle ones stay, unreachable).
@@ -286,10 +286,10 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             latency = await idle_latency(
                 db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, reconnected"
             )
-            print(f"31: relay A alone, reconnected: an event on the idle relay in {latency:.2f}s")
+            print(f"32: relay A alone, reconnected: an event on the idle relay in {latency:.2f}s")
             checker.allow_duplicate_ids(claim.held, "relay A's cut-off claim, sent after it ended")
             report = await checker.drain_and_check(within=60)
             await a.stop_ok()
-    print(f"31: {len(silenced)} connection(s) of relay A silenced")
+    print(f"32: {len(silenced)} connection(s) of relay A silenced")
     print(report.text())
     report.assert_ok()

@@ -408,6 +408,25 @@ class WatchedListener(InboxRebalanceListener):
             self.finished.set()
 
 
+async def all_applied(
+    db: asyncpg.Pool, ids: Sequence[str], tasks: list[asyncio.Task[None]]
+) -> None:
+    """Until every id was applied; a group member that ended meanwhile fails the test."""
+    with anyio.fail_after(60):
+        while len(await applied(db)) < len(ids):
+            for t in tasks:
+                assert not t.done(), t.exception()
+            await anyio.sleep(0.05)
+
+
+async def cancelled(tasks: list[asyncio.Task[None]]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
 async def test_a_rebalance_commits_the_batch_in_flight(
     pool: asyncpg.Pool, services: Services
 ) -> None:
@@ -475,20 +494,9 @@ async def test_a_rebalance_commits_the_batch_in_flight(
         with anyio.fail_after(30):
             await listener.finished.wait()
 
-        async def everything_applied() -> None:
-            while len(await applied(pool)) < len(ids):
-                for t in tasks:
-                    assert not t.done(), t.exception()
-                await anyio.sleep(0.05)
-
-        with anyio.fail_after(60):
-            await everything_applied()
+        await all_applied(pool, ids, tasks)
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancelled(tasks)
         await a.stop()
         await b.stop()
     assert await applied(pool) == dict.fromkeys(ids, 1)
@@ -614,20 +622,9 @@ async def test_consume_subscribes_with_its_listener_and_chains_yours(
         with anyio.fail_after(30):
             await recorder.revoked.wait()
 
-        async def everything_applied() -> None:
-            while len(await applied(pool)) < len(ids):
-                for t in tasks:
-                    assert not t.done(), t.exception()
-                await anyio.sleep(0.05)
-
-        with anyio.fail_after(60):
-            await everything_applied()
+        await all_applied(pool, ids, tasks)
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancelled(tasks)
         await a.stop()
         await b.stop()
         coordinator_log.removeHandler(revoke_seen)
