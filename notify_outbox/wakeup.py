@@ -111,7 +111,11 @@ class RetryTimers:
             self._rows[at] = set() if rows is not None else None
         wanted = self._rows[at]
         if rows is None:
-            self._rows[at] = None  # now also a wake-up for rows it does not know
+            # Now also a wake-up for rows it does not know: it fires whatever is claimed, so
+            # it no longer answers for the rows it was for.
+            for row in wanted or ():
+                self._deadline_of.pop(row, None)
+            self._rows[at] = None
         elif wanted is not None:
             for row in rows:
                 if self._deadline_of.get(row, at) != at:

@@ -40,9 +40,12 @@ async def test_a_timer_whose_rows_were_all_claimed_is_cancelled() -> None:
     timers.claimed([2, 3, 99])  # 99: a row no timer was for
     assert len(timers) == 0
     assert not timers.tracking
-    # A timer for rows it does not know fires whatever is claimed.
+    # A timer for rows it does not know fires whatever is claimed, also one that was for
+    # rows first (and then it tracks them no more).
+    timers.after(0.0, [4])
     timers.after(0.0)
-    timers.claimed([1, 2, 3])
+    assert not timers.tracking
+    timers.claimed([1, 2, 3, 4])
     await fired.next()
     assert fired.count == 1
     assert len(timers) == 0
