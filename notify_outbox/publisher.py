@@ -565,6 +565,13 @@ def _abandon(producer: AIOKafkaProducer) -> None:
 
         def fail_unsent(_: object) -> None:
             queued = [batch for batches in accumulator._batches.values() for batch in batches]
+            # A batch sent once and queued again for a retry (a Kafka restart) has left the
+            # accumulator's pending set, but the callback aiokafka added when it first sent it
+            # removes it from that set once it is done: without it there, failing it below
+            # made that callback raise KeyError, logged by the event loop with a traceback.
+            pending = getattr(accumulator, "_pending_batches", None)
+            if isinstance(pending, set):
+                pending.update(batch for batch in queued if batch.retry_count > 0)
             # Later send() calls raise it too, and a send() waiting for room in a full batch
             # returns at once instead of after request_timeout_ms.
             accumulator.fail_all(_Abandoned("the Kafka producer was abandoned"))

@@ -5,6 +5,7 @@ is proven against a real broker in tests/integration (test_relay, test_ack_order
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
 from typing import Any
@@ -162,3 +163,44 @@ async def test_a_failed_batch_holds_back_its_keys_rows_for_other_topics() -> Non
     assert [topic for topic, _, _ in producer.sent] == ["a", "b"]  # k's row for b never went
     assert [i for i, _ in result.failed] == [1]
     assert result.delivered == [3]
+
+
+async def test_abandoning_a_producer_fails_a_batch_queued_for_retry_without_a_traceback() -> None:
+    # A Kafka restart: a batch was sent, the request failed, and aiokafka queued the batch
+    # again (reenqueue takes it out of the pending set). Abandoning the producer then fails it;
+    # aiokafka's own callback from the first send removes it from the pending set, which
+    # raised KeyError in the event loop unless the batch is put back there first.
+    from aiokafka.cluster import ClusterMetadata
+    from aiokafka.producer.message_accumulator import MessageAccumulator
+    from aiokafka.structs import TopicPartition
+
+    from notify_outbox.publisher import _abandon
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        accumulator = MessageAccumulator(ClusterMetadata(), 16384, 0, 30)
+        tp = TopicPartition("t", 0)
+        builder = accumulator.create_builder()
+        builder.append(key=None, value=b"v", timestamp=None)
+        future = await accumulator.add_batch(builder, tp, timeout=5)
+        batch = accumulator._pop_batch(tp)  # sent once
+        accumulator.reenqueue(batch)  # the request failed: queued again
+
+        sender_task = asyncio.ensure_future(asyncio.sleep(3600))
+        producer = type("P", (), {})()
+        producer._sender = type("S", (), {"sender_task": sender_task})()
+        producer._message_accumulator = accumulator
+        _abandon(producer)  # type: ignore[arg-type]
+        with anyio.fail_after(5), contextlib.suppress(Exception):
+            await asyncio.shield(future)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the future's done callbacks run
+    finally:
+        loop.set_exception_handler(previous)
+    assert isinstance(future.exception(), Exception)
+    assert "abandoned" in str(future.exception())
+    assert errors == []
+    assert not accumulator._pending_batches
