@@ -49,6 +49,11 @@ async def test_rows_waiting_for_their_retry_keep_the_relay_idle(
                     "SELECT next_attempt_at = 'infinity' FROM outbox WHERE id = $1", behind
                 ):
                     await events.wait_for("claimed_none", events.counts["claimed_none"] + 1)
+                # A poll already in flight may have looked before that park and may still
+                # wake a worker: let it finish first. Polls run one after the other, and
+                # each counts "poll" before it looks: once two more have started, the one in
+                # flight has ended.
+                await events.wait_for("poll", events.counts["poll"] + 2)
             # From here on nothing is due. (Before, a poll may find the rows still pending
             # while the first claim waits for Kafka to refuse the missing topic: not idle yet.)
             claimed, batches = events.counts["claimed"], events.counts["batch_done"]
