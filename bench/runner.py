@@ -73,7 +73,6 @@ class Runner:
             }
         )
         self._cell_no = 0
-        self._profile_out = Path()  # the raw profile of the cell being profiled
         self._dir_no = 0  # numbers the pgbench and closed-loop working directories
 
     # --- the run ------------------------------------------------------------------------------
@@ -318,9 +317,7 @@ class Runner:
             pipes=True,
             cwd=self.src,
         )
-        profiler: asyncio.subprocess.Process | None = None
-        if profile:
-            profiler = await self._start_profiler(process, n)
+        profiler = await self._start_profiler(process, n) if profile else None
         try:
             limit = cfg.warmup + cfg.duration + lc.grace + 60.0
             summary = json.loads(await gen.read_line(limit))
@@ -346,8 +343,8 @@ class Runner:
         host1 = envinfo.cpu_times()
         profile_summary: dict[str, Any] | None = None
         if profiler is not None:
-            await stop_profiler(profiler)
-            profile_summary = {"file": self._profile_out.name, **top_self(self._profile_out)}
+            await stop_profiler(profiler[0])
+            profile_summary = {"file": profiler[1].name, **top_self(profiler[1])}
         analysis = analyse_cell(
             load_arrays(gen_path),
             load_arrays(got_path),
@@ -416,14 +413,16 @@ class Runner:
                 return False, left
             await asyncio.sleep(0.1)
 
-    async def _start_profiler(self, process: Child, n: int) -> asyncio.subprocess.Process | None:
+    async def _start_profiler(
+        self, process: Child, n: int
+    ) -> tuple[asyncio.subprocess.Process, Path] | None:
+        """py-spy on the mode's process, and the raw profile it writes."""
         out = self._run.out_dir / f"{self.run_id}-profile-{slug(process.name)}-cell{n}.txt"
         proc = await start_profiler(process.pid, out)
         if proc is None:
             self.result["notes"].append("profile asked, but py-spy is not installed")
-        else:
-            self._profile_out = out
-        return proc
+            return None
+        return proc, out
 
     # --- producer overhead --------------------------------------------------------------------
 

@@ -97,10 +97,6 @@ class RetryTimers:
         """Whether any timer is waiting for rows (cheap, checked per claim)."""
         return bool(self._deadline_of)
 
-    def deadlines(self) -> list[float]:
-        """The pending deadlines (loop time), earliest first."""
-        return sorted(self._handles)
-
     def after(self, delay: float, rows: Iterable[int] | None = None) -> None:
         """Wake a worker ``delay`` seconds from now (plus a 10 ms margin for the database's
         clock, rounded up to the grid); ``rows``: the row ids that come due then."""
