@@ -88,6 +88,14 @@ def _is_duration(metadata: Sequence[Any]) -> bool:
     )
 
 
+def _is_auto_duration(metadata: Sequence[Any]) -> bool:
+    return any(
+        isinstance(m, BeforeValidator)
+        and getattr(m.func, "__name__", "") == settings_module._auto_or_seconds.__name__
+        for m in metadata
+    )
+
+
 def _bounds(metadata: Sequence[Any]) -> str:
     parts = []
     for m in metadata:
@@ -112,6 +120,8 @@ def _type_name(annotation: Any, metadata: Sequence[Any]) -> tuple[str, bool]:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
             return _type_name(args[0], metadata)
+    if _is_auto_duration(metadata):
+        return "`auto` or duration (≥ 10 ms)", True
     if _is_duration(metadata):
         return "duration", True
     if origin is Literal:
@@ -140,7 +150,7 @@ def _default(name: str, field: FieldInfo, duration: bool) -> str:
     if value is PydanticUndefined:
         return "required"
     if value is None:
-        return "unset"
+        return "`auto`" if _is_auto_duration(field.metadata) else "unset"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if duration and isinstance(value, int | float):

@@ -441,6 +441,9 @@ class _StateCollector(Collector):
             families[PREFIX + "up"].add_metric([table, component], float(up))
         families[PREFIX + "awake"].add_metric([table], float(m.relay.gate.awake))
         families[PREFIX + "event_loop_lag_seconds"].add_metric([table], m.loop_lag)
+        families[PREFIX + "claim_idle_timeout_seconds"].add_metric(
+            [table], m.relay.claim_timeout.current()
+        )
         stats = m.stats
         if stats is not None:
             families[PREFIX + "pending_events"].add_metric([table], stats.pending)
@@ -471,6 +474,12 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "event_loop_lag_seconds",
             "How late the event loop's last heartbeat came",
+            labels=t,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "claim_idle_timeout_seconds",
+            "How long the next claim may sit idle before PostgreSQL ends it (claim_idle_timeout;"
+            " in auto mode learnt from the relay's stalls)",
             labels=t,
         )
         yield GaugeMetricFamily(

@@ -49,6 +49,7 @@ from .policy import decide, log_outcome
 from .publisher import KafkaPublisher, Publisher, PublishResult
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
+from .stalls import ClaimIdleTimeout
 from .store import ClaimedBatch, LowWaterMark, OutboxStore, PgOutboxStore
 from .wakeup import Doorbell, RetryTimers
 
@@ -156,6 +157,8 @@ class Relay:
         self.kafka_outage = Outage("Kafka", log)
         self.db_outage = Outage("PostgreSQL", log)
         self._retry_timers = RetryTimers(lambda: self._wake("retry"))
+        #: How long a claim may sit idle before PostgreSQL ends it (stalls.py).
+        self.claim_timeout = ClaimIdleTimeout(settings.claim_idle_timeout)
         self._stop_deadline: float | None = None
         self._close_forced = False  # a graceful close had to abandon the producer or pool
         #: Whether NOTIFY_OUTBOX_DSN goes through a connection pooler (found at start).
@@ -347,6 +350,7 @@ class Relay:
                 services.start_soon(self._shutdown_watchdog, name="watchdog")
                 services.start_soon(self._remind_outages, name="outage-reminders")
                 services.start_soon(self._watch_kafka, name="kafka-watch")
+                services.start_soon(self.claim_timeout.watch_loop, name="stall-watch")
                 async with anyio.create_task_group() as workers:
                     for n in range(self.settings.workers):
                         workers.start_soon(self._worker, name=f"worker-{n}")
@@ -383,10 +387,7 @@ class Relay:
                 queries,
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
-                # A worker holds its claim open while Kafka acknowledges, and says so every
-                # quarter of this (_publish_kept_alive); if the relay stalls, the server ends
-                # that transaction soon, and other relays may take its keys.
-                idle_in_transaction_timeout=s.claim_idle_timeout,
+                begin_round_trip=self.claim_timeout.round_trip,
             )
         if self._publisher is None:
             kafka = KafkaPublisher(s)
@@ -651,14 +652,19 @@ class Relay:
         assert self._store is not None
         assert self._publisher is not None
         self.gate.progress()
-        async with self._store.claim(self.settings.batch_size) as batch:
+        # A worker holds its claim open while Kafka acknowledges, and says so every quarter
+        # of this (_publish_kept_alive); if the relay stalls, the server ends that
+        # transaction soon, and other relays may take its keys (stalls.py).
+        idle_timeout = self.claim_timeout.current()
+        async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
             self.gate.progress()
             rows = batch.rows
             if batch.busy:
                 # Other claims held buckets with fresh rows. A live one goes on with them
                 # itself; a frozen one loses them when PostgreSQL ends its claim, and nothing
                 # would wake a relay then: look again once that has happened.
-                self._wake_for_retry(self.settings.claim_idle_timeout * 1.1)
+                # (Its timeout is its relay's; the fleet's relays usually learn alike.)
+                self._wake_for_retry(idle_timeout * 1.1)
             if not rows:
                 self.events.emit("claimed_none")
                 # Rows parked (a failing key's, a chunk per claim) are no sign of an idle
@@ -671,7 +677,7 @@ class Relay:
                 self._retry_timers.claimed(r.id for r in rows if r.attempts)
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
-            result = await self._publish_kept_alive(batch)
+            result = await self._publish_kept_alive(batch, idle_timeout)
             self._fault("after_ack")
             outcome = decide(rows, result, self.settings, jitter=_jitter)
             log_outcome(rows, outcome, self.settings)
@@ -698,17 +704,15 @@ class Relay:
         # nothing: a full claim of them is no sign of a backlog.
         return settled, batch.more_due
 
-    async def _publish_kept_alive(self, batch: ClaimedBatch) -> PublishResult:
+    async def _publish_kept_alive(self, batch: ClaimedBatch, idle_timeout: float) -> PublishResult:
         """Publish a claim's rows; while the acks take long, renew the claim's transaction
-        (the server ends it after ``claim_idle_timeout`` of silence, as for a stalled
-        relay). The claim's connection is free meanwhile: the publisher never uses it."""
+        (the server ends it after ``idle_timeout`` of silence, as for a stalled relay). The
+        claim's connection is free meanwhile: the publisher never uses it."""
         assert self._publisher is not None
         publish = asyncio.ensure_future(self._publisher.publish(batch.rows))
         try:
             while True:
-                done, _ = await asyncio.wait(
-                    {publish}, timeout=self.settings.claim_idle_timeout / 4
-                )
+                done, _ = await asyncio.wait({publish}, timeout=idle_timeout / 4)
                 if done:
                     return publish.result()
                 await batch.keepalive()

@@ -59,6 +59,24 @@ def _to_seconds(value: Any) -> Any:
 Seconds = Annotated[float, BeforeValidator(_to_seconds)]
 
 
+def _auto_or_seconds(value: Any) -> Any:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    seconds = _to_seconds(value)
+    try:
+        number = float(seconds)
+    except (TypeError, ValueError):
+        return seconds  # the float parsing's own message
+    # PostgreSQL counts whole milliseconds, and 0 would switch the timeout off.
+    if not number >= 0.01:
+        raise ValueError("must be 'auto' or a duration of at least 10ms")
+    return number
+
+
+#: A duration setting that may also be ``auto`` (``None``): the relay chooses it.
+AutoSeconds = Annotated[float | None, BeforeValidator(_auto_or_seconds)]
+
+
 def _valid_dsn(v: SecretStr) -> SecretStr:
     value = v.get_secret_value()
     if not value.startswith(("postgresql://", "postgres://")):
@@ -200,13 +218,15 @@ class OutboxSettings(DatabaseSettings):
     kafka_send_timeout: Seconds = Field(
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )
-    claim_idle_timeout: Seconds = Field(
-        2.0,
-        gt=0,
+    claim_idle_timeout: AutoSeconds = Field(
+        None,
         description="A claim's transaction left idle this long is ended by PostgreSQL "
         "(idle_in_transaction_session_timeout), which frees its keys for the other relays: a "
-        "relay frozen (a VM stall, a debugger) holds its keys this long at most. A working "
-        "relay renews it while it waits for Kafka's acks",
+        "relay frozen (a VM stall, a debugger) holds its keys this long at most, and a relay "
+        "only slower than this loses its claim and publishes its rows twice. 'auto' (the "
+        "default): four times the relay's recent stalls (its event loop's, its round trips to "
+        "PostgreSQL), between 0.1 and 2 s. A working relay renews it while it waits for "
+        "Kafka's acks",
     )
 
     # --- how the relay works ------------------------------------------------------------------

@@ -9,8 +9,10 @@ crashed relay's rows simply become claimable again when its connection goes away
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,6 +22,8 @@ import asyncpg
 
 from .db import read_only, terminate
 from .sqlfiles import Queries
+
+log = logging.getLogger("notify_outbox.store")
 
 __all__ = [
     "BatchOutcome",
@@ -91,15 +95,18 @@ class ClaimedBatch(Protocol):
 
     async def keepalive(self) -> None:
         """Tell the database the claim is still being worked on (a claim left idle for the
-        settings' ``claim_idle_timeout`` is ended by the server)."""
+        claim's ``idle_timeout`` is ended by the server)."""
         ...
 
 
 class OutboxStore(Protocol):
     """The database operations the relay needs (a port, so tests can use a fake)."""
 
-    def claim(self, limit: int) -> AbstractAsyncContextManager[ClaimedBatch]:
-        """Lock up to ``limit`` due rows in per-key commit order until the context exits."""
+    def claim(
+        self, limit: int, idle_timeout: float | None = None
+    ) -> AbstractAsyncContextManager[ClaimedBatch]:
+        """Lock up to ``limit`` due rows in per-key commit order until the context exits;
+        the database ends the claim if it is left idle for ``idle_timeout`` seconds."""
         ...
 
     async def has_due(self) -> bool:
@@ -195,6 +202,15 @@ class _PgBatch:
         self.parked = parked
         self.committed = False
         self._more_due: bool | None = None
+        self._done_at = time.monotonic()  # when the claim's last statement returned
+        #: How long the claim sat idle before its latest statement was sent (s).
+        self.idle_before = 0.0
+
+    def _sending(self) -> None:
+        self.idle_before = time.monotonic() - self._done_at
+
+    def _returned(self) -> None:
+        self._done_at = time.monotonic()
 
     @property
     def rows(self) -> Sequence[OutboxRow]:
@@ -205,9 +221,12 @@ class _PgBatch:
         return self._more_due
 
     async def keepalive(self) -> None:
+        self._sending()
         await self._conn.execute("SELECT 1")
+        self._returned()
 
     async def complete(self, outcome: BatchOutcome) -> None:
+        self._sending()
         if outcome.retry:
             ids, errors, delays = zip(*outcome.retry, strict=True)
             await self._conn.execute(
@@ -257,6 +276,18 @@ _BROKEN: tuple[type[Exception], ...] = (
 )
 
 
+def _claim_ended_idle(rows: int, idle: float, timeout: float) -> None:
+    log.warning(
+        "a claim of %d rows sat idle %.2fs, beyond its idle timeout (%.2fs), and PostgreSQL "
+        "ended it: this relay did not run for that long (frozen, or starved of CPU). Other "
+        "relays take its rows; this one may have sent them too (duplicates). If the relay "
+        "was only slow, raise NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT",
+        rows,
+        idle,
+        timeout,
+    )
+
+
 async def _rollback(conn: asyncpg.Connection) -> None:
     """Roll a failed claim back; if even that fails, end the session (which rolls back)."""
     if conn.is_closed() or not conn.is_in_transaction():
@@ -280,17 +311,14 @@ class PgOutboxStore:
         *,
         delete_on_publish: bool,
         command_timeout: float,
-        idle_in_transaction_timeout: float | None = None,
+        begin_round_trip: Callable[[float], None] | None = None,
     ) -> None:
         self._pool = pool
-        # SET LOCAL, not a session setting: it must also hold behind a transaction pooler,
-        # and it rides in BEGIN's round trip (simple protocol, a number: no parameters).
         # READ COMMITTED whatever the database's default: the claim needs a new snapshot per
         # statement (migrations 0005 and 0006).
         self._begin = "BEGIN ISOLATION LEVEL READ COMMITTED"
-        if idle_in_transaction_timeout is not None:
-            ms = int(idle_in_transaction_timeout * 1000)
-            self._begin += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+        #: Told how long each claim's BEGIN took (the relay's claim timeout learns from it).
+        self._begin_round_trip = begin_round_trip
         self._q = queries
         self._delete = delete_on_publish
         self._timeout = command_timeout
@@ -298,12 +326,24 @@ class PgOutboxStore:
         self.marks = MarkKeeper()
 
     @asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
+    async def claim(
+        self, limit: int, idle_timeout: float | None = None
+    ) -> AsyncIterator[ClaimedBatch]:
         # The transaction is driven by hand rather than by asyncpg's transaction(), so that
         # the outcome, the COMMIT and the look for more share one round trip (complete()).
+        begin = self._begin
+        if idle_timeout is not None:
+            # SET LOCAL, not a session setting: it must also hold behind a transaction
+            # pooler, and it rides in BEGIN's round trip (simple protocol, a number: no
+            # parameters).
+            ms = max(1, round(idle_timeout * 1000))
+            begin += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
         async with self._pool.acquire() as conn:
             try:
-                await conn.execute(self._begin)
+                started = time.monotonic()
+                await conn.execute(begin)
+                if self._begin_round_trip is not None:
+                    self._begin_round_trip(time.monotonic() - started)
                 start, token = self.marks.take()
                 records = await conn.fetch(
                     self._q["claim"],
@@ -333,6 +373,8 @@ class PgOutboxStore:
                 try:
                     yield batch
                 except _BROKEN:
+                    if idle_timeout is not None and batch.idle_before >= 0.9 * idle_timeout:
+                        _claim_ended_idle(len(rows), batch.idle_before, idle_timeout)
                     # Ended below without a ROLLBACK: after a timeout, asyncpg sends the
                     # ROLLBACK only once the server acknowledged its cancel request, which a
                     # silent socket never does (a second db_command_timeout of waiting).

@@ -58,6 +58,9 @@ class FakeStore:
         self._clock = clock
         self._now = 0.0
         self.claims = 0
+        #: The idle timeout each claim was given (the relay's ClaimIdleTimeout).
+        self.idle_timeouts: list[float | None] = []
+        self.batches: list[FakeBatch] = []
 
     @property
     def now(self) -> float:
@@ -80,8 +83,11 @@ class FakeStore:
         return [r for _, r in sorted(self.rows.items()) if not r.published and r.dead is None]
 
     @asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
+    async def claim(
+        self, limit: int, idle_timeout: float | None = None
+    ) -> AsyncIterator[ClaimedBatch]:
         self.claims += 1
+        self.idle_timeouts.append(idle_timeout)
         pending = self.pending()
         first_of_key: dict[str, int] = {}
         for r in pending:
@@ -101,6 +107,7 @@ class FakeStore:
         ids = {r.row.id for r in claimed}
         self.locked |= ids
         batch = FakeBatch([r.row for r in claimed])
+        self.batches.append(batch)
         try:
             yield batch
             if batch.outcome is not None:  # the claim "commits"

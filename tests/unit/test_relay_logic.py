@@ -15,8 +15,10 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
+from notify_outbox.stalls import AUTO_CEILING, AUTO_FLOOR, WARMUP
 from notify_outbox.store import ClaimedBatch, OutboxRow
 from tests.fakes import FakePublisher, FakeStore, fake_settings
+from tests.faults.harness import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -247,13 +249,15 @@ class ReadOnlyStore(FakeStore):
         self.failures = failures
 
     @asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[ClaimedBatch]:
+    async def claim(
+        self, limit: int, idle_timeout: float | None = None
+    ) -> AsyncIterator[ClaimedBatch]:
         if self.failures:
             self.failures -= 1
             raise asyncpg.ReadOnlySQLTransactionError(
                 "cannot execute SELECT FOR UPDATE in a read-only transaction"
             )
-        async with super().claim(limit) as batch:
+        async with super().claim(limit, idle_timeout) as batch:
             yield batch
 
 
@@ -323,3 +327,38 @@ async def test_each_retry_is_claimed_on_its_own_schedule(
     assert relay.events.counts["wake:poll"] == 0
     assert after_retry
     assert set(after_retry) == {"claimed"}, after_retry
+
+
+async def test_a_claim_is_renewed_within_the_idle_timeout_it_was_given() -> None:
+    # While Kafka's acks take long, a claim is renewed every quarter of its idle timeout, so
+    # that the server does not end a working relay's claim.
+    store, pub = FakeStore(), FakePublisher()
+    pub.gate = anyio.Event()
+    store.add(key="k")
+    s = settings(workers=1, claim_idle_timeout=0.04)
+    async with Relay(s, store=store, publisher=pub) as relay:
+        await pub.entered.wait()
+
+        async def renewed() -> bool:
+            return store.batches[0].keepalives >= 5
+
+        await eventually(renewed, within=5, interval=0.005, what="the claim was renewed")
+        pub.gate.set()
+        await wait_drained(store, relay)
+    assert set(store.idle_timeouts) == {0.04}
+
+
+async def test_auto_claims_start_at_the_ceiling_then_follow_the_loop_watch() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    store.add(key="k")
+    async with Relay(settings(workers=1), store=store, publisher=pub) as relay:
+        await wait_drained(store, relay)
+
+        async def warm() -> bool:
+            return len(relay.claim_timeout.loop) >= WARMUP
+
+        await eventually(warm, within=10, what="the relay's loop watch warmed up")
+        store.add(key="k")
+        await wait_drained(store, relay)
+    assert store.idle_timeouts[0] == AUTO_CEILING
+    assert AUTO_FLOOR <= (store.idle_timeouts[-1] or 0) < AUTO_CEILING

@@ -1,0 +1,97 @@
+"""The claim's idle timeout in auto mode (stalls.py): what it learns from a relay's stalls."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from notify_outbox.stalls import (
+    AUTO_CEILING,
+    AUTO_FACTOR,
+    AUTO_FLOOR,
+    SAMPLES,
+    WARMUP,
+    ClaimIdleTimeout,
+)
+from tests.faults.harness import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+def _fed(*loop: tuple[int, float], round_trips: tuple[tuple[int, float], ...] = ()) -> float:
+    """The auto timeout after the loop watch saw ``count`` stalls of ``seconds`` for each
+    ``(count, seconds)`` in turn (and the BEGIN round trips likewise)."""
+    timeout = ClaimIdleTimeout(None)
+    for count, seconds in loop:
+        for _ in range(count):
+            timeout.loop.add(seconds)
+    for count, seconds in round_trips:
+        for _ in range(count):
+            timeout.round_trip(seconds)
+    return timeout.current()
+
+
+def test_a_fixed_timeout_is_used_as_it_is() -> None:
+    timeout = ClaimIdleTimeout(0.5)
+    for _ in range(SAMPLES):
+        timeout.loop.add(3.0)
+    assert not timeout.auto
+    assert timeout.current() == 0.5
+
+
+def test_a_starting_relay_keeps_the_ceiling_until_it_has_watched_its_loop() -> None:
+    assert _fed() == AUTO_CEILING
+    assert _fed((WARMUP - 1, 0.001)) == AUTO_CEILING
+    assert _fed((WARMUP, 0.001)) == AUTO_FLOOR
+
+
+def test_a_quiet_loop_gets_the_floor() -> None:
+    assert _fed((SAMPLES, 0.002)) == AUTO_FLOOR
+
+
+def test_a_loop_that_stalls_often_gets_a_longer_timeout() -> None:
+    # A CPU limit throttling the relay 60 ms in every tenth look: four times that.
+    assert _fed((SAMPLES * 9 // 10, 0.001), (SAMPLES // 10, 0.06)) == pytest.approx(0.24)
+    # Worse than the ceiling allows: the ceiling.
+    assert _fed((SAMPLES // 2, 0.001), (SAMPLES // 2, 0.9)) == AUTO_CEILING
+
+
+def test_a_few_long_freezes_do_not_move_it() -> None:
+    # Six SIGSTOPs of 6 s among the looks of the last minute and more: a frozen relay must
+    # keep freeing its keys quickly at the next freeze.
+    assert _fed((SAMPLES - 6, 0.002), (6, 6.0)) == AUTO_FLOOR
+
+
+def test_only_recent_looks_count() -> None:
+    # A stormy start, then a quiet stretch as long as the window: the storm is forgotten.
+    assert _fed((SAMPLES, 0.3), (SAMPLES, 0.002)) == AUTO_FLOOR
+
+
+def test_slow_round_trips_to_postgresql_raise_it() -> None:
+    # A distant database: every BEGIN takes 80 ms, so every statement of a claim comes at
+    # least that long after the last.
+    assert _fed((SAMPLES, 0.002), round_trips=((200, 0.08),)) == pytest.approx(0.32)
+
+
+async def test_the_watch_sees_the_event_loop_blocked() -> None:
+    timeout = ClaimIdleTimeout(None)
+    # A fixed timeout needs no watch: it returns at once.
+    await ClaimIdleTimeout(1.0).watch_loop()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timeout.watch_loop)
+
+        async def looked(times: int) -> bool:
+            return len(timeout.loop) >= times
+
+        await eventually(lambda: looked(WARMUP), within=10, interval=0.005, what="warmed up")
+        seen = len(timeout.loop)
+        assert seen < 100, "the test needs the quantile to be the worst of the samples"
+        # The stimulus: the loop blocked, as by a long GC pause or a CPU limit.
+        time.sleep(0.3)  # noqa: ASYNC251
+        await eventually(lambda: looked(seen + 1), within=5, interval=0.005, what="a look")
+        tg.cancel_scope.cancel()
+    # Of fewer than 100 samples, the 99th percentile is the worst: 0.3 s at least, less
+    # the 20 ms tick the watch was asleep for anyway.
+    assert timeout.current() >= AUTO_FACTOR * 0.28
