@@ -288,9 +288,27 @@ def _claim_ended_idle(rows: int, idle: float, timeout: float) -> None:
     )
 
 
+# What a statement on a session the server has ended raises (25P03 is the idle timeout's
+# FATAL, when asyncpg reads it before it sees the socket closed).
+_SESSION_GONE: tuple[type[Exception], ...] = (
+    *_BROKEN,
+    asyncpg.PostgresConnectionError,
+    asyncpg.IdleInTransactionSessionTimeoutError,
+)
+
+
+def _open_in_transaction(conn: asyncpg.Connection) -> bool:
+    """Whether the session is open and inside a transaction; a connection asyncpg has already
+    given back to its pool (it closed it after the server ended the session) is neither."""
+    try:
+        return not conn.is_closed() and conn.is_in_transaction()
+    except asyncpg.InterfaceError:
+        return False
+
+
 async def _rollback(conn: asyncpg.Connection) -> None:
     """Roll a failed claim back; if even that fails, end the session (which rolls back)."""
-    if conn.is_closed() or not conn.is_in_transaction():
+    if not _open_in_transaction(conn):
         return
     try:
         await conn.execute("ROLLBACK")
@@ -372,14 +390,19 @@ class PgOutboxStore:
                 )
                 try:
                     yield batch
-                except _BROKEN:
-                    if idle_timeout is not None and batch.idle_before >= 0.9 * idle_timeout:
+                except Exception as e:
+                    if (
+                        idle_timeout is not None
+                        and batch.idle_before >= 0.9 * idle_timeout
+                        and isinstance(e, _SESSION_GONE)
+                    ):
                         _claim_ended_idle(len(rows), batch.idle_before, idle_timeout)
-                    # Ended below without a ROLLBACK: after a timeout, asyncpg sends the
-                    # ROLLBACK only once the server acknowledged its cancel request, which a
-                    # silent socket never does (a second db_command_timeout of waiting).
-                    raise
-                except Exception:
+                    if isinstance(e, _BROKEN):
+                        # Ended below without a ROLLBACK: after a timeout, asyncpg sends the
+                        # ROLLBACK only once the server acknowledged its cancel request,
+                        # which a silent socket never does (a second db_command_timeout of
+                        # waiting).
+                        raise
                     await _rollback(conn)
                     raise
                 if not batch.committed:  # the caller did not complete it: rows unchanged
@@ -394,7 +417,7 @@ class PgOutboxStore:
             except BaseException as e:
                 # Cancelled (possibly mid-statement): ending the session is the one sure and
                 # immediate way to release the claim's locks; the pool opens a new one.
-                if not conn.is_closed() and conn.is_in_transaction():
+                if _open_in_transaction(conn):
                     await terminate(conn)
                 if read_only(e):  # every pooled session is on that read-only server too
                     await self._pool.expire_connections()
