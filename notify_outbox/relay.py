@@ -657,7 +657,6 @@ class Relay:
         # transaction soon, and other relays may take its keys (stalls.py).
         idle_timeout = self.claim_timeout.current()
         async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
-            claimed_at = time.monotonic()
             self.gate.progress()
             rows = batch.rows
             if batch.busy:
@@ -678,7 +677,7 @@ class Relay:
                 self._retry_timers.claimed(r.id for r in rows if r.attempts)
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
-            if time.monotonic() - claimed_at > idle_timeout / 2:
+            if batch.idle() > idle_timeout / 2:
                 # The relay did not run for a while since its claim (frozen, or its loop
                 # starved): PostgreSQL may have ended the claim and another relay taken its
                 # rows. Ask before sending them again behind that relay's copies.

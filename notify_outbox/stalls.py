@@ -6,29 +6,33 @@ frozen relay (SIGSTOP, a VM pause, a debugger) gives its keys back to the fleet:
 the timeout, the sooner. But a relay that is only slow (its event loop starved by a CPU limit,
 a GC pause, a busy host, a distant database) looks the same from the server, and a claim ended
 under it is published twice. Nothing tells the two apart faster than the slow relay's own
-stalls, so in ``auto`` mode the timeout follows them: a multiple of the recent stalls of this
-relay's event loop and of its round trips to PostgreSQL, between 0.1 and 2 s. A freeze of
-seconds is one sample among thousands and does not move the quantile; a loop that stalls often
-does, within seconds.
+stalls, so in ``auto`` mode the timeout follows them: three times the worst recent stall of this
+relay's event loop plus its worst recent round trip to PostgreSQL, between 0.1 and 2 s. A worse
+stall raises it at once; it comes down once the stall is out of the window (80 s). A freeze
+longer than 2 s does not count: whatever the timeout, the claim is lost to it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 import anyio
 
+log = logging.getLogger("notify_outbox.stalls")
+
 #: Bounds of the auto timeout (s). The floor keeps a frozen relay's keys from waiting more
 #: than about a tenth of a second on a healthy host; the ceiling is the fixed default of
 #: earlier releases.
 AUTO_FLOOR = 0.1
 AUTO_CEILING = 2.0
-#: The timeout is this many times the recent stall quantile: a claim is lost only to a stall
-#: several times longer than the worst of all but one in a hundred.
-AUTO_FACTOR = 4.0
-QUANTILE = 0.99
+#: The timeout is this many times the worst recent stall of the event loop plus the worst
+#: recent BEGIN round trip. While Kafka's acks are awaited, the server sees a claim idle
+#: between two renewals for a quarter of the timeout plus a round trip plus the loop's delay
+#: in answering: three times their worst keeps that under half the timeout.
+FACTOR = 3.0
 #: How often the watch looks at the event loop (s), and how many of its recent looks count
 #: (4096 x 20 ms: the last 80 s or so).
 TICK = 0.02
@@ -39,14 +43,15 @@ WARMUP = 50
 
 
 class Stalls:
-    """Recent delays: keeps the last ``SAMPLES`` and answers their ``QUANTILE``, recomputed
-    at every sample while there are few, then after every 64 (sorting 4096 floats costs
-    about half a millisecond)."""
+    """Recent delays: keeps the last ``SAMPLES``, and answers the worst of them below
+    ``AUTO_CEILING`` (a relay gone longer than that loses its claim whatever the timeout: a
+    freeze, not a stall to allow for). A worse sample counts at once; the worst is looked for
+    again after every 64 samples (4096 floats: a few tens of microseconds)."""
 
     def __init__(self, size: int = SAMPLES) -> None:
         self._samples: deque[float] = deque(maxlen=size)
         self._fresh = 0
-        self._quantile = 0.0
+        self._worst = 0.0
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -54,16 +59,15 @@ class Stalls:
     def add(self, seconds: float) -> None:
         self._samples.append(seconds)
         self._fresh += 1
-        if self._fresh >= 64 or len(self._samples) <= 256:
-            self._recompute()
+        if self._worst < seconds < AUTO_CEILING:
+            self._worst = seconds
+        if self._fresh >= 64:
+            # Samples leave the window as others come: the worst may have left it.
+            self._fresh = 0
+            self._worst = max((s for s in self._samples if s < AUTO_CEILING), default=0.0)
 
-    def quantile(self) -> float:
-        return self._quantile
-
-    def _recompute(self) -> None:
-        self._fresh = 0
-        ordered = sorted(self._samples)
-        self._quantile = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+    def worst(self) -> float:
+        return self._worst
 
 
 class ClaimIdleTimeout:
@@ -78,6 +82,7 @@ class ClaimIdleTimeout:
         self.loop = Stalls()
         self.round_trips = Stalls()
         self._clock = clock
+        self._told = AUTO_CEILING  # the value last logged
 
     @property
     def auto(self) -> bool:
@@ -88,8 +93,8 @@ class ClaimIdleTimeout:
             return self.fixed
         if len(self.loop) < WARMUP:
             return AUTO_CEILING
-        stall = max(self.loop.quantile(), self.round_trips.quantile())
-        return min(AUTO_CEILING, max(AUTO_FLOOR, AUTO_FACTOR * stall))
+        wanted = FACTOR * (self.loop.worst() + self.round_trips.worst())
+        return min(AUTO_CEILING, max(AUTO_FLOOR, wanted))
 
     def round_trip(self, seconds: float) -> None:
         self.round_trips.add(seconds)
@@ -104,3 +109,18 @@ class ClaimIdleTimeout:
             start = clock()
             await anyio.sleep(TICK)
             self.loop.add(max(0.0, clock() - start - TICK))
+            self._tell()
+
+    def _tell(self) -> None:
+        # Operators see the timeout move when it doubles or halves (rare: it follows the
+        # host's load), with the stall behind it.
+        now = self.current()
+        if now >= 2 * self._told or now <= self._told / 2:
+            log.info(
+                "claim idle timeout now %.2fs (auto: the event loop's worst recent stall "
+                "%.3fs, worst recent BEGIN round trip %.3fs)",
+                now,
+                self.loop.worst(),
+                self.round_trips.worst(),
+            )
+            self._told = now

@@ -98,6 +98,11 @@ class ClaimedBatch(Protocol):
         claim's ``idle_timeout`` is ended by the server)."""
         ...
 
+    def idle(self) -> float:
+        """Seconds since the claim's last statement was sent: at least as long as the server
+        may have seen it idle."""
+        ...
+
 
 class OutboxStore(Protocol):
     """The database operations the relay needs (a port, so tests can use a fake)."""
@@ -191,6 +196,7 @@ class _PgBatch:
         marks: MarkKeeper,
         busy: int,
         parked: bool,
+        sent_at: float,
     ) -> None:
         self._conn = conn
         self._q = queries
@@ -202,15 +208,19 @@ class _PgBatch:
         self.parked = parked
         self.committed = False
         self._more_due: bool | None = None
-        self._done_at = time.monotonic()  # when the claim's last statement returned
-        #: How long the claim sat idle before its latest statement was sent (s).
+        # When the claim's last statement was sent: the server cannot have been idle in the
+        # claim for longer than since then (it went idle once it had answered).
+        self._sent_at = sent_at
+        #: How long the claim may have sat idle before its latest statement was sent (s).
         self.idle_before = 0.0
 
-    def _sending(self) -> None:
-        self.idle_before = time.monotonic() - self._done_at
+    def idle(self) -> float:
+        return time.monotonic() - self._sent_at
 
-    def _returned(self) -> None:
-        self._done_at = time.monotonic()
+    def _sending(self) -> None:
+        now = time.monotonic()
+        self.idle_before = now - self._sent_at
+        self._sent_at = now
 
     @property
     def rows(self) -> Sequence[OutboxRow]:
@@ -223,7 +233,6 @@ class _PgBatch:
     async def keepalive(self) -> None:
         self._sending()
         await self._conn.execute("SELECT 1")
-        self._returned()
 
     async def complete(self, outcome: BatchOutcome) -> None:
         self._sending()
@@ -363,6 +372,7 @@ class PgOutboxStore:
                 if self._begin_round_trip is not None:
                     self._begin_round_trip(time.monotonic() - started)
                 start, token = self.marks.take()
+                sent_at = time.monotonic()
                 records = await conn.fetch(
                     self._q["claim"],
                     limit,
@@ -387,6 +397,7 @@ class PgOutboxStore:
                     marks=self.marks,
                     busy=busy,
                     parked=changed,
+                    sent_at=sent_at,
                 )
                 try:
                     yield batch

@@ -46,6 +46,9 @@ class FakeBatch:
     async def keepalive(self) -> None:
         self.keepalives += 1
 
+    def idle(self) -> float:
+        return 0.0
+
 
 class FakeStore:
     """Claims like the SQL: per key, only the earliest pending row is a head; a worker that
