@@ -655,7 +655,7 @@ class Relay:
         # A worker holds its claim open while Kafka acknowledges, and says so every quarter
         # of this (_publish_kept_alive); if the relay stalls, the server ends that
         # transaction soon, and other relays may take its keys (stalls.py).
-        idle_timeout = self.claim_timeout.current()
+        idle_timeout = self.claim_timeout.for_claim()
         async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
             self.gate.progress()
             rows = batch.rows

@@ -11,6 +11,7 @@ from notify_outbox.stalls import (
     AUTO_CEILING,
     AUTO_FLOOR,
     FACTOR,
+    REST_AFTER,
     SAMPLES,
     TICK,
     WARMUP,
@@ -87,6 +88,7 @@ async def test_the_watch_sees_the_event_loop_blocked() -> None:
     await ClaimIdleTimeout(1.0).watch_loop()
     async with anyio.create_task_group() as tg:
         tg.start_soon(timeout.watch_loop)
+        timeout.for_claim()  # the watch rests until claims come
 
         async def looked(times: int) -> bool:
             return len(timeout.loop) >= times
@@ -99,3 +101,20 @@ async def test_the_watch_sees_the_event_loop_blocked() -> None:
         tg.cancel_scope.cancel()
     # 0.4 s, less at most the tick the watch was asleep for anyway.
     assert timeout.current() >= FACTOR * (0.4 - TICK)
+
+
+async def test_the_watch_rests_while_no_claim_comes() -> None:
+    clock = [0.0]
+    timeout = ClaimIdleTimeout(None, clock=lambda: clock[0])
+    clock[0] = REST_AFTER + 1  # no claim yet
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timeout.watch_loop)
+        await anyio.wait_all_tasks_blocked()
+        assert len(timeout.loop) == 0, "an idle relay's watch looked"
+        assert timeout.for_claim() == AUTO_CEILING  # and wakes it
+
+        async def looked() -> bool:
+            return len(timeout.loop) >= 2
+
+        await eventually(looked, within=5, interval=0.01, what="the watch looked")
+        tg.cancel_scope.cancel()
