@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "ClaimLost",
     "ConfigurationError",
     "EventValidationError",
     "MigrationError",
@@ -25,6 +26,12 @@ class EventValidationError(NotifyOutboxError, ValueError):
 
 class MigrationError(NotifyOutboxError):
     """The database schema is not what this version of notify-outbox expects."""
+
+
+class ClaimLost(NotifyOutboxError):
+    """PostgreSQL ended a claim left idle longer than its timeout: the relay did not run for
+    that long (frozen, or starved of CPU). Its rows go to the next claim, of this relay or
+    another; nothing is wrong with the database."""
 
 
 class PublisherUnavailable(NotifyOutboxError):

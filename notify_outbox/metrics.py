@@ -54,7 +54,7 @@ OTHER_TOPIC = "_other"
 # 0), so that increase() sees a first failure.
 FAILURE_REASONS = (
     "topic_missing", "malformed", "too_large", "not_authorized", "kafka_error",
-    "kafka_unavailable", "database",
+    "kafka_unavailable", "database", "claim_lost",
 )  # fmt: skip
 # Wake-up sources the relay emits (RelayEvents' docstring); anything else counts as "other".
 WAKE_SOURCES = frozenset({"notification", "poll", "reconnect", "start", "backlog", "retry", "gate"})
@@ -163,7 +163,8 @@ class RelayMetrics:
             PREFIX + "publish_failures",
             "Failed attempts, by reason: rows that failed (topic_missing, malformed, too_large, "
             "not_authorized, kafka_error), rows given back while Kafka was unavailable "
-            "(kafka_unavailable), claims that failed on the database (database)",
+            "(kafka_unavailable), claims that failed on the database (database), claims "
+            "PostgreSQL ended because the relay stalled past their idle timeout (claim_lost)",
             [*labels, "reason"],
             registry=r,
         )
@@ -278,6 +279,8 @@ class RelayMetrics:
             self.batch_size.labels(self.table).observe(amount)
         elif name == "db_error":
             self.failures.labels(self.table, "database").inc(amount)
+        elif name == "claim_lost":
+            self.failures.labels(self.table, "claim_lost").inc(amount)
 
     def _on_batch(
         self, rows: Sequence[OutboxRow], outcome: BatchOutcome, unavailable: str | None

@@ -40,7 +40,13 @@ from .db import (
     settle_pool,
 )
 from .deadletters import expire_dead_letters
-from .errors import ConfigurationError, MigrationError, NotifyOutboxError, PublisherUnavailable
+from .errors import (
+    ClaimLost,
+    ConfigurationError,
+    MigrationError,
+    NotifyOutboxError,
+    PublisherUnavailable,
+)
 from .events import RelayEvents
 from .gate import Gate
 from .listener import Listener
@@ -604,6 +610,11 @@ class Relay:
             return None
         try:
             claimed = await self._process_batch()
+        except ClaimLost as e:
+            # Not a database outage: the relay stalled. Claim again at once (a new session).
+            self.events.emit("claim_lost")
+            log.warning("%s", e)
+            return None
         except PublisherUnavailable as e:
             self.events.emit("kafka_unavailable")
             self.kafka_outage.failed(str(e))

@@ -9,7 +9,6 @@ crashed relay's rows simply become claimable again when its connection goes away
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -21,9 +20,8 @@ from typing import Protocol
 import asyncpg
 
 from .db import read_only, terminate
+from .errors import ClaimLost
 from .sqlfiles import Queries
-
-log = logging.getLogger("notify_outbox.store")
 
 __all__ = [
     "BatchOutcome",
@@ -285,17 +283,18 @@ _BROKEN: tuple[type[Exception], ...] = (
 )
 
 
-def _claim_ended_idle(rows: int, idle: float, timeout: float) -> None:
-    log.warning(
-        "a claim of %d rows sat idle %.2fs, beyond its idle timeout (%.2fs), and PostgreSQL "
-        "ended it: this relay did not run for that long (frozen, or starved of CPU). Other "
-        "relays take its rows; this one may have sent them too (duplicates). If the relay "
-        "was only slow, raise NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT",
-        rows,
-        idle,
-        timeout,
+def _claim_lost(rows: int, idle: float, timeout: float) -> ClaimLost:
+    return ClaimLost(
+        f"a claim of {rows} rows sat idle {idle:.2f}s, beyond its idle timeout "
+        f"({timeout:.2f}s), and PostgreSQL ended it: this relay did not run for that long "
+        "(frozen, or starved of CPU). The next claim takes its rows; if they had been sent, "
+        "they are sent again (duplicates). If the relay was only slow, raise "
+        "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT"
     )
 
+
+# The session is gone or suspect: ended, never handed out again.
+_BROKEN_OR_LOST: tuple[type[Exception], ...] = (*_BROKEN, ClaimLost)
 
 # What a statement on a session the server has ended raises (25P03 is the idle timeout's
 # FATAL, when asyncpg reads it before it sees the socket closed).
@@ -407,7 +406,7 @@ class PgOutboxStore:
                         and batch.idle_before >= 0.9 * idle_timeout
                         and isinstance(e, _SESSION_GONE)
                     ):
-                        _claim_ended_idle(len(rows), batch.idle_before, idle_timeout)
+                        raise _claim_lost(len(rows), batch.idle_before, idle_timeout) from e
                     if isinstance(e, _BROKEN):
                         # Ended below without a ROLLBACK: after a timeout, asyncpg sends the
                         # ROLLBACK only once the server acknowledged its cancel request,
@@ -418,7 +417,7 @@ class PgOutboxStore:
                     raise
                 if not batch.committed:  # the caller did not complete it: rows unchanged
                     await conn.execute("COMMIT" if changed else "ROLLBACK")
-            except _BROKEN:
+            except _BROKEN_OR_LOST:
                 # The connection may be left mid-protocol (the pool's release no longer runs a
                 # reset query that would have caught it): never hand it out again. (When the
                 # server already ended it, the pool may have let go of it: nothing to end.)

@@ -73,6 +73,9 @@ async def test_a_blocked_relay_loses_its_claim_after_the_timeout_it_learnt(
     _, total = await consume(services.bootstrap, topic, expect=2, within=30)
     assert total == 2, f"{total - 1} copies of the row in Kafka (and the warm-up row)"
     assert blocked, "the relay never claimed the row"
+    # A stall, not a database outage: no backoff, no "PostgreSQL unavailable".
+    assert relay.events.counts["claim_lost"] == 1
+    assert relay.events.counts["db_error"] == 0
     ended = [r.getMessage() for r in caplog.records if "PostgreSQL ended it" in r.getMessage()]
     assert ended, (
         f"blocked for {3 * blocked[0]:.2f}s after a claim whose timeout was {blocked[0]:.2f}s, "
