@@ -219,14 +219,15 @@ class OutboxSettings(DatabaseSettings):
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )
     claim_idle_timeout: AutoSeconds = Field(
-        None,
+        2.0,
         description="A claim's transaction left idle this long is ended by PostgreSQL "
         "(idle_in_transaction_session_timeout), which frees its keys for the other relays: a "
         "relay frozen (a VM stall, a debugger) holds its keys this long at most, and a relay "
-        "only slower than this loses its claim and publishes its rows twice. 'auto' (the "
-        "default): four times the relay's recent stalls (its event loop's, its round trips to "
-        "PostgreSQL), between 0.1 and 2 s. A working relay renews it while it waits for "
-        "Kafka's acks",
+        "only slower than this loses its claim and may publish its rows twice. 'auto': three "
+        "times the relay's worst recent stall (its event loop's plus its round trip to "
+        "PostgreSQL), between 0.1 and 2 s: a frozen relay's keys wait about 0.1 s on a "
+        "healthy host, at the price of duplicates when a relay's host goes from quiet to "
+        "starved at once. A working relay renews it while it waits for Kafka's acks",
     )
 
     # --- how the relay works ------------------------------------------------------------------

@@ -33,16 +33,17 @@ AUTO_CEILING = 2.0
 #: in answering: three times their worst keeps that under half the timeout.
 FACTOR = 3.0
 #: How often the watch looks at the event loop (s), and how many of its recent looks count
-#: (1600 x 50 ms: 80 s of claiming). A stall of 50 ms or more always shows, all of it when a
-#: look was due as it began, else all but what was left of the look's sleep.
-TICK = 0.05
-SAMPLES = 1600
+#: (4000 x 20 ms: 80 s of claiming). A stall shows in full when a look was due as it began,
+#: else less what was left of the look's sleep: a short tick measures stalls closely (a 50 ms
+#: one let a CI run lose a claim to a stall it had under-measured).
+TICK = 0.02
+SAMPLES = 4000
 #: Until this many looks were made, auto mode keeps the ceiling (a starting process stalls:
 #: imports, first connections).
-WARMUP = 20
+WARMUP = 50
 #: The watch rests after this long without a claim (s): what counts is how the loop behaves
 #: while claims are open, and an idle relay should cost nothing (a look costs ~150 µs of CPU
-#: on this VM, 0.3% of a core at 20 a second).
+#: on this VM: 0.75% of a core at 50 a second, while claims come).
 REST_AFTER = 10.0
 
 
@@ -50,7 +51,7 @@ class Stalls:
     """Recent delays: keeps the last ``SAMPLES``, and answers the worst of them below
     ``AUTO_CEILING`` (a relay gone longer than that loses its claim whatever the timeout: a
     freeze, not a stall to allow for). A worse sample counts at once; the worst is looked for
-    again after every 64 samples (1600 floats: a few tens of microseconds)."""
+    again after every 64 samples (4000 floats: a few tens of microseconds)."""
 
     def __init__(self, size: int = SAMPLES) -> None:
         self._samples: deque[float] = deque(maxlen=size)

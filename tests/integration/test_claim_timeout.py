@@ -1,5 +1,5 @@
 """The claim's idle timeout in auto mode (stalls.py), against real PostgreSQL and Kafka: a relay
-with default settings learns a timeout well under the 2 s ceiling on a healthy loop, the
+with `claim_idle_timeout=auto` learns a timeout well under the 2 s ceiling on a healthy loop, the
 claims it makes carry it, and when its event loop stops right after a claim (blocked: no
 coroutine runs, as under SIGSTOP or a long GC pause) PostgreSQL ends that claim; resumed, the
 relay finds the claim gone before it sends anything, says why, claims again and delivers the
@@ -37,7 +37,8 @@ async def test_a_blocked_relay_loses_its_claim_after_the_timeout_it_learnt(
 
     armed = False
     caplog.set_level(logging.WARNING, logger="notify_outbox")
-    relay = Relay(make_settings(db_dsn, services, workers=1), fault_hook=hook)
+    s = make_settings(db_dsn, services, workers=1, claim_idle_timeout="auto")
+    relay = Relay(s, fault_hook=hook)
     async with relay:
         assert relay.claim_timeout.auto
         conn = await asyncpg.connect(db_dsn)

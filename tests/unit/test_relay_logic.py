@@ -351,7 +351,8 @@ async def test_a_claim_is_renewed_within_the_idle_timeout_it_was_given() -> None
 async def test_auto_claims_start_at_the_ceiling_then_follow_the_loop_watch() -> None:
     store, pub = FakeStore(), FakePublisher()
     store.add(key="k")
-    async with Relay(settings(workers=1), store=store, publisher=pub) as relay:
+    s = settings(workers=1, claim_idle_timeout="auto")
+    async with Relay(s, store=store, publisher=pub) as relay:
         await wait_drained(store, relay)
 
         async def warm() -> bool:
