@@ -105,13 +105,16 @@ class ClaimIdleTimeout:
 
     def for_claim(self) -> float:
         """``current()`` for a claim about to start (which also wakes a resting watch)."""
+        if self.fixed is not None:
+            return self.fixed
         self._claimed_at = self._clock()
         if not self._claiming.is_set():
             self._claiming.set()
         return self.current()
 
     def round_trip(self, seconds: float) -> None:
-        self.round_trips.add(seconds)
+        if self.fixed is None:  # a fixed timeout needs no measure
+            self.round_trips.add(seconds)
 
     async def watch_loop(self) -> None:
         """Measure how late the event loop wakes a sleeping task, while claims come (auto

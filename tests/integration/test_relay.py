@@ -244,16 +244,15 @@ async def test_embedded_relay_runs_in_the_host_loop_and_stops_on_cancellation(
         assert relay.listener is not None
         assert relay.listener.connection is None
         # ...and the server ends their sessions shortly after (asynchronously: bounded wait).
-        left = -1
-        for _ in range(250):
+
+        async def sessions_gone() -> bool:
             left = await conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity "
                 "WHERE application_name LIKE 'notify-outbox%' AND datname = current_database()"
             )
-            if left == 0:
-                break
-            await anyio.sleep(0.02)
-        assert left == 0
+            return not left
+
+        await eventually(sessions_gone, within=5, interval=0.02, what="the relay's sessions ended")
     finally:
         await conn.close()
 
