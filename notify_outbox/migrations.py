@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
+import logging
+import random
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +15,7 @@ from typing import Generic, Protocol, TypeVar
 import asyncpg
 
 from .db import require_supported_server
+from .errors import MigrationError
 from .names import OutboxNames
 from .sqlfiles import Migration, load_migrations, render
 
@@ -39,6 +43,17 @@ CREATE TABLE IF NOT EXISTS @migrations@ (
     PRIMARY KEY (target, version)
 );
 """
+
+log = logging.getLogger(__name__)
+
+# An attempt waits at most this long for each lock it needs (in PostgreSQL's lock_timeout
+# syntax). A migration that takes a table lock queues every producer behind its request, so a
+# long transaction on the table (a batch job, an idle session) must cost producers this much at
+# most, not the whole transaction; and a deadlock with one must end with this migration giving
+# up, which it does first: PostgreSQL looks for deadlocks after deadlock_timeout, 1 s.
+LOCK_TIMEOUT = "500ms"
+# How long `migrate` keeps trying (seconds) before it says which lock it could not get.
+RETRY_FOR = 300.0
 
 # Everything a migration defines, as (kind, name, definition) rows, for one schema. Compared
 # between the real schema and a scratch copy built from the shipped migrations.
@@ -156,24 +171,74 @@ def render_track(track: MigrationTrack[N], names: N, *, since: int = 0) -> str:
 
 
 async def migrate(
-    conn: asyncpg.Connection, names: OutboxNames, *, up_to: int | None = None
+    conn: asyncpg.Connection,
+    names: OutboxNames,
+    *,
+    up_to: int | None = None,
+    retry_for: float = RETRY_FOR,
 ) -> list[int]:
     """Apply the pending migrations for one outbox (up to version ``up_to``, if given) and
     return the versions applied.
 
     Safe to run from several processes at once: the whole run holds a transaction-scoped
-    advisory lock, so the second process waits, then finds nothing left to do.
+    advisory lock, so the second process waits, then finds nothing left to do. Safe to run
+    while producers and relays work: each attempt waits at most 0.5 s for any lock (producers
+    queued behind a table lock wait no longer than that), and gives up and starts again, for
+    ``retry_for`` seconds, when a lock is held longer or a deadlock is found. Then it raises
+    MigrationError, naming the lock it could not get.
     """
-    return await migrate_track(conn, OUTBOX_TRACK, names, up_to=up_to)
+    return await migrate_track(conn, OUTBOX_TRACK, names, up_to=up_to, retry_for=retry_for)
 
 
 async def migrate_track(
-    conn: asyncpg.Connection, track: MigrationTrack[N], names: N, *, up_to: int | None = None
+    conn: asyncpg.Connection,
+    track: MigrationTrack[N],
+    names: N,
+    *,
+    up_to: int | None = None,
+    retry_for: float = RETRY_FOR,
 ) -> list[int]:
     """``migrate`` for any track."""
     await require_supported_server(conn)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_for
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await _migrate_once(conn, track, names, up_to)
+        except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError) as e:
+            what = "a deadlock" if isinstance(e, asyncpg.DeadlockDetectedError) else "a lock"
+            if loop.time() >= deadline:
+                raise MigrationError(
+                    f"migrations of {names.target} not applied: for {retry_for:g} s "
+                    f"({attempt} attempt{'s' * (attempt != 1)}) they met {what} they could "
+                    f"not get past ({e}). "
+                    "A long transaction on these tables (see pg_stat_activity, pg_locks) "
+                    "holds what they need: end it, or run `notify-outbox migrate` again later"
+                ) from None
+            delay = min(0.05 * 2**attempt, 2.0) * random.uniform(0.5, 1.0)
+            log.warning(
+                "migrations of %s: attempt %d met %s (%s); nothing was applied, trying "
+                "again in %.2f s",
+                names.target,
+                attempt,
+                what,
+                e,
+                delay,
+            )
+            await asyncio.sleep(delay)
+
+
+async def _migrate_once(
+    conn: asyncpg.Connection, track: MigrationTrack[N], names: N, up_to: int | None
+) -> list[int]:
+    """One attempt, in one transaction: all pending migrations or none."""
     async with conn.transaction():
+        # Taken before the lock timeout: a second `migrate` waits for the first to finish.
         await conn.execute("SELECT pg_advisory_xact_lock($1::bigint)", names.lock_namespace)
+        was = await conn.fetchval("SELECT current_setting('lock_timeout')")
+        await conn.execute("SELECT set_config('lock_timeout', $1, true)", LOCK_TIMEOUT)
         await conn.execute(render(_TRACKING, names))
         table = render("@migrations@", names)
         rows = await conn.fetch(f"SELECT version FROM {table} WHERE target = $1", names.target)
@@ -191,6 +256,8 @@ async def migrate_track(
                 _checksum(m),
             )
             applied.append(m.version)
+        # Inside a caller's transaction (a savepoint here) the setting would outlive us.
+        await conn.execute("SELECT set_config('lock_timeout', $1, true)", was)
     return applied
 
 

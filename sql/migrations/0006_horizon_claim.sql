@@ -98,8 +98,25 @@
 -- the table and then draws from the sequence, so locking the sequence first could deadlock.
 LOCK TABLE @table@ IN SHARE ROW EXCLUSIVE MODE;
 
--- The sequence hands out one value at a time (see 1).
-ALTER SEQUENCE @id_seq@ CACHE 1;
+-- The sequence hands out one value at a time (see 1). CACHE 1 is PostgreSQL's default, so this
+-- usually changes nothing, and then it must not lock the sequence: nextval() locks it for the
+-- whole transaction, so a producer that inserted inside a savepoint it rolled back (Django's
+-- nested atomic blocks, SQLAlchemy's begin_nested) still holds the sequence but no longer the
+-- table, and its next insert waits for the table lock above while ALTER SEQUENCE would wait for
+-- it: a deadlock. Where a cache was set, the ALTER runs with a short lock_timeout, so that this
+-- migration is the one that gives up (`notify-outbox migrate` tries again), never a producer.
+DO $do$
+DECLARE
+    was text := current_setting('lock_timeout');
+BEGIN
+    IF (SELECT s.seqcache FROM pg_sequence AS s
+        WHERE s.seqrelid = @id_seq_literal@::regclass) <> 1 THEN
+        PERFORM set_config('lock_timeout', '100ms', true);
+        ALTER SEQUENCE @id_seq@ CACHE 1;
+        PERFORM set_config('lock_timeout', was, true);
+    END IF;
+END
+$do$;
 
 -- Per-key commit order (0001), and now for every row: the transaction's id before the row's.
 -- A value the insert gave, or the identity default drawn before this trigger ran, is replaced.

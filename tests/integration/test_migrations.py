@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import anyio
 import asyncpg
 import pytest
 
-from notify_outbox import OutboxNames, migrate, render_migrations, verify
+from notify_outbox import MigrationError, OutboxNames, migrate, render_migrations, verify
 from notify_outbox.sqlfiles import load_migrations
 from tests.support import ROOT
 
@@ -110,3 +111,108 @@ def test_cli_check_exit_codes(empty_db_dsn: str) -> None:
     after = cli("verify")
     assert after.returncode == 0
     assert "up to date" in after.stdout
+
+
+# Producers under an online upgrade (0005 -> 0006 takes the outbox's table lock).
+_INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ('t', 'k', '{}')"
+
+
+async def _at_0005(dsn: str) -> asyncpg.Connection:
+    conn = await asyncpg.connect(dsn)
+    assert await migrate(conn, OutboxNames(), up_to=5) == [1, 2, 3, 4, 5]
+    return conn
+
+
+async def _rolled_back_savepoint(dsn: str) -> asyncpg.Connection:
+    """A producer whose transaction inserted inside a savepoint it rolled back, and goes on:
+    nextval() keeps the id sequence locked for the whole transaction, the table lock went with
+    the savepoint."""
+    producer = await asyncpg.connect(dsn)
+    await producer.execute(f"BEGIN; SAVEPOINT s; {_INSERT}; ROLLBACK TO SAVEPOINT s")
+    return producer
+
+
+async def test_upgrade_never_locks_a_default_sequence_a_savepoint_holds(
+    empty_db_dsn: str,
+) -> None:
+    """0006 keeps the sequence's CACHE 1 as it finds it, without locking the sequence: the
+    ALTER SEQUENCE it ran before waited for the producer below, whose next insert waited for
+    the table lock 0006 holds: "deadlock detected" in CI (scenario 30)."""
+    conn = await _at_0005(empty_db_dsn)
+    producer = await _rolled_back_savepoint(empty_db_dsn)
+    try:
+        # No retry allowed: the first attempt must not wait for any lock.
+        assert await migrate(conn, OutboxNames(), retry_for=0) == [6]
+        await producer.execute(_INSERT)
+        await producer.execute("COMMIT")
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 1
+    finally:
+        await producer.close()
+        await conn.close()
+
+
+async def test_upgrade_that_must_alter_the_sequence_gives_way_to_producers(
+    empty_db_dsn: str,
+) -> None:
+    """Where a cache was set, 0006 must lock the sequence, and the savepoint producer holds it:
+    the migration gives up and tries again (never the producer), and lands once the producer
+    commits."""
+    conn = await _at_0005(empty_db_dsn)
+    await conn.execute("ALTER SEQUENCE outbox_id_seq CACHE 20")
+    producer = await _rolled_back_savepoint(empty_db_dsn)
+    retried = _Logged("attempt 1 met a lock")
+    logging.getLogger("notify_outbox.migrations").addHandler(retried)
+    try:
+        upgrade = asyncio.ensure_future(migrate(conn, OutboxNames(), retry_for=60))
+        await asyncio.wait_for(retried.seen.wait(), timeout=30)
+        # Its insert waits for the migration's next attempt to give up, at most.
+        await asyncio.wait_for(producer.execute(_INSERT), timeout=30)
+        await producer.execute("COMMIT")
+        assert await asyncio.wait_for(upgrade, timeout=30) == [6]
+        seqcache = "SELECT seqcache FROM pg_sequence WHERE seqrelid = 'outbox_id_seq'::regclass"
+        assert await conn.fetchval(seqcache) == 1
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 1
+    finally:
+        logging.getLogger("notify_outbox.migrations").removeHandler(retried)
+        await producer.close()
+        await conn.close()
+
+
+async def test_upgrade_behind_a_long_transaction_holds_producers_briefly_then_says_why(
+    empty_db_dsn: str,
+) -> None:
+    """A transaction that keeps the outbox (a batch job, an idle session) blocks the upgrade.
+    Producers queued behind the upgrade's table lock must not wait for that transaction too,
+    and the upgrade ends with an error that says what blocked it."""
+    conn = await _at_0005(empty_db_dsn)
+    long = await asyncpg.connect(empty_db_dsn)
+    producer = await asyncpg.connect(empty_db_dsn)
+    try:
+        # Another key: same-key producers wait for each other anyway (commit order).
+        await long.execute(
+            "BEGIN; INSERT INTO outbox (topic, key, payload) VALUES ('t', 'o', '{}')"
+        )
+        upgrade = asyncio.ensure_future(migrate(conn, OutboxNames(), retry_for=3))
+        for _ in range(3):  # each insert finds the upgrade waiting or between attempts
+            await asyncio.wait_for(producer.execute(_INSERT), timeout=30)
+        with pytest.raises(MigrationError, match="long transaction"):
+            await asyncio.wait_for(upgrade, timeout=60)
+        assert (await verify(conn, OutboxNames())).pending == [6]
+        await long.execute("COMMIT")
+        assert await migrate(conn, OutboxNames(), retry_for=0) == [6]
+    finally:
+        for c in (producer, long, conn):
+            await c.close()
+
+
+class _Logged(logging.Handler):
+    """Sets ``seen`` when the migrations' logger writes a record containing ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
