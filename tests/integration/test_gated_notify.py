@@ -291,6 +291,39 @@ async def test_the_awake_marker_dies_with_a_killed_relay(
         assert await heard.notified_before_sentinel(conn)
 
 
+async def test_a_steady_stream_shared_by_several_workers_marks_the_relay_awake(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A steady stream (here about 500 ev/s from two connections) that the relay's workers
+    take in turns, each claim a few rows: no worker drains long on its own, but the relay has
+    had one claiming all along, so it marks itself awake and producers stop notifying. (On a
+    quiet host a single worker's run gets there too; the bench's held snapshot showed where
+    it did not: at 800 ev/s beside PostgreSQL, Kafka and the producers, a relay whose runs
+    counted per worker stayed notified per commit, at twice the latency, for 20-60 s.)"""
+    settings = OutboxSettings(dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=4)
+    insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
+    async with connections(db_dsn, 2) as conns, Relay(settings) as relay:
+        events = relay.events
+        sent = 0
+
+        async def produce(conn: asyncpg.Connection, first: int) -> None:
+            nonlocal sent
+            n = first
+            while not events.counts["gate_awake"]:
+                await conn.execute(insert, topic, f"k{n % 40}")
+                sent += 1
+                n += 2
+                await anyio.sleep(0.004)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for i, conn in enumerate(conns):
+                    tg.start_soon(produce, conn, i)
+        assert events.counts["gate_awake"] >= 1
+        with anyio.fail_after(30):
+            await events.wait_for("published", sent)
+
+
 async def test_a_trickle_never_marks_the_relay_awake_but_a_backlog_does(
     db_dsn: str, services: Services, topic: str
 ) -> None:
