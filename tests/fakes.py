@@ -64,6 +64,8 @@ class FakeStore:
         #: The idle timeout each claim was given (the relay's ClaimIdleTimeout).
         self.idle_timeouts: list[float | None] = []
         self.batches: list[FakeBatch] = []
+        #: Buckets held by other claims, as every claim reports them (ClaimedBatch.busy).
+        self.busy = 0
 
     @property
     def now(self) -> float:
@@ -110,6 +112,7 @@ class FakeStore:
         ids = {r.row.id for r in claimed}
         self.locked |= ids
         batch = FakeBatch([r.row for r in claimed])
+        batch.busy = self.busy
         self.batches.append(batch)
         try:
             yield batch

@@ -363,3 +363,38 @@ async def test_auto_claims_start_at_the_ceiling_then_follow_the_loop_watch() -> 
         await wait_drained(store, relay)
     assert store.idle_timeouts[0] == AUTO_CEILING
     assert AUTO_FLOOR <= (store.idle_timeouts[-1] or 0) < AUTO_CEILING
+
+
+async def test_claims_that_meet_held_buckets_leave_one_wake_up_after_the_latest() -> None:
+    """A claim that meets buckets held by other claims wakes a worker once those must have
+    ended (a frozen holder's claim ends at its idle timeout, here 0.2 s). Claims that meet
+    them again and again leave one wake-up, after the latest, not one each: under a steady
+    load the holders are busy siblings, and a wake-up per claim kept waking workers 20 times
+    a second, each into another claim that met them."""
+    store, pub = FakeStore(), FakePublisher()
+    store.busy = 1
+    s = settings(workers=1, poll_interval=0.02, claim_idle_timeout=0.2)
+    claimed_at: list[float] = []
+    woken_at: list[float] = []
+
+    def hook(name: str, amount: int) -> None:
+        if name in ("claimed", "claimed_none"):
+            claimed_at.append(time.monotonic())
+        elif name == "wake:retry":
+            woken_at.append(time.monotonic())
+
+    async with Relay(s, store=store, publisher=pub) as relay:
+        relay.events.add_hook(hook)
+        # Claims that meet held buckets for 0.6 s (three idle timeouts): a row at a time.
+        started = time.monotonic()
+        with anyio.fail_after(10):
+            while time.monotonic() - started < 0.6:
+                store.add(key="k")
+                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+            store.busy = 0
+            last_busy = claimed_at[-1]
+            await relay.events.wait_for("wake:retry")
+    assert len(claimed_at) > 5
+    # The first wake-up came 0.22 s after the latest claim that met held buckets, not 0.22 s
+    # after the first one (which was 0.6 s earlier).
+    assert woken_at[0] >= last_busy + 0.2, (woken_at[0] - last_busy, woken_at[0] - started)
