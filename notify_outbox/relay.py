@@ -181,6 +181,11 @@ class Relay:
         store = self._store
         return store.marks.mark if isinstance(store, PgOutboxStore) else LowWaterMark()
 
+    @property
+    def busy_workers(self) -> int:
+        """How many workers are claiming now (0: the relay is idle, waiting for a wake-up)."""
+        return self._busy_workers
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:

@@ -328,9 +328,12 @@ async def test_a_trickle_never_marks_the_relay_awake_but_a_backlog_does(
     db_dsn: str, services: Services, topic: str
 ) -> None:
     """At low load producers keep notifying (the latency of an always-notify trigger): one
-    event at a time, each published before the next, never makes an unbroken run of claims,
-    so the relay never marks itself awake. A backlog keeps it claiming without a break for
-    longer than ``gate_awake_after``: it marks itself awake and producers stop notifying."""
+    event at a time, each written once the relay is idle again after publishing the one
+    before, never makes an unbroken run of claims, so the relay never marks itself awake. A
+    backlog keeps it claiming without a break for longer than ``gate_awake_after``: it marks
+    itself awake and producers stop notifying. (The run is the relay's, not one worker's:
+    an event written while the worker that published the previous one is still committing
+    continues the run, as a steady stream does.)"""
     settings = OutboxSettings(
         dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=2, batch_size=50
     )
@@ -341,6 +344,8 @@ async def test_a_trickle_never_marks_the_relay_awake_but_a_backlog_does(
             await conn.execute(insert, topic, f"k{n % 7}")
             with anyio.fail_after(10):
                 await events.wait_for("published", n + 1)
+                while relay.busy_workers:
+                    await events.wait_for("idle", events.counts["idle"] + 1)
         assert events.counts["gate_awake"] == 0
         assert events.counts["wake:notification"] >= 50  # every event woke the relay
         await conn.execute(
