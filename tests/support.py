@@ -3,8 +3,12 @@ shared with the bench and the demo) topics and the relay CLI as a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import socket
 import urllib.request
+from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -22,6 +26,7 @@ __all__ = [
     "dsn_with_database",
     "dsn_with_user",
     "header",
+    "logged",
     "metric",
 ]
 
@@ -94,3 +99,22 @@ def metric(port: int, sample: str, **labels: str) -> float:
         for s in family.samples
         if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+@contextlib.contextmanager
+def logged(logger: str, text: str) -> Iterator[asyncio.Event]:
+    """An event set when ``logger`` (or a child) writes a record whose message contains
+    ``text``: a log line of the code under test, waited on as an event."""
+    seen = asyncio.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                seen.set()
+
+    handler = Handler()
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logging.getLogger(logger).removeHandler(handler)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 
 from notify_outbox import MigrationError, OutboxNames, migrate, render_migrations, verify
 from notify_outbox.sqlfiles import load_migrations
-from tests.support import ROOT
+from tests.support import ROOT, logged
 
 pytestmark = pytest.mark.anyio
 
@@ -160,11 +159,10 @@ async def test_upgrade_that_must_alter_the_sequence_gives_way_to_producers(
     conn = await _at_0005(empty_db_dsn)
     await conn.execute("ALTER SEQUENCE outbox_id_seq CACHE 20")
     producer = await _rolled_back_savepoint(empty_db_dsn)
-    retried = _Logged("attempt 1 met a lock")
-    logging.getLogger("notify_outbox.migrations").addHandler(retried)
     try:
-        upgrade = asyncio.ensure_future(migrate(conn, OutboxNames(), retry_for=60))
-        await asyncio.wait_for(retried.seen.wait(), timeout=30)
+        with logged("notify_outbox.migrations", "attempt 1 met a lock") as retried:
+            upgrade = asyncio.ensure_future(migrate(conn, OutboxNames(), retry_for=60))
+            await asyncio.wait_for(retried.wait(), timeout=30)
         # Its insert waits for the migration's next attempt to give up, at most.
         await asyncio.wait_for(producer.execute(_INSERT), timeout=30)
         await producer.execute("COMMIT")
@@ -173,7 +171,6 @@ async def test_upgrade_that_must_alter_the_sequence_gives_way_to_producers(
         assert await conn.fetchval(seqcache) == 1
         assert await conn.fetchval("SELECT count(*) FROM outbox") == 1
     finally:
-        logging.getLogger("notify_outbox.migrations").removeHandler(retried)
         await producer.close()
         await conn.close()
 
@@ -203,16 +200,3 @@ async def test_upgrade_behind_a_long_transaction_holds_producers_briefly_then_sa
     finally:
         for c in (producer, long, conn):
             await c.close()
-
-
-class _Logged(logging.Handler):
-    """Sets ``seen`` when the migrations' logger writes a record containing ``text``."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-        self.seen = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.seen.set()

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -18,7 +18,7 @@ import pytest
 
 from notify_outbox import MigrationError, NotifyOutboxError, OutboxSettings, Relay, enqueue
 from tests.conftest import Services
-from tests.support import address, consume
+from tests.support import address, consume, logged
 
 pytestmark = pytest.mark.anyio
 
@@ -34,24 +34,10 @@ def make_settings(dsn: str, bootstrap: str, **kw: Any) -> OutboxSettings:
     )
 
 
-@contextlib.contextmanager
-def kafka_refused_seen() -> Iterator[asyncio.Event]:
+def kafka_refused_seen() -> contextlib.AbstractContextManager[asyncio.Event]:
     """An event set when the publisher logs that Kafka is not reachable yet (its first
     failed attempt to start the producer)."""
-    seen = asyncio.Event()
-
-    class Handler(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("Kafka not reachable yet"):
-                seen.set()
-
-    logger = logging.getLogger("notify_outbox.publisher")
-    handler = Handler(logging.WARNING)
-    logger.addHandler(handler)
-    try:
-        yield seen
-    finally:
-        logger.removeHandler(handler)
+    return logged("notify_outbox.publisher", "Kafka not reachable yet")
 
 
 @contextlib.asynccontextmanager
