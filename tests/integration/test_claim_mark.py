@@ -231,6 +231,24 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
     marks = MarkKeeper()
     stop_producing, stop_old = anyio.Event(), anyio.Event()
     migrated = anyio.Event()
+    # Rows claimed so far by each kind of claim, and an event per change: each phase lasts
+    # until its claims have made progress, not for a fixed time (a slow host would otherwise
+    # end a phase before its claims ran side by side).
+    rows_by = {"old": 0, "new": 0}
+    progress = anyio.Event()
+
+    def claimed_by(kind: str, rows: list[asyncpg.Record]) -> None:
+        nonlocal progress
+        claimed.extend((r["id"], r["key"]) for r in rows)
+        if rows:
+            rows_by[kind] += len(rows)
+            progress.set()
+            progress = anyio.Event()
+
+    async def until(kind: str, rows: int) -> None:
+        with anyio.fail_after(60):
+            while rows_by[kind] < rows:
+                await progress.wait()
 
     async def produce(conn: asyncpg.Connection) -> None:
         while not stop_producing.is_set():
@@ -250,14 +268,13 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
                     await conn.execute(
                         "DELETE FROM outbox WHERE id = ANY($1)", [r["id"] for r in rows]
                     )
-            claimed.extend((r["id"], r["key"]) for r in rows)
+            claimed_by("old", rows)
             await anyio.sleep(0.002)
 
     async def new_claims(conn: asyncpg.Connection) -> None:
         await migrated.wait()
         while not stop_producing.is_set():
-            rows = await claim_once(conn, marks, 20)
-            claimed.extend((r["id"], r["key"]) for r in rows)
+            claimed_by("new", await claim_once(conn, marks, 20))
             await anyio.sleep(0.002)
 
     setup = await asyncpg.connect(empty_db_dsn)
@@ -271,12 +288,15 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
                 tg.start_soon(old_claims, conn)
             for conn in conns[4:]:
                 tg.start_soon(new_claims, conn)
-            await anyio.sleep(1.5)
+            await until("old", 200)
             assert await migrate(setup, names) == [6]  # while all of them run
             migrated.set()
-            await anyio.sleep(1.5)  # old and new claims side by side
+            # Old and new claims side by side, then the new ones alone.
+            old_then = rows_by["old"]
+            await until("new", 200)
+            await until("old", old_then + 200)
             stop_old.set()
-            await anyio.sleep(1)
+            await until("new", rows_by["new"] + 200)
             stop_producing.set()
         with anyio.fail_after(30):
             while len(claimed) < len(committed):
