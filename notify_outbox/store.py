@@ -246,13 +246,14 @@ class _PgBatch:
         # rows back: its key's next parked row is due (migration 0006). Rare: failures only.
         if outcome.dead or any(r.attempts for r in self._rows):
             published, dead = set(outcome.published), {i for i, _ in outcome.dead}
-            keys = {
-                r.key
+            after = {
+                r.key: r.id
                 for r in self._rows
                 if r.key is not None and (r.id in dead or (r.attempts and r.id in published))
             }
-            if keys:
-                await self._conn.execute(self._q["promote_next"], sorted(keys))
+            if after:
+                keys = sorted(after)
+                await self._conn.execute(self._q["promote_next"], keys, [after[k] for k in keys])
         # The common path is one round trip: mark, COMMIT and a look for more, sent together
         # in the simple protocol (which takes no parameters: the ids are rendered as an
         # integer literal; int() guards that they are nothing else). After a full claim the

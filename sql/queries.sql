@@ -33,15 +33,17 @@ WHERE o.id = ANY(ARRAY(
         FOR UPDATE SKIP LOCKED));
 
 -- name: promote_next
--- After a retried row of each key $1 was published or dead-lettered (same transaction): each
--- key's earliest waiting row, if parked, is due now, so the key's later rows follow (migration
--- 0006).
+-- After a retried row of each key $1 was published or dead-lettered (same transaction; $2 its
+-- id): each key's earliest waiting row after it, if parked, is due now, so the key's later rows
+-- follow (migration 0006). "After it": a published row is marked only later in the
+-- transaction, and would otherwise be its own key's earliest waiting row.
 UPDATE @table@ AS o SET next_attempt_at = now()
 WHERE o.id = ANY(ARRAY(
         SELECT (SELECT w.id FROM @table@ AS w
-                WHERE w.key = k.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
+                WHERE w.key = k.key AND w.id > k.after
+                  AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
                 ORDER BY w.key, w.id LIMIT 1)
-        FROM unnest($1::text[]) AS k(key)))
+        FROM unnest($1::text[], $2::bigint[]) AS k(key, after)))
   AND o.next_attempt_at = 'infinity';
 
 -- name: count_pending

@@ -191,3 +191,42 @@ async def test_a_key_sharing_its_bucket_with_a_failing_key_is_claimed_at_once(
         assert 0 < parked < 20000 - 1, parked
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("keep_published", [0, 3600])
+async def test_a_published_retry_lets_its_parked_key_go_on(
+    db_dsn: str, services: Services, keep_published: float
+) -> None:
+    """A key's first row fails (its topic is missing), its later rows are parked behind it; the
+    topic appears, the retry is published, and the published retry promotes the key's next
+    parked row at once: the rest follows within seconds, not at the fallback poll (30 s).
+    (It waited for the poll: the published row, marked later in the same transaction, was
+    taken for its key's first waiting row.)"""
+    missing = f"missing-{uuid.uuid4().hex[:12]}"
+    settings = make_settings(
+        db_dsn, services, workers=2, retry_base_delay=0.5, keep_published=keep_published
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, 20) g",
+            missing,
+        )
+        async with Relay(settings) as relay:
+            with anyio.fail_after(20):
+                await relay.events.wait_for("retried", 1)
+                while (  # noqa: ASYNC110 (a count in the database: no event to wait on)
+                    await conn.fetchval(
+                        "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+                    )
+                    < 19
+                ):
+                    await anyio.sleep(0.02)
+            await create_topics(services.bootstrap, [missing], partitions=3)
+            records, total = await consume(services.bootstrap, missing, expect=20, within=10)
+        assert relay.events.counts["wake:poll"] == 0
+    finally:
+        await conn.close()
+    assert total == 20
+    assert [json.loads(r.value or b"")["n"] for r in records] == list(range(1, 21))
