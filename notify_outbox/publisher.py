@@ -100,45 +100,58 @@ def to_message(row: OutboxRow, *, header_style: str = "native") -> KafkaMessage:
 
     ``header_style="debezium"``: the headers are the row's own, ``id`` first, and nothing of
     the relay's (what Debezium's outbox event router sends; see ``debezium.py``)."""
-    if row.payload_bytes is not None:
-        value: bytes | None = row.payload_bytes
-    elif row.payload is not None:
-        value = row.payload.encode()
-    else:
-        value = None
+    key, value, headers = _record(row, header_style == "debezium")
+    return KafkaMessage(row.topic, key, value, headers)
+
+
+Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]]
+
+
+def _record(row: OutboxRow, debezium: bool) -> Record:
+    """``to_message`` without the message object: key, value and headers, as the batch
+    builder takes them (called once per event on the relay's hot path)."""
+    value = row.payload_bytes
+    if value is None and (payload := row.payload) is not None:
+        value = payload.encode()
     key = row.key.encode() if row.key is not None else None
-    if header_style == "debezium":
+    if debezium:
         try:
             dbz_headers = debezium_headers(row.headers)
         except ValueError as e:  # what the row holds, not our code: json and shape errors
             raise RowRejected(str(e)) from e
         # The router sends a null key with a null value too (not a tombstone to refuse).
-        return KafkaMessage(row.topic, key, value, dbz_headers)
+        return key, value, dbz_headers
     if value is None and key is None:
         raise RowRejected("event has neither a payload nor a key")
-    headers: list[tuple[str, bytes]] = []
-    if row.headers is not None:
-        try:
-            parsed = json.loads(row.headers)
-        except ValueError as e:
-            raise RowRejected(f"headers are not JSON: {e}") from e
-        if not isinstance(parsed, dict):
-            raise RowRejected("headers must be a JSON object")
-        for name, val in parsed.items():
-            if not isinstance(val, str):
-                raise RowRejected(f"header {name!r} must have a string value")
-            if name in RESERVED_HEADERS:
-                raise RowRejected(f"header {name!r} is reserved for the relay")
-            headers.append((name, val.encode()))
+    headers: list[tuple[str, bytes | None]] = (
+        [] if row.headers is None else _own_headers(row.headers)
+    )
     headers.append((EVENT_ID_HEADER, str(row.event_id).encode()))
-    for name, meta in (
-        (EVENT_TYPE_HEADER, row.event_type),
-        (AGGREGATE_TYPE_HEADER, row.aggregate_type),
-        (AGGREGATE_ID_HEADER, row.aggregate_id),
-    ):
-        if meta is not None:
-            headers.append((name, meta.encode()))
-    return KafkaMessage(row.topic, key, value, headers)
+    if row.event_type is not None:
+        headers.append((EVENT_TYPE_HEADER, row.event_type.encode()))
+    if row.aggregate_type is not None:
+        headers.append((AGGREGATE_TYPE_HEADER, row.aggregate_type.encode()))
+    if row.aggregate_id is not None:
+        headers.append((AGGREGATE_ID_HEADER, row.aggregate_id.encode()))
+    return key, value, headers
+
+
+def _own_headers(text: str) -> list[tuple[str, bytes | None]]:
+    """An event's own headers (a JSON object of strings) as Kafka headers."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as e:
+        raise RowRejected(f"headers are not JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise RowRejected("headers must be a JSON object")
+    headers: list[tuple[str, bytes | None]] = []
+    for name, val in parsed.items():
+        if not isinstance(val, str):
+            raise RowRejected(f"header {name!r} must have a string value")
+        if name in RESERVED_HEADERS:
+            raise RowRejected(f"header {name!r} is reserved for the relay")
+        headers.append((name, val.encode()))
+    return headers
 
 
 class Publisher(Protocol):
@@ -211,6 +224,7 @@ class KafkaPublisher:
             acks="all",
             enable_idempotence=True,
             linger_ms=s.kafka_linger_ms,
+            max_batch_size=min(s.kafka_batch_size, s.kafka_max_request_size),
             max_request_size=s.kafka_max_request_size,
             request_timeout_ms=s.kafka_request_timeout_ms,
             compression_type=s.kafka_compression_type,
@@ -383,48 +397,62 @@ class KafkaPublisher:
         order, so a key's rows keep theirs), and hand the batches to the producer, adding
         each to ``sent``. A row that cannot be sent fails here and holds back its key's
         later rows."""
-        header_style = self._settings.header_style
+        debezium = self._settings.header_style == "debezium"
         max_request = self._settings.kafka_max_request_size
+        # Below this many bytes of key, value and header text, a record cannot exceed the
+        # request size: the exact estimate is only worth its cost above it.
+        surely_fits = max_request // 2 - 1024
+        choose = self._partitions.choose
         batches: dict[tuple[str, int], list[_Batch]] = {}
+        # Per topic, each key's partition's batches: one dict look-up per row once the key
+        # was seen (a claim holds many rows of few keys, or of one topic).
+        chains: dict[str, dict[bytes | None, list[_Batch]]] = {}
+        last_topic: str | None = None
+        chain_of: dict[bytes | None, list[_Batch]] = {}
         for row in wave:
             key = row.key
             if key is not None and key in blocked:
                 continue
-            if row.topic in missing:
-                _fail(result, blocked, row, f"topic {row.topic!r} does not exist in Kafka")
+            topic = row.topic
+            if topic in missing:
+                _fail(result, blocked, row, f"topic {topic!r} does not exist in Kafka")
                 continue
             try:
-                msg = to_message(row, header_style=header_style)
+                kb, value, headers = _record(row, debezium)
             except RowRejected as e:
                 _fail(result, blocked, row, f"malformed event: {e}", permanent=True)
                 continue
-            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(msg.key, msg.value, msg.headers)
-            if size > max_request:
-                error = kafka_errors.MessageSizeTooLargeError(
-                    f"The message is {size} bytes when serialized which is larger than "
-                    "the maximum request size you have configured with the "
-                    "max_request_size configuration"
-                )
-                _fail(result, blocked, row, _describe(error))
-                continue
-            tp = (msg.topic, self._partitions.choose(producer, msg.topic, msg.key))
-            chain = batches.get(tp)
+            # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
+            bound = (len(value) if value is not None else 0) + (len(kb) if kb is not None else 0)
+            for text in (row.headers, row.event_type, row.aggregate_type, row.aggregate_id):
+                if text is not None:
+                    bound += 4 * len(text)
+            if bound >= surely_fits:
+                size = DefaultRecordBatchBuilder.estimate_size_in_bytes(kb, value, headers)
+                if size > max_request:
+                    error = kafka_errors.MessageSizeTooLargeError(
+                        f"The message is {size} bytes when serialized which is larger than "
+                        "the maximum request size you have configured with the "
+                        "max_request_size configuration"
+                    )
+                    _fail(result, blocked, row, _describe(error))
+                    continue
+            if topic != last_topic:
+                last_topic, chain_of = topic, chains.setdefault(topic, {})
+            chain = chain_of.get(kb)
             if chain is None:
-                chain = batches[tp] = [_Batch(producer.create_batch())]
+                tp = (topic, choose(producer, topic, kb))
+                chain = batches.get(tp)
+                if chain is None:
+                    chain = batches[tp] = [_Batch(producer.create_batch())]
+                chain_of[kb] = chain
             batch = chain[-1]
-            if (
-                batch.builder.append(
-                    timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
-                )
-                is None
-            ):
+            if batch.builder.append(timestamp=None, key=kb, value=value, headers=headers) is None:
                 # Full: the row starts the partition's next batch (an empty batch takes
                 # any record; the size was checked above).
                 batch = _Batch(producer.create_batch())
                 chain.append(batch)
-                batch.builder.append(
-                    timestamp=None, key=msg.key, value=msg.value, headers=msg.headers
-                )
+                batch.builder.append(timestamp=None, key=kb, value=value, headers=headers)
             batch.rows.append(row)
         errors: list[kafka_errors.KafkaError] = []
 
@@ -470,7 +498,7 @@ class KafkaPublisher:
                 continue
             error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
             if error is None:
-                result.delivered.extend(r.id for r in batch.rows)
+                result.delivered.extend([r.id for r in batch.rows])
             elif isinstance(error, _Abandoned):
                 pass  # never sent: stays pending, no attempt counted
             elif isinstance(error, _SESSION_ERRORS):

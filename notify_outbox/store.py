@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from operator import attrgetter
 from typing import Protocol
 
 import asyncpg
@@ -54,6 +55,9 @@ class OutboxRow:
     # When the producer's transaction inserted it (for the commit-to-ack metric); None when
     # unknown (the claim's look-up raced a commit, or a fake store).
     created_at: datetime | None = None
+
+
+_ATTEMPTS = attrgetter("attempts")
 
 
 @dataclass
@@ -244,7 +248,7 @@ class _PgBatch:
             await self._conn.execute(self._q["dead_letter"], list(ids), list(errors))
         # A retried row published, or any row dead-lettered, no longer holds its key's later
         # rows back: its key's next parked row is due (migration 0006). Rare: failures only.
-        if outcome.dead or any(r.attempts for r in self._rows):
+        if outcome.dead or any(map(_ATTEMPTS, self._rows)):
             published, dead = set(outcome.published), {i for i, _ in outcome.dead}
             after = {
                 r.key: r.id
@@ -267,7 +271,7 @@ class _PgBatch:
         sql = "COMMIT" if full else look
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
-            literal = "{" + ",".join(str(int(i)) for i in outcome.published) + "}"
+            literal = "{" + ",".join(map(str, map(int, outcome.published))) + "}"
             sql = self._q[query].replace("<ids>", literal) + "\n" + sql
         status = await self._conn.execute(sql)
         self.committed = True

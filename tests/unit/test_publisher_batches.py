@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import uuid
 from typing import Any
@@ -204,3 +205,47 @@ async def test_abandoning_a_producer_fails_a_batch_queued_for_retry_without_a_tr
     assert "abandoned" in str(future.exception())
     assert errors == []
     assert not accumulator._pending_batches
+
+
+@pytest.mark.parametrize(
+    "big",
+    [
+        {"payload_bytes": b"x" * 12_000},
+        {"key": "k" * 12_000},
+        # 5,500 characters, 11,000 bytes in UTF-8
+        {"headers": json.dumps({"h": "é" * 5_500}, ensure_ascii=False)},
+        {"aggregate_id": "a" * 12_000},
+    ],
+    ids=["value", "key", "own headers", "relay header"],
+)
+async def test_a_record_over_the_request_size_fails_alone_whatever_part_is_large(
+    big: dict[str, Any],
+) -> None:
+    """The exact size estimate runs only for records that might be too large; the cheap bound
+    that skips it must count every part: key, value, the event's own headers and the relay's."""
+    producer = FakeProducer()
+    pub = KafkaPublisher(fake_settings(kafka_max_request_size=10_000))
+    pub._producer = producer  # type: ignore[assignment]
+    fields: dict[str, Any] = {"key": "k", "payload": '{"n": 2}', "payload_bytes": None}
+    fields.update(big)
+    large = OutboxRow(
+        2,
+        uuid.uuid4(),
+        "a",
+        fields["key"],
+        fields["payload"],
+        fields["payload_bytes"],
+        fields.get("headers"),
+        aggregate_id=fields.get("aggregate_id"),
+    )
+    rows = [row(1, "j"), large, row(3, "j")]
+    results: list[PublishResult] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_publish_into, pub, rows, results)
+            await producer.handed.wait()
+            producer.acks[0].set_result(None)
+    result = results[0]
+    assert [i for i, _ in result.failed] == [2]
+    assert "MessageSizeTooLarge" in result.failed[0][1]
+    assert sorted(result.delivered) == [1, 3]
