@@ -74,6 +74,13 @@ _SESSION_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# What a broker answers for a batch over the topic's max.message.bytes.
+_TOO_LARGE: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordTooLargeError,
+)
+
+
 class _Abandoned(kafka_errors.KafkaError):  # type: ignore[misc]  # aiokafka has no type hints
     """What the records an abandoned producer still held fail with: they were never sent."""
 
@@ -203,6 +210,10 @@ class KafkaPublisher:
         self._down: str | None = None  # why Kafka is unavailable, while it is
         self._recovery_lock = asyncio.Lock()
         self._partitions = _Partitions()
+        # Per topic, the largest batch to send it, once it refused a larger one (its
+        # max.message.bytes is below kafka_batch_size): Kafka refuses a whole batch whose
+        # size is over the topic's limit, however small its records.
+        self._batch_limits: dict[str, int] = {}
 
     @property
     def available(self) -> bool:
@@ -409,6 +420,7 @@ class KafkaPublisher:
         chains: dict[str, dict[bytes | None, list[_Batch]]] = {}
         last_topic: str | None = None
         chain_of: dict[bytes | None, list[_Batch]] = {}
+        limit: int | None = None
         for row in wave:
             key = row.key
             if key is not None and key in blocked:
@@ -439,6 +451,7 @@ class KafkaPublisher:
                     continue
             if topic != last_topic:
                 last_topic, chain_of = topic, chains.setdefault(topic, {})
+                limit = self._batch_limits.get(topic)
             chain = chain_of.get(kb)
             if chain is None:
                 tp = (topic, choose(producer, topic, kb))
@@ -447,6 +460,15 @@ class KafkaPublisher:
                     chain = batches[tp] = [_Batch(producer.create_batch())]
                 chain_of[kb] = chain
             batch = chain[-1]
+            if (
+                limit is not None
+                and batch.rows
+                and batch.builder.size()
+                + DefaultRecordBatchBuilder.estimate_size_in_bytes(kb, value, headers)
+                > limit
+            ):
+                batch = _Batch(producer.create_batch())
+                chain.append(batch)
             if batch.builder.append(timestamp=None, key=kb, value=value, headers=headers) is None:
                 # Full: the row starts the partition's next batch (an empty batch takes
                 # any record; the size was checked above).
@@ -505,6 +527,10 @@ class KafkaPublisher:
                 self._broken = True
                 if result.unavailable is None:
                     result.unavailable = f"Kafka producer session broken: {_describe(error)}"
+            elif isinstance(error, _TOO_LARGE) and len(batch.rows) > 1:
+                # The batch was too large for the topic, not its rows: they stay pending,
+                # with no attempt counted, and go again in smaller batches.
+                self._lower_batch_limit(batch, error)
             elif _is_row_error(error) or (
                 isinstance(error, kafka_errors.KafkaError) and not error.retriable
             ):
@@ -512,6 +538,22 @@ class KafkaPublisher:
                     _fail(result, blocked, row, _describe(error))
             elif result.unavailable is None:
                 result.unavailable = _describe(error)
+
+    def _lower_batch_limit(self, batch: _Sent, error: BaseException) -> None:
+        """Halve the batches sent to a topic that refused one of ``batch.size`` bytes; a
+        record over the limit goes alone, and the topic's refusal of it is its row's."""
+        limit = max(1, min(self._batch_limits.get(batch.topic, batch.size), batch.size) // 2)
+        self._batch_limits[batch.topic] = limit
+        log.warning(
+            "topic %r refused a batch of %d records (%d bytes) as too large (%s); sending it "
+            "batches of at most %d bytes from now on. Set NOTIFY_OUTBOX_KAFKA_BATCH_SIZE below "
+            "the topic's max.message.bytes to spare these retries",
+            batch.topic,
+            len(batch.rows),
+            batch.size,
+            _describe(error),
+            limit,
+        )
 
     def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any]], None]:
         """A done-callback for ``producer``'s acks: the first record that fails abandons it.
@@ -623,6 +665,8 @@ class _Sent:
 
     rows: list[OutboxRow]
     future: asyncio.Future[Any]
+    topic: str
+    size: int  # bytes, as built
 
 
 async def _submit(
@@ -636,7 +680,7 @@ async def _submit(
     the producer sends anything after it (see ``KafkaPublisher._watch``)."""
     future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
     future.add_done_callback(on_ack)
-    return _Sent(batch.rows, future)
+    return _Sent(batch.rows, future, tp[0], batch.builder.size())
 
 
 def _fail(

@@ -31,12 +31,12 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from notify_outbox import Relay, enqueue
 from tests.conftest import Services
 from tests.integration.test_relay import make_settings
-from tests.support import consume, create_topics, header
+from tests.support import consume, create_topics, header, logged
 
 pytestmark = pytest.mark.anyio
 
-# aiokafka closes a record batch at 16,384 bytes (max_batch_size), unless its first record is
-# larger: that one travels alone.
+# Record batches close at 16,384 bytes (NOTIFY_OUTBOX_KAFKA_BATCH_SIZE, set so for this test),
+# unless its first record is larger: that one travels alone.
 BATCH_SIZE = 16_384
 # The topic's limit: above a full batch of small rows, below the big row.
 TOPIC_MAX_MESSAGE_BYTES = BATCH_SIZE + 4_000
@@ -130,6 +130,7 @@ async def test_a_keys_later_rows_never_overtake_its_row_refused_by_the_broker(
             db_dsn,
             services,
             workers=1,  # one claim at a time: the big row's batch is the one described
+            kafka_batch_size=BATCH_SIZE,
             poll_interval=0.2,  # a retry falls due with no notification
             # Dead-lettered: one retry, held back until the test makes it due. Delivered:
             # retried quickly until the topic takes it.
@@ -180,3 +181,37 @@ async def test_a_keys_later_rows_never_overtake_its_row_refused_by_the_broker(
         assert "[Error 10]" in dead_letters[0]["error"], dead_letters[0]["error"]
     else:
         assert dead_letters == []
+
+
+async def test_batches_over_the_topics_limit_are_split_and_no_row_fails(
+    db_dsn: str, services: Services
+) -> None:
+    """A topic whose max.message.bytes is below the relay's batch size refuses whole batches
+    of small rows. That is no row's failure: the rows go again in smaller batches, every one
+    is delivered in its key's order, none counts an attempt or is dead-lettered."""
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(
+        services.bootstrap, [topic], partitions=1, configs={"max.message.bytes": "20000"}
+    )
+    committed: dict[str, list[str]] = defaultdict(list)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with conn.transaction():  # ~300 KB in one claim: one batch of 256 KiB and more
+            for n in range(300):
+                key = f"k{n % 10}"
+                event_id = await enqueue(
+                    conn, topic=topic, key=key, payload={"n": n, "pad": J_PAD * 2}
+                )
+                committed[key].append(str(event_id))
+        settings = make_settings(db_dsn, services, workers=1, max_attempts=1)
+        with logged("notify_outbox.publisher", "refused a batch of") as split:
+            async with Relay(settings) as relay:
+                with anyio.fail_after(WAIT):
+                    await relay.events.wait_for("published", 300)
+            assert split.is_set()
+        assert relay.events.counts["retried"] == 0
+        assert relay.events.counts["dead_lettered"] == 0
+        assert await conn.fetchval("SELECT count(*) FROM outbox_dead_letter") == 0
+    finally:
+        await conn.close()
+    assert _first_occurrences(await _topic_now(services.bootstrap, topic)) == committed
