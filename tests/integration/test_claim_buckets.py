@@ -12,7 +12,7 @@ import pytest
 
 from notify_outbox import OutboxNames
 from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import CLAIM_SCAN_FACTOR, LowWaterMark
+from notify_outbox.store import LowWaterMark, claim_scan
 
 pytestmark = pytest.mark.anyio
 
@@ -22,7 +22,7 @@ BATCH = 50
 async def _claim(conn: asyncpg.Connection, batch: int = BATCH) -> list[Any]:
     """The claimed rows, without the last row (the next low-water mark)."""
     rows = await conn.fetch(
-        Queries(OutboxNames())["claim"], batch, batch * CLAIM_SCAN_FACTOR, *LowWaterMark().args()
+        Queries(OutboxNames())["claim"], batch, claim_scan(batch), *LowWaterMark().args()
     )
     assert rows[-1]["id"] is None
     return list(rows[:-1])

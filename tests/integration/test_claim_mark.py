@@ -19,7 +19,7 @@ import pytest
 
 from notify_outbox import OutboxNames, migrate
 from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import CLAIM_SCAN_FACTOR, LowWaterMark, MarkKeeper
+from notify_outbox.store import LowWaterMark, MarkKeeper, claim_scan
 
 pytestmark = pytest.mark.anyio
 
@@ -35,7 +35,7 @@ async def claim_once(
     await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         mark, token = marks.take()
-        records = await conn.fetch(Q["claim"], batch, batch * CLAIM_SCAN_FACTOR, *mark.args())
+        records = await conn.fetch(Q["claim"], batch, claim_scan(batch), *mark.args())
         last = records[-1]
         marks.offer(LowWaterMark(last[12], tuple(last[13]), tuple(last[14])), token)
         rows = list(records[:-1])
@@ -194,7 +194,7 @@ async def test_claims_do_not_walk_the_dead_tuples_of_a_held_snapshot(db_dsn: str
             await conn.execute("SELECT pg_stat_force_next_flush()")
             read = await _index_entries_read(holder)
             async with conn.transaction():
-                rows = await conn.fetch(Q["claim"], 200, 200 * CLAIM_SCAN_FACTOR, *mark.args())
+                rows = await conn.fetch(Q["claim"], 200, claim_scan(200), *mark.args())
                 assert len(rows) == 201
                 await conn.execute("SELECT pg_stat_force_next_flush()")
             return await _index_entries_read(holder) - read
