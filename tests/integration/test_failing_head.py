@@ -24,6 +24,16 @@ pytestmark = pytest.mark.anyio
 FAILING_KEYS = 5
 
 
+async def _one_key(conn: asyncpg.Connection, topic: str, rows: int) -> None:
+    """``rows`` rows of key k to ``topic``, payloads {"n": 1} to {"n": rows}."""
+    await conn.execute(
+        "INSERT INTO outbox (topic, key, payload) "
+        "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, $2::int) g",
+        topic,
+        rows,
+    )
+
+
 async def test_healthy_keys_flow_past_thousands_of_failing_rows(
     db_dsn: str, services: Services, topic: str
 ) -> None:
@@ -100,11 +110,7 @@ async def test_a_dead_lettered_row_lets_its_parked_key_go_on(
     settings = make_settings(db_dsn, services, workers=2, max_attempts=1)
     conn = await asyncpg.connect(db_dsn)
     try:
-        await conn.execute(
-            "INSERT INTO outbox (topic, key, payload) "
-            "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, 30) g",
-            missing,
-        )
+        await _one_key(conn, missing, 30)
         async with Relay(settings) as relay:
             with anyio.fail_after(20):
                 await relay.events.wait_for("dead_lettered", 30)
@@ -123,11 +129,7 @@ async def test_the_fallback_poll_releases_a_key_whose_failed_row_was_deleted(
     settings = make_settings(db_dsn, services, workers=2, poll_interval=0.5, retry_base_delay=60)
     conn = await asyncpg.connect(db_dsn)
     try:
-        await conn.execute(
-            "INSERT INTO outbox (topic, key, payload) "
-            "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, 50) g",
-            missing,
-        )
+        await _one_key(conn, missing, 50)
         async with Relay(settings) as relay:
             with anyio.fail_after(30):
                 await relay.events.wait_for("retried", 1)
@@ -208,11 +210,7 @@ async def test_a_published_retry_lets_its_parked_key_go_on(
     )
     conn = await asyncpg.connect(db_dsn)
     try:
-        await conn.execute(
-            "INSERT INTO outbox (topic, key, payload) "
-            "SELECT $1, 'k', jsonb_build_object('n', g) FROM generate_series(1, 20) g",
-            missing,
-        )
+        await _one_key(conn, missing, 20)
         async with Relay(settings) as relay:
             with anyio.fail_after(20):
                 await relay.events.wait_for("retried", 1)
