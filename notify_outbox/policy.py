@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 from .message import PublishResult
 from .settings import OutboxSettings
 from .store import BatchOutcome, OutboxRow
 
-__all__ = ["decide", "log_outcome", "retry_delay"]
-
-log = logging.getLogger("notify_outbox.relay")
+__all__ = ["decide", "retry_delay"]
 
 # 2 ** 60 seconds is far beyond any cap; stopping the exponent there keeps the arithmetic in
 # floats (2 ** 1100 would not fit one) however large max_attempts is.
@@ -25,18 +22,6 @@ def retry_delay(attempts: int, base: float, cap: float) -> float:
     return float(min(cap, base * 2.0**exponent))
 
 
-def _fields(row: OutboxRow, attempts: int, reason: str) -> dict[str, object]:
-    """Structured fields of a row's log line (JSON logs: notify_outbox/logs.py)."""
-    return {
-        "row_id": row.id,
-        "event_id": str(row.event_id),
-        "topic": row.topic,
-        "key": row.key,
-        "attempts": attempts,
-        "error": reason,
-    }
-
-
 def decide(
     rows: Sequence[OutboxRow],
     result: PublishResult,
@@ -47,7 +32,7 @@ def decide(
     """The outcome of a batch: delivered rows are published, failed rows retried with backoff
     (dead-lettered after ``max_attempts``), rejected rows dead-lettered at once. ``jitter``
     gives the factor (0.5 to 1) a retry's delay is multiplied by; the caller draws it, and
-    logs the outcome (``log_outcome``), so this stays a pure function.
+    logs the outcome, so this stays a pure function.
 
     Per key, only what comes before the key's first row that was not delivered is kept: a
     later row of that key is neither marked nor counted as a failure, whatever happened to it
@@ -83,33 +68,3 @@ def decide(
             outcome.retry.append((row.id, reason, delay))
         # Neither: not sent, or its ack did not come (Kafka unavailable): stays pending.
     return outcome
-
-
-def log_outcome(rows: Sequence[OutboxRow], outcome: BatchOutcome, settings: OutboxSettings) -> None:
-    """Log each row that ``decide`` dead-lettered (ERROR) or scheduled for a retry
-    (WARNING), with its structured fields."""
-    if not outcome.dead and not outcome.retry:
-        return
-    by_id = {row.id: row for row in rows}
-    for row_id, reason in outcome.dead:
-        row = by_id[row_id]
-        log.error(
-            "dead-lettering row %s (topic %s): %s",
-            row.id,
-            row.topic,
-            reason,
-            extra=_fields(row, row.attempts + 1, reason),
-        )
-    for row_id, reason, delay in outcome.retry:
-        row = by_id[row_id]
-        attempts = row.attempts + 1
-        log.warning(
-            "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
-            row.id,
-            row.topic,
-            attempts,
-            settings.max_attempts,
-            delay,
-            reason,
-            extra={**_fields(row, attempts, reason), "retry_in_seconds": round(delay, 3)},
-        )

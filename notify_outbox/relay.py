@@ -24,7 +24,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -51,12 +51,19 @@ from .events import RelayEvents
 from .gate import Gate
 from .listener import Listener
 from .outage import Outage, tame_third_party_logs
-from .policy import decide, log_outcome
+from .policy import decide
 from .publisher import KafkaPublisher, Publisher, PublishResult
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
 from .stalls import ClaimIdleTimeout
-from .store import ClaimedBatch, LowWaterMark, OutboxStore, PgOutboxStore
+from .store import (
+    BatchOutcome,
+    ClaimedBatch,
+    LowWaterMark,
+    OutboxRow,
+    OutboxStore,
+    PgOutboxStore,
+)
 from .wakeup import Doorbell, RetryTimers
 
 __all__ = ["Relay"]
@@ -724,7 +731,7 @@ class Relay:
             result = await self._publish_kept_alive(batch, idle_timeout)
             self._fault("after_ack")
             outcome = decide(rows, result, self.settings, jitter=_jitter)
-            log_outcome(rows, outcome, self.settings)
+            _log_outcome(rows, outcome, self.settings)
             # The claim commits at once, even when Kafka became unavailable: its rows that
             # were not acknowledged stay pending, and no transaction waits for the broker.
             await batch.complete(outcome)
@@ -770,3 +777,47 @@ class Relay:
     def _fault(self, point: str) -> None:
         if self._fault_hook is not None:
             self._fault_hook(point)
+
+
+def _fields(row: OutboxRow, attempts: int, reason: str) -> dict[str, object]:
+    """Structured fields of a row's log line (JSON logs: notify_outbox/logs.py)."""
+    return {
+        "row_id": row.id,
+        "event_id": str(row.event_id),
+        "topic": row.topic,
+        "key": row.key,
+        "attempts": attempts,
+        "error": reason,
+    }
+
+
+def _log_outcome(
+    rows: Sequence[OutboxRow], outcome: BatchOutcome, settings: OutboxSettings
+) -> None:
+    """Log each row that ``decide`` dead-lettered (ERROR) or scheduled for a retry
+    (WARNING), with its structured fields."""
+    if not outcome.dead and not outcome.retry:
+        return
+    by_id = {row.id: row for row in rows}
+    for row_id, reason in outcome.dead:
+        row = by_id[row_id]
+        log.error(
+            "dead-lettering row %s (topic %s): %s",
+            row.id,
+            row.topic,
+            reason,
+            extra=_fields(row, row.attempts + 1, reason),
+        )
+    for row_id, reason, delay in outcome.retry:
+        row = by_id[row_id]
+        attempts = row.attempts + 1
+        log.warning(
+            "row %s (topic %s) failed, attempt %d of %d, next in %.1fs: %s",
+            row.id,
+            row.topic,
+            attempts,
+            settings.max_attempts,
+            delay,
+            reason,
+            extra={**_fields(row, attempts, reason), "retry_in_seconds": round(delay, 3)},
+        )
