@@ -144,6 +144,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
     p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        help="seconds of unmeasured load through the relay before the first cell, so that no "
+        "mode meets a cold stack (default 60; 0: none)",
+    )
     _regime_options(p)
     p.add_argument(
         "--drain-timeout",
@@ -411,6 +418,8 @@ def _regime(
     if args.command == "held-snapshot":
         if min(args.baseline, args.hold, args.recovery, args.window) <= 0 or args.rate <= 0:
             raise BenchError("--rate, --baseline, --hold, --recovery and --window must be > 0")
+        if args.warmup < 0:
+            raise BenchError("--warmup must be >= 0")
         hcfg = HeldSnapshotConfig(
             rate=args.rate,
             keys=args.keys,
@@ -418,6 +427,7 @@ def _regime(
             hold=args.hold,
             recovery=args.recovery,
             window=args.window,
+            warmup=args.warmup,
             drain_timeout=args.drain_timeout,
             **common,
         )

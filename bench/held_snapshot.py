@@ -44,6 +44,7 @@ from bench.regimes import (
     received_at,
     regime_mode,
     unfinished,
+    warm_up,
 )
 from bench.services import Services, open_services
 
@@ -81,6 +82,7 @@ class HeldSnapshotConfig:
     alt_relay: str | None = None
     partitions: int = 3
     fsync_test_seconds: int = 0
+    warmup: float = 60.0  # seconds of unmeasured load on the stack before the first cell
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -274,6 +276,16 @@ class _HeldSnapshot:
 
     async def body(self, services: Services) -> None:
         self.postmaster = await database_postmaster(services, self.run)
+        if self.cfg.warmup > 0:
+            cfg = self.cfg
+            self.run.result["warmup"] = await warm_up(
+                self.run,
+                services,
+                seconds=cfg.warmup,
+                rate=cfg.rate,
+                keys=cfg.keys,
+                partitions=cfg.partitions,
+            )
         for rnd in range(self.cfg.repeat):
             for mode in self.modes:
                 await add_cell(

@@ -303,6 +303,13 @@ def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[
         f"count(*) FROM outbox`) held open for {cfg['hold']:g} s, then {cfg['recovery']:g} s "
         f"of recovery; {cfg['repeat']} round(s), modes one after the other per round on fresh "
         "databases and topics, medians over rounds",
+        "- warm-up: "
+        + (
+            f"{cfg['warmup']:g} s at the same rate through the relay before the first cell, not "
+            "measured (a fresh stack is slow for its first minute under load)"
+            if cfg.get("warmup")
+            else "none: the first cell met a cold stack"
+        ),
         "",
         "Events go into windows by their commit ack. **p50/p99** is commit ack -> consumer "
         "receipt (ms); **rate %** the commits in the window as a share of the offered rate; "
