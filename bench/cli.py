@@ -248,8 +248,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=["apply", "consume", "consume_batches", "baseline"],
-        help="default: all four (apply consume consume_batches baseline)",
+        choices=["apply", "consume", "consume_batches", "consume_batches_parallel", "baseline"],
+        help="default: all five (apply consume consume_batches consume_batches_parallel baseline)",
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
     p.add_argument("--max-records", type=int, default=500, help="getmany max_records")

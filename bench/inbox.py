@@ -9,6 +9,8 @@ Modes, interleaved in every round, each with its own consumer group and database
   transaction and one claim statement per fetched partition batch;
 - ``consume_batches``: ``consume_batches``, the handler writes the fresh messages in one
   statement;
+- ``consume_batches_parallel``: the same with ``concurrency`` = the topic's partitions (a
+  fetch's partition batches in overlapping transactions on a pool);
 - ``baseline``: the simple batched inbox of issue 18, written out below in 40 lines: the same
   consumer, one transaction per partition batch, ``INSERT ... SELECT unnest($1::uuid[]) ON
   CONFLICT DO NOTHING RETURNING``, the rows in one statement, then the offset commit.
@@ -47,7 +49,7 @@ from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
 
 __all__ = ["MODES", "InboxBenchConfig", "inbox_problems", "run_inbox_bench", "write_inbox_report"]
 
-MODES = ("apply", "consume", "consume_batches", "baseline")
+MODES = ("apply", "consume", "consume_batches", "consume_batches_parallel", "baseline")
 APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
 BASELINE_SQL = """
 CREATE TABLE baseline_inbox (event_id uuid PRIMARY KEY);
@@ -130,7 +132,12 @@ def _drains(cfg: InboxBenchConfig) -> dict[str, Drain]:
                 done(len(records))
 
     async def loop_mode(
-        c: AIOKafkaConsumer, pool: asyncpg.Pool, done: Done, topic: str, batches: bool
+        c: AIOKafkaConsumer,
+        pool: asyncpg.Pool,
+        done: Done,
+        topic: str,
+        batches: bool,
+        concurrency: int = 1,
     ) -> None:
         inbox = Inbox(consumer="bench")
         # The loops' progress: the inbox's committed count, read by the watcher below.
@@ -138,7 +145,13 @@ def _drains(cfg: InboxBenchConfig) -> dict[str, Drain]:
         try:
             if batches:
                 await consume_batches(
-                    c, pool, bulk, inbox=inbox, max_records=cfg.max_records, topics=[topic]
+                    c,
+                    pool,
+                    bulk,
+                    inbox=inbox,
+                    max_records=cfg.max_records,
+                    topics=[topic],
+                    concurrency=concurrency,
                 )
             else:
                 await consume(
@@ -151,6 +164,7 @@ def _drains(cfg: InboxBenchConfig) -> dict[str, Drain]:
         "apply": apply_mode,
         "consume": lambda c, p, d, t: loop_mode(c, p, d, t, False),
         "consume_batches": lambda c, p, d, t: loop_mode(c, p, d, t, True),
+        "consume_batches_parallel": lambda c, p, d, t: loop_mode(c, p, d, t, True, cfg.partitions),
         "baseline": _baseline,
     }
 
@@ -192,7 +206,9 @@ async def _cell(
         await conn.execute(BASELINE_SQL)
     finally:
         await conn.close()
-    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
+    # A connection per partition for the parallel mode (its concurrency), two for the others.
+    size = cfg.partitions + 1 if mode == "consume_batches_parallel" else 2
+    pool = await asyncpg.create_pool(dsn, min_size=size, max_size=size)
     consumer = AIOKafkaConsumer(  # subscribed by the drain (the loops: with their listener)
         bootstrap_servers=bootstrap,
         group_id=f"bench-inbox-{mode}-{uuid.uuid4().hex[:8]}",

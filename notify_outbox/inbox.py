@@ -942,17 +942,19 @@ async def consume(
     on_error: OnError = "stop",
     topics: Sequence[str] | None = None,
     listener: ConsumerRebalanceListener | None = None,
+    concurrency: int = 1,
 ) -> None:
     """Run an aiokafka consumer through the inbox until cancelled, one message at a time for
     the handler: ``handler(conn, message)`` for each fresh message.
 
     ``consumer`` is a started ``AIOKafkaConsumer`` with ``enable_auto_commit=False`` and a
     ``group_id``. Each fetched partition batch is one transaction (``Inbox.apply_each``): its
-    ids claimed in one statement, the handler run for the fresh messages in order; then that
-    partition's offset is committed. A crash anywhere in between only causes redeliveries,
-    which the inbox skips. A handler error: see ``on_error`` in ``Inbox.apply_each``; with
-    ``"stop"`` the offsets of the messages before it are committed, then ``HandlerFailed``
-    propagates (the handler's error is its ``__cause__``).
+    ids claimed in one statement, the handler run for the fresh messages in order; then the
+    offsets of the fetch's partitions are committed, in one request. A crash anywhere in
+    between only causes redeliveries, which the inbox skips. A handler error: see
+    ``on_error`` in ``Inbox.apply_each``; with ``"stop"`` the offsets of the messages before it
+    (and of the fetch's other partitions) are committed, then ``HandlerFailed`` propagates
+    (the handler's error is its ``__cause__``).
 
     Rebalances: with ``topics``, ``consume`` subscribes the consumer to them (replacing any
     earlier subscription) with an ``InboxRebalanceListener``, which commits the batch in
@@ -961,6 +963,12 @@ async def consume(
     ``topics``, the consumer must be subscribed already: pass the ``InboxRebalanceListener``
     it was subscribed with as ``listener``. With neither, a rebalance hands the batch in
     flight to the next owner again (the inbox skips it; a warning says so).
+
+    ``concurrency`` (with a pool): how many partitions' batches of one fetch run at once, each
+    in its own transaction on its own connection. Order within a partition is kept (one batch
+    per partition at a time); the handler may then run for different partitions
+    concurrently, so it must not rely on the order between partitions, which Kafka does not
+    give anyway. Default 1: one batch after the other.
     """
     await _consume(
         consumer,
@@ -970,6 +978,7 @@ async def consume(
         poll_timeout=poll_timeout,
         topics=topics,
         listener=listener,
+        concurrency=concurrency,
     )
 
 
@@ -984,11 +993,12 @@ async def consume_batches(
     on_error: OnError = "stop",
     topics: Sequence[str] | None = None,
     listener: ConsumerRebalanceListener | None = None,
+    concurrency: int = 1,
 ) -> None:
     """``consume`` for a batch handler: ``handler(conn, fresh_messages)`` once per fetched
     partition batch, with only the messages not applied before (``Inbox.apply_batch``), so it
-    can write them in one statement. The offsets move after the database commit. ``topics``
-    and ``listener``: as in ``consume``."""
+    can write them in one statement. The offsets move after the database commit. ``topics``,
+    ``listener`` and ``concurrency``: as in ``consume``."""
     await _consume(
         consumer,
         db,
@@ -997,6 +1007,7 @@ async def consume_batches(
         poll_timeout=poll_timeout,
         topics=topics,
         listener=listener,
+        concurrency=concurrency,
     )
 
 
@@ -1009,39 +1020,87 @@ async def _consume(
     poll_timeout: float,
     topics: Sequence[str] | None,
     listener: ConsumerRebalanceListener | None,
+    concurrency: int,
 ) -> None:
     if getattr(consumer, "_enable_auto_commit", False):
         raise ConfigurationError(
             "the Kafka consumer must have enable_auto_commit=False: with auto-commit, offsets "
             "can move before the database commit and a crash loses messages"
         )
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigurationError("concurrency must be a whole number of at least 1")
+    if concurrency > 1 and not isinstance(db, asyncpg.Pool):
+        raise ConfigurationError(
+            "concurrency > 1 needs an asyncpg pool: each partition's batch runs in its own "
+            "transaction on its own connection"
+        )
     if isinstance(db, asyncpg.Connection):
         _refuse_open_transaction(db)
     inbox_listener = _subscribe(consumer, topics, listener)
+    limiter = anyio.CapacityLimiter(concurrency)
     while True:
         batch = await consumer.getmany(timeout_ms=int(poll_timeout * 1000), max_records=max_records)
-        for tp, records in batch.items():
-            if tp not in consumer.assignment() or tp in inbox_listener.revoked:
-                continue  # revoked meanwhile: its next owner has it
-            # A revoke waits until this batch's database commit and offset commit are done
-            # (the generation is still valid while the listener runs, so the commit counts).
-            inbox_listener._busy()
-            try:
-                try:
-                    result = await apply(records)
-                except InboxError as e:
-                    done = e.result.done if e.result is not None else 0
-                    offsets = {tp: records[done - 1].offset + 1} if done else {}
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                        await _commit(consumer, offsets)
-                    raise
-                if result.done:
-                    offsets = {tp: records[result.done - 1].offset + 1}
-                    inbox_listener._pending.update(offsets)  # for a revoke, if this commit fails
+        work = [(tp, records) for tp, records in batch.items() if records]
+        if not work:
+            continue
+        # What each partition's batch got done: its offset to commit, or the error that
+        # stopped it (with the offset of the messages before it, for an InboxError).
+        offsets: dict[TopicPartition, int] = {}
+        errors: list[Exception] = []
+
+        async def one(tp: TopicPartition, records: list[Any]) -> None:
+            async with limiter:
+                if tp not in consumer.assignment() or tp in inbox_listener.revoked:
+                    return  # revoked meanwhile: its next owner has it
+                await _apply_partition(apply, tp, records, offsets, errors)  # noqa: B023
+
+        # A revoke waits until this fetch's database commits and its offset commit are done
+        # (the generation is still valid while the listener runs, so the commit counts).
+        inbox_listener._busy()
+        try:
+            if concurrency == 1 or len(work) == 1:
+                for tp, records in work:
+                    await one(tp, records)
+                    if errors:
+                        break  # the partitions after it are not started: their offsets stay
+            else:
+                # Partitions are independent (order is per partition, and a partition has one
+                # batch in flight): their transactions overlap on the pool's connections.
+                async with anyio.create_task_group() as tg:
+                    for tp, records in work:
+                        tg.start_soon(one, tp, records)
+            # One offset commit per fetch, after every database commit it covers.
+            inbox_listener._pending.update(offsets)  # for a revoke, if this commit fails
+            if errors:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await _commit(consumer, offsets)
-                    inbox_listener._pending.pop(tp, None)
-            finally:
-                inbox_listener._done()
+                raise errors[0]
+            await _commit(consumer, offsets)
+            for tp in offsets:
+                inbox_listener._pending.pop(tp, None)
+        finally:
+            inbox_listener._done()
+
+
+async def _apply_partition(
+    apply: Callable[[list[Any]], Awaitable[BatchResult]],
+    tp: TopicPartition,
+    records: list[Any],
+    offsets: dict[TopicPartition, int],
+    errors: list[Exception],
+) -> None:
+    """One partition's batch: records in ``offsets`` the offset after what it got done, and
+    in ``errors`` what stopped it."""
+    try:
+        result = await apply(records)
+    except Exception as e:
+        done = e.result.done if isinstance(e, InboxError) and e.result is not None else 0
+        if done:
+            offsets[tp] = records[done - 1].offset + 1
+        errors.append(e)
+        return
+    if result.done:
+        offsets[tp] = records[result.done - 1].offset + 1
 
 
 def _subscribe(

@@ -136,6 +136,23 @@ class DatabaseSettings(BaseSettings):
         "instead",
     )
 
+    def __init__(self, **values: Any) -> None:
+        # ``extra="ignore"`` is for the environment (other NOTIFY_OUTBOX_* variables are the
+        # commands' and the tools': ``warn_unknown_variables`` names the unknown ones). A
+        # keyword argument is code: a misspelt one would leave its setting at the default.
+        fields = type(self).model_fields
+        unknown = sorted(k for k in values if k not in fields and not k.startswith("_"))
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.6)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigurationError(
+                f"{type(self).__name__}: unknown setting {', '.join(hints)}; the settings are "
+                "listed in docs/reference/configuration.md"
+            )
+        super().__init__(**values)
+
     @field_validator("dsn")
     @classmethod
     def _dsn_scheme(cls, v: SecretStr) -> SecretStr:

@@ -178,3 +178,32 @@ def test_stalled_relay_freezes_one_relay_and_loses_nothing(
         assert c["exit_codes"] == [0, 0], c["exit_codes"]
     assert path.with_suffix(".md").is_file()
     assert path.with_suffix(".png").is_file()
+
+
+INBOX_TIMEOUT = 180
+
+
+@pytest.mark.timeout(INBOX_TIMEOUT + 30)
+def test_inbox_bench_applies_every_message_once_in_every_mode(
+    services: Services, tmp_path: Path
+) -> None:
+    messages = 600
+    args = ["inbox", "--messages", str(messages), "--repeat", "1", "--no-plots"]
+    done = _bench(
+        [*args, "--out", str(tmp_path)], relay_env(services.dsn, services.bootstrap), INBOX_TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("inbox-*.json")
+    cells = json.loads(path.read_text())["cells"]
+    assert [c["mode"] for c in cells] == [
+        "apply",
+        "consume",
+        "consume_batches",
+        "consume_batches_parallel",
+        "baseline",
+    ]
+    for c in cells:
+        # Each message's row written exactly once (the bench's own check, read back here).
+        assert c["rows"] == c["distinct"] == messages, c
+        assert c["msg_per_s"] > 0, c
+    assert path.with_suffix(".md").is_file()

@@ -664,3 +664,104 @@ async def test_the_loops_check_their_rebalance_arguments() -> None:
         await consume_batches(Subscribing(), object(), bulk, inbox=Inbox(), topics=[])  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="chain must be"):
         InboxRebalanceListener(chain=object())  # type: ignore[arg-type]
+
+
+# --- partitions in parallel -------------------------------------------------------------------
+
+
+async def test_partition_batches_overlap_with_concurrency_and_keep_their_order(
+    pool: asyncpg.Pool, services: Services
+) -> None:
+    """``concurrency=3`` with a pool: batches of different partitions of one fetch are in the
+    handler at the same time, each partition's messages still arrive in offset order, each
+    once, and every offset is committed."""
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(services.bootstrap, [topic], partitions=3)
+    ids = {p: [str(uuid.uuid4()) for _ in range(60)] for p in range(3)}
+    for p, pids in ids.items():
+        await produce(services.bootstrap, topic, pids, partition=p)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    in_flight = 0
+    overlapped = anyio.Event()
+
+    async def handler(conn: asyncpg.Connection, messages: list[Any]) -> None:
+        nonlocal in_flight
+        in_flight += 1
+        try:
+            if in_flight >= 2:
+                overlapped.set()
+            # Run one after the other, no batch ever sees another in flight: each waits its
+            # bound here and the assertion below fails.
+            with anyio.move_on_after(5):
+                await overlapped.wait()
+            await bulk(conn, messages)
+            for m in messages:
+                seen[m.partition].append(m.offset)
+        finally:
+            in_flight -= 1
+
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=services.bootstrap,
+        group_id=f"g-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        task = asyncio.create_task(
+            consume_batches(consumer, pool, handler, inbox=Inbox(), concurrency=3)
+        )
+        await wait_committed(consumer, topic, task)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await consumer.stop()
+    assert overlapped.is_set(), "no two partitions' batches were ever in the handler at once"
+    assert seen == {p: list(range(60)) for p in range(3)}
+    assert await applied(pool) == dict.fromkeys([e for p in ids.values() for e in p], 1)
+
+
+async def test_a_failing_partition_stops_the_loop_with_its_offset_before_the_failure(
+    pool: asyncpg.Pool, services: Services
+) -> None:
+    """With ``concurrency``, a handler failure in one partition still commits exactly the
+    messages before it in that partition, and stops the loop."""
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(services.bootstrap, [topic], partitions=3)
+    ids = {p: [str(uuid.uuid4()) for _ in range(40)] for p in range(3)}
+    for p, pids in ids.items():
+        await produce(services.bootstrap, topic, pids, partition=p)
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=services.bootstrap,
+        group_id=f"g-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    handler = await failing_on({ids[1][23]}, [])
+    await consumer.start()
+    try:
+        with pytest.raises(HandlerFailed, match="offset 23"):
+            await consume_batches(consumer, pool, handler, inbox=Inbox(), concurrency=3)
+        assert await consumer.committed(TopicPartition(topic, 1)) == 23
+    finally:
+        await consumer.stop()
+    done = set(await applied(pool))
+    assert set(ids[1][:23]) <= done
+    assert not done & set(ids[1][23:])
+
+
+async def test_concurrency_needs_a_pool_and_a_positive_number(pool: asyncpg.Pool) -> None:
+    class Consumer:
+        _enable_auto_commit = False
+
+        def subscribe(self, topics: list[str], listener: Any = None) -> None:
+            raise AssertionError("subscribed despite bad arguments")
+
+    async with pool.acquire() as conn:
+        with pytest.raises(ConfigurationError, match="needs an asyncpg pool"):
+            await consume_batches(Consumer(), conn, bulk, inbox=Inbox(), concurrency=2)
+    with pytest.raises(ConfigurationError, match="at least 1"):
+        await consume(Consumer(), pool, one, inbox=Inbox(), concurrency=0)

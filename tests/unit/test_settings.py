@@ -161,3 +161,17 @@ def test_duration_settings_keep_their_bounds(field: str, value: str, message: st
     assert f"NOTIFY_OUTBOX_{field.upper()}: " in text
     assert message in text
     assert value not in text.replace(f"NOTIFY_OUTBOX_{field.upper()}", "")
+
+
+def test_an_unknown_keyword_is_refused_with_the_closest_setting() -> None:
+    """The environment may hold variables of other tools (they get a warning); a keyword
+    argument is code, and a misspelt one would leave its setting at the default unnoticed."""
+    base = {"dsn": DSN, "kafka_bootstrap_servers": "127.0.0.1:9092"}
+    with pytest.raises(ConfigurationError, match="unknown setting 'batch_sise'") as info:
+        OutboxSettings(**base, batch_sise=10)  # type: ignore[call-arg]
+    assert "did you mean 'batch_size'?" in str(info.value)
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(ConfigurationError, match="'no_such_thing'"):
+        OutboxSettings(**base, no_such_thing=1)  # type: ignore[call-arg]
+    # pydantic-settings' own init arguments still work.
+    assert OutboxSettings(**base, _env_file=None).batch_size == 1000  # type: ignore[arg-type]
