@@ -318,13 +318,9 @@ class _FailingHead:
             cell["quiet"] = await self._quiet(services, proc, database)
             cell["end_state"] = await _end_state(dsn, cell["failing_topic"], topic)
         finally:
-            if gen is not None:
-                await gen.stop(10)
-            if proc is not None:
-                cell["exit_code"] = await run.stop(proc)
-            await run.quit_consumer(consumer)
-            for p in (gen_path, got_path):
-                p.unlink(missing_ok=True)
+            await run.end_cell(
+                cell, writers=gen, mode=proc, consumer=consumer, arrays=(gen_path, got_path)
+            )
 
     async def _tried(
         self, services: Services, mode: Mode, dsn: str, database: str, failing_topic: str

@@ -406,15 +406,11 @@ class _HeldSnapshot:
             if holder is not None:
                 with contextlib.suppress(Exception):
                     await holder.close(timeout=5)
-            if gen is not None:
-                await gen.stop(10)
             if sampler is not None:
                 await sampler.stop()
-            if proc is not None:
-                cell["exit_code"] = await run.stop(proc)
-            await run.quit_consumer(consumer)
-            for p in (gen_path, got_path):
-                p.unlink(missing_ok=True)
+            await run.end_cell(
+                cell, writers=gen, mode=proc, consumer=consumer, arrays=(gen_path, got_path)
+            )
 
     async def _phase(
         self, label: str, phase: str, start: int, seconds: float, sampler: _Sampler, gen: Child

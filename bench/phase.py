@@ -340,6 +340,26 @@ class PhaseRun:
             consumer, cell=1, expect=int(writers["acked"]), within=within, out=out
         )
 
+    async def end_cell(
+        self,
+        record: dict[str, Any],
+        *,
+        writers: Child | None,
+        mode: Child | None,
+        consumer: Child,
+        arrays: tuple[Path, ...],
+    ) -> None:
+        """The end of a cell, whatever happened in it: the writers stopped, the mode stopped
+        gracefully (its exit code in ``record``), the consumer ended, the per-event arrays
+        removed."""
+        if writers is not None:
+            await writers.stop(10)
+        if mode is not None:
+            record["exit_code"] = await self.stop(mode)
+        await self.quit_consumer(consumer)
+        for path in arrays:
+            path.unlink(missing_ok=True)
+
     async def drop_database(self, services: Services, name: str) -> None:
         """Drop a database of the run when its cell is done (a failure is a note: the
         services' end drops or removes it anyway)."""

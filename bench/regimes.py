@@ -246,12 +246,9 @@ async def warm_up(
             record["writers"] = await run.stop_writers(gen)
             gen = None
         finally:
-            if gen is not None:
-                await gen.stop(10)
-            if proc is not None:
-                record["exit_code"] = await run.stop(proc)
-            await run.quit_consumer(consumer)
-            gen_path.unlink(missing_ok=True)
+            await run.end_cell(
+                record, writers=gen, mode=proc, consumer=consumer, arrays=(gen_path,)
+            )
 
     cell: dict[str, Any] = {}
     await in_fresh_database(

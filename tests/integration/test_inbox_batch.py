@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -322,6 +322,17 @@ async def produce(bootstrap: str, topic: str, ids: list[str], partition: int | N
         await producer.stop()
 
 
+def group_consumer(services: Services, topic: str) -> AIOKafkaConsumer:
+    """A consumer of a new group on ``topic``, from its start, committing offsets by hand."""
+    return AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=services.bootstrap,
+        group_id=f"g-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+
+
 async def wait_committed(consumer: AIOKafkaConsumer, topic: str, task: asyncio.Task[None]) -> None:
     tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
     ends = await consumer.end_offsets(tps)
@@ -333,6 +344,18 @@ async def wait_committed(consumer: AIOKafkaConsumer, topic: str, task: asyncio.T
         assert not task.done(), task.exception()
         assert time.monotonic() < deadline, f"offsets not committed: {committed} vs {ends}"
         await asyncio.sleep(0.05)
+
+
+async def until_committed(
+    consumer: AIOKafkaConsumer, topic: str, loop: Coroutine[Any, Any, None]
+) -> None:
+    """Run a consume ``loop`` until every offset of ``topic`` is committed, then cancel it."""
+    task = asyncio.create_task(loop)
+    try:
+        await wait_committed(consumer, topic, task)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @pytest.mark.parametrize("path", ["consume", "consume_batches"])
@@ -353,13 +376,10 @@ async def test_the_loops_apply_each_event_once_and_commit_offsets(
     await consumer.start()
     try:
         if path == "consume":
-            task = asyncio.create_task(consume(consumer, pool, one, inbox=inbox))
+            await until_committed(consumer, topic, consume(consumer, pool, one, inbox=inbox))
         else:
-            task = asyncio.create_task(consume_batches(consumer, pool, bulk, inbox=inbox))
-        await wait_committed(consumer, topic, task)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+            loop = consume_batches(consumer, pool, bulk, inbox=inbox)
+            await until_committed(consumer, topic, loop)
     finally:
         await consumer.stop()
     assert await applied(pool) == dict.fromkeys(ids, 1)
@@ -374,13 +394,7 @@ async def test_a_handler_error_commits_the_offsets_before_it_and_stops(
     await create_topics(services.bootstrap, [topic], partitions=1)
     ids = [str(uuid.uuid4()) for _ in range(50)]
     await produce(services.bootstrap, topic, ids)
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=services.bootstrap,
-        group_id=f"g-{uuid.uuid4().hex[:8]}",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
+    consumer = group_consumer(services, topic)
     handler = await failing_on({ids[37]}, [])
     await consumer.start()
     try:
@@ -700,22 +714,11 @@ async def test_partition_batches_overlap_with_concurrency_and_keep_their_order(
         finally:
             in_flight -= 1
 
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=services.bootstrap,
-        group_id=f"g-{uuid.uuid4().hex[:8]}",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
+    consumer = group_consumer(services, topic)
     await consumer.start()
     try:
-        task = asyncio.create_task(
-            consume_batches(consumer, pool, handler, inbox=Inbox(), concurrency=3)
-        )
-        await wait_committed(consumer, topic, task)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        loop = consume_batches(consumer, pool, handler, inbox=Inbox(), concurrency=3)
+        await until_committed(consumer, topic, loop)
     finally:
         await consumer.stop()
     assert overlapped.is_set(), "no two partitions' batches were ever in the handler at once"
@@ -733,13 +736,7 @@ async def test_a_failing_partition_stops_the_loop_with_its_offset_before_the_fai
     ids = {p: [str(uuid.uuid4()) for _ in range(40)] for p in range(3)}
     for p, pids in ids.items():
         await produce(services.bootstrap, topic, pids, partition=p)
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=services.bootstrap,
-        group_id=f"g-{uuid.uuid4().hex[:8]}",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
+    consumer = group_consumer(services, topic)
     handler = await failing_on({ids[1][23]}, [])
     await consumer.start()
     try:
