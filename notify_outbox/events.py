@@ -39,6 +39,7 @@ class RelayEvents:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.seen = 0  # events emitted so far, of every name (for ``wait_after``)
         self._changed = asyncio.Event()
         self._hooks: list[Hook] = []
         self._batch_observers: list[BatchObserver] = []
@@ -62,6 +63,7 @@ class RelayEvents:
     def emit(self, name: str, amount: int = 1) -> None:
         """Record ``amount`` occurrences of ``name``."""
         self.counts[name] += amount
+        self.seen += 1
         for hook in self._hooks:
             hook(name, amount)
         self._changed.set()
@@ -73,3 +75,11 @@ class RelayEvents:
             self._changed.clear()
             await self._changed.wait()
         return self.counts[name]
+
+    async def wait_after(self, seen: int) -> None:
+        """Wait until an event of any name follows the first ``seen`` (read ``seen`` before
+        looking at what the events change, e.g. a count in the database, so that none is
+        missed); bound it with a timeout of your own."""
+        while self.seen <= seen:
+            self._changed.clear()
+            await self._changed.wait()

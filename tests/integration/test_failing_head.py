@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from notify_outbox import Relay
+from notify_outbox.events import RelayEvents
 from tests.conftest import Services
 from tests.integration.test_claim_buckets import BATCH, _claim
 from tests.integration.test_relay import make_settings
@@ -32,6 +33,20 @@ async def _one_key(conn: asyncpg.Connection, topic: str, rows: int) -> None:
         topic,
         rows,
     )
+
+
+async def _parked(conn: asyncpg.Connection, events: RelayEvents, *, at_least: int) -> int:
+    """Wait until ``at_least`` rows are parked (their key's earlier row failed), and return
+    how many are. Rows are parked by claims: the count is read again after each event of the
+    relay, not on a timer."""
+    while True:
+        seen = events.seen
+        parked: int = await conn.fetchval(
+            "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+        )
+        if parked >= at_least:
+            return parked
+        await events.wait_after(seen)
 
 
 async def test_healthy_keys_flow_past_thousands_of_failing_rows(
@@ -67,12 +82,7 @@ async def test_healthy_keys_flow_past_thousands_of_failing_rows(
             # The failing keys' later rows step aside: parked behind their first row, a chunk
             # per claim, and the healthy rows need not wait for all of them.
             with anyio.fail_after(30):
-                while (  # noqa: ASYNC110 (a count in the database: no event to wait on)
-                    held_back := await conn.fetchval(
-                        "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
-                    )
-                ) < 5000 - FAILING_KEYS:
-                    await anyio.sleep(0.05)
+                held_back = await _parked(conn, events, at_least=5000 - FAILING_KEYS)
             assert held_back == 5000 - FAILING_KEYS
             with anyio.fail_after(30):
                 await events.wait_for("published", 300)
@@ -214,13 +224,7 @@ async def test_a_published_retry_lets_its_parked_key_go_on(
         async with Relay(settings) as relay:
             with anyio.fail_after(20):
                 await relay.events.wait_for("retried", 1)
-                while (  # noqa: ASYNC110 (a count in the database: no event to wait on)
-                    await conn.fetchval(
-                        "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
-                    )
-                    < 19
-                ):
-                    await anyio.sleep(0.02)
+                await _parked(conn, relay.events, at_least=19)
             await create_topics(services.bootstrap, [missing], partitions=3)
             records, total = await consume(services.bootstrap, missing, expect=20, within=10)
         assert relay.events.counts["wake:poll"] == 0
