@@ -1038,6 +1038,18 @@ async def _consume(
         _refuse_open_transaction(db)
     inbox_listener = _subscribe(consumer, topics, listener)
     limiter = anyio.CapacityLimiter(concurrency)
+
+    async def one(
+        tp: TopicPartition,
+        records: list[Any],
+        offsets: dict[TopicPartition, int],
+        errors: list[Exception],
+    ) -> None:
+        async with limiter:
+            if tp not in consumer.assignment() or tp in inbox_listener.revoked:
+                return  # revoked meanwhile: its next owner has it
+            await _apply_partition(apply, tp, records, offsets, errors)
+
     while True:
         batch = await consumer.getmany(timeout_ms=int(poll_timeout * 1000), max_records=max_records)
         work = [(tp, records) for tp, records in batch.items() if records]
@@ -1047,20 +1059,13 @@ async def _consume(
         # stopped it (with the offset of the messages before it, for an InboxError).
         offsets: dict[TopicPartition, int] = {}
         errors: list[Exception] = []
-
-        async def one(tp: TopicPartition, records: list[Any]) -> None:
-            async with limiter:
-                if tp not in consumer.assignment() or tp in inbox_listener.revoked:
-                    return  # revoked meanwhile: its next owner has it
-                await _apply_partition(apply, tp, records, offsets, errors)  # noqa: B023
-
         # A revoke waits until this fetch's database commits and its offset commit are done
         # (the generation is still valid while the listener runs, so the commit counts).
         inbox_listener._busy()
         try:
             if concurrency == 1 or len(work) == 1:
                 for tp, records in work:
-                    await one(tp, records)
+                    await one(tp, records, offsets, errors)
                     if errors:
                         break  # the partitions after it are not started: their offsets stay
             else:
@@ -1068,7 +1073,7 @@ async def _consume(
                 # batch in flight): their transactions overlap on the pool's connections.
                 async with anyio.create_task_group() as tg:
                     for tp, records in work:
-                        tg.start_soon(one, tp, records)
+                        tg.start_soon(one, tp, records, offsets, errors)
             # One offset commit per fetch, after every database commit it covers.
             inbox_listener._pending.update(offsets)  # for a revoke, if this commit fails
             if errors:
