@@ -250,12 +250,11 @@ async def warm_up(
                 record, writers=gen, mode=proc, consumer=consumer, arrays=(gen_path,)
             )
 
-    cell: dict[str, Any] = {}
     await in_fresh_database(
         run,
         services,
         mode,
-        cell,
+        record,  # its database_setup too
         database=database,
         topic=topic,
         partitions=partitions,
