@@ -310,9 +310,16 @@ class KafkaPublisher:
             return set()
         for topic in unknown:
             client.add_topic(topic)
-        if not await client.force_metadata_update():
-            raise kafka_errors.KafkaConnectionError("metadata request failed")
-        return {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
+        # aiokafka hands back the metadata request already in flight, if there is one, and it
+        # may have gone out before these topics were added: what its answer lacks is asked
+        # for once more before it counts as missing (seen: a new topic's rows failed once).
+        for _ in range(2):
+            if not await client.force_metadata_update():
+                raise kafka_errors.KafkaConnectionError("metadata request failed")
+            unknown = {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
+            if not unknown:
+                break
+        return unknown
 
     async def _reachable(self, topics: Iterable[str] = ()) -> bool:
         """Whether Kafka answers a metadata request within ``_PROBE_TIMEOUT`` and every
@@ -425,14 +432,16 @@ class KafkaPublisher:
             key = row.key
             if key is not None and key in blocked:
                 continue
-            topic = row.topic
-            if topic in missing:
-                _fail(result, blocked, row, f"topic {topic!r} does not exist in Kafka")
-                continue
             try:
                 kb, value, headers = _record(row, debezium)
             except RowRejected as e:
+                # Before the topic's check: a row that can never be sent goes at its first
+                # attempt, whatever its topic.
                 _fail(result, blocked, row, f"malformed event: {e}", permanent=True)
+                continue
+            topic = row.topic
+            if topic in missing:
+                _fail(result, blocked, row, f"topic {topic!r} does not exist in Kafka")
                 continue
             # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
             bound = (len(value) if value is not None else 0) + (len(kb) if kb is not None else 0)

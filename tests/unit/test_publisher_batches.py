@@ -125,6 +125,58 @@ def test_malformed_headers_reject_the_row_and_only_it() -> None:
         to_message(row(1, "k", headers='{"a": 1}'), header_style="debezium")
 
 
+class _LateCluster:
+    """Knows topic "new" only after ``learned`` metadata answers, and never "gone"."""
+
+    def __init__(self) -> None:
+        self.partitions = {0}
+        self.answers = 0
+        self.learned = 2
+
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        if topic == "new" and self.answers < self.learned:
+            return None
+        return None if topic == "gone" else self.partitions
+
+
+class _LateClient:
+    """aiokafka's client when a metadata request was already in flight as a topic was added:
+    the first answer does not have it yet."""
+
+    def __init__(self) -> None:
+        self.cluster = _LateCluster()
+        self.added: set[str] = set()
+
+    def add_topic(self, topic: str) -> None:
+        self.added.add(topic)
+
+    async def force_metadata_update(self) -> bool:
+        self.cluster.answers += 1
+        return True
+
+
+async def test_a_topic_missing_from_a_stale_metadata_answer_is_asked_for_again() -> None:
+    producer = FakeProducer()
+    client = producer.client = _LateClient()  # type: ignore[assignment]
+    pub = publisher(producer)
+    assert await pub._missing_topics({"new", "a"}) == set()
+    assert client.added == {"new"}
+    assert client.cluster.answers == 2
+    # A topic that is truly missing: two answers without it, then the row fails.
+    assert await pub._missing_topics({"gone"}) == {"gone"}
+
+
+async def test_a_malformed_row_is_rejected_at_once_even_for_a_missing_topic() -> None:
+    producer = FakeProducer()
+    client = producer.client = _LateClient()  # type: ignore[assignment]
+    client.cluster.learned = 10**9  # "new" stays missing
+    pub = publisher(producer)
+    result = await pub.publish([row(1, "k", "new", headers='{"n": 1}'), row(2, "j", "new")])
+    assert [i for i, _ in result.rejected] == [1]  # dead-lettered now, not retried
+    assert [i for i, _ in result.failed] == [2]
+    assert "does not exist" in result.failed[0][1]
+
+
 async def test_a_keys_row_for_another_topic_waits_for_the_acks_of_the_wave_before() -> None:
     producer = FakeProducer()
     pub = publisher(producer)
