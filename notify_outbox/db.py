@@ -224,7 +224,9 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     listener's own connection), and asyncpg still rolls back a transaction left open."""
 
 
-async def connect_worker_pool(settings: OutboxSettings) -> tuple[asyncpg.Pool, bool]:
+async def connect_worker_pool(
+    settings: OutboxSettings, application_name: str = "notify-outbox-worker"
+) -> tuple[asyncpg.Pool, bool]:
     """The relay workers' pool, and whether a pooler sits in between. Retries while
     PostgreSQL is unreachable; raises ConfigurationError at once for what no retry cures (a
     wrong password, a missing database, a pooler that refuses the connection)."""
@@ -239,7 +241,7 @@ async def connect_worker_pool(settings: OutboxSettings) -> tuple[asyncpg.Pool, b
                 probe = await asyncpg.connect(
                     dsn,
                     statement_cache_size=0,
-                    server_settings=session_parameters("notify-outbox-worker"),
+                    server_settings=session_parameters(application_name),
                 )
                 try:
                     await require_supported_server(probe)
@@ -255,7 +257,7 @@ async def connect_worker_pool(settings: OutboxSettings) -> tuple[asyncpg.Pool, b
                     max_size=s.workers + 2,
                     command_timeout=s.db_command_timeout,
                     statement_cache_size=statement_cache_size(s.statement_cache_size, pooled),
-                    server_settings=session_parameters("notify-outbox-worker"),
+                    server_settings=session_parameters(application_name),
                     reset=_keep_session,
                 )
             if pooled:

@@ -164,7 +164,8 @@ class RelayMetrics:
             "Failed attempts, by reason: rows that failed (topic_missing, malformed, too_large, "
             "not_authorized, kafka_error), rows given back while Kafka was unavailable "
             "(kafka_unavailable), claims that failed on the database (database), claims "
-            "PostgreSQL ended because the relay stalled past their idle timeout (claim_lost)",
+            "ended because the relay stalled past their idle timeout, or its process did not "
+            "run for frozen_relay_timeout (claim_lost)",
             [*labels, "reason"],
             registry=r,
         )
@@ -189,6 +190,13 @@ class RelayMetrics:
             "Rows per claim that got any",
             labels,
             buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.frozen_claims_ended = Counter(
+            PREFIX + "frozen_claims_ended",
+            "Claims of other relays this relay's pulse ended: idle in their transaction while "
+            "their relay's process did not run for frozen_relay_timeout (pulse.py)",
+            labels,
             registry=r,
         )
         self.wakeups = Counter(
@@ -281,6 +289,8 @@ class RelayMetrics:
             self.failures.labels(self.table, "database").inc(amount)
         elif name == "claim_lost":
             self.failures.labels(self.table, "claim_lost").inc(amount)
+        elif name == "reaped":
+            self.frozen_claims_ended.labels(self.table).inc(amount)
 
     def _on_batch(
         self, rows: Sequence[OutboxRow], outcome: BatchOutcome, unavailable: str | None

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -53,6 +54,7 @@ from .listener import Listener
 from .outage import Outage, tame_third_party_logs
 from .policy import decide
 from .publisher import KafkaPublisher, Publisher, PublishResult
+from .pulse import Pulse, worker_app
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
 from .stalls import ClaimIdleTimeout
@@ -180,6 +182,11 @@ class Relay:
         self._close_forced = False  # a graceful close had to abandon the producer or pool
         #: Whether NOTIFY_OUTBOX_DSN goes through a connection pooler (found at start).
         self.behind_pooler = False
+        #: Names this relay's sessions in pg_stat_activity (pulse.py).
+        self.relay_id = secrets.token_hex(4)
+        #: Proof that this process runs, and the end of frozen relays' claims (pulse.py);
+        #: None when off (frozen_relay_timeout 0, a pooler, a store other than PostgreSQL's).
+        self.pulse: Pulse | None = None
 
     @property
     def low_water_mark(self) -> LowWaterMark:
@@ -413,6 +420,16 @@ class Relay:
                 command_timeout=s.db_command_timeout,
                 begin_round_trip=self.claim_timeout.round_trip,
             )
+            if s.frozen_relay_timeout > 0 and not self.behind_pooler:
+                self.pulse = Pulse(
+                    s.dsn.get_secret_value(),
+                    self.relay_id,
+                    s.frozen_relay_timeout,
+                    command_timeout=s.db_command_timeout,
+                    on_reaped=self._after_reap,
+                )
+                self._store.reaped_after = s.frozen_relay_timeout
+                self.pulse.start()
         if self._publisher is None:
             kafka = KafkaPublisher(s)
             self._publisher = kafka
@@ -422,8 +439,15 @@ class Relay:
     async def _connect_pool(self) -> asyncpg.Pool:
         """The workers' pool (``db.connect_worker_pool``), and whether a pooler sits in
         between."""
-        pool, self.behind_pooler = await connect_worker_pool(self.settings)
+        pool, self.behind_pooler = await connect_worker_pool(
+            self.settings, worker_app(self.relay_id)
+        )
         return pool
+
+    def _after_reap(self, claims: int) -> None:
+        """The pulse ended ``claims`` claims of a frozen relay: their rows are free now."""
+        self.events.emit("reaped", claims)
+        self._wake("retry")
 
     async def _notify(self, channel: str, payload: str) -> None:
         """NOTIFY over a worker connection (the listener's check that LISTEN works)."""
@@ -437,6 +461,8 @@ class Relay:
         return max(0.0, self._stop_deadline - time.monotonic())
 
     async def _close(self, *, graceful: bool) -> None:
+        if self.pulse is not None:
+            await self.pulse.stop()
         if self._pool is not None:
             await settle_pool(self._pool)  # cancelled statements: their cancel requests first
         # Runs shielded from the run's cancellation; only abort() cancels _close_scope.
@@ -695,6 +721,18 @@ class Relay:
             return None
 
     async def _process_batch(self) -> tuple[int, bool | None]:
+        pulse = self.pulse
+        if pulse is None:
+            return await self._claim_and_publish()
+        # The pulse beats while a claim is open: another relay ends this one's claims only
+        # when both went silent (pulse.py).
+        pulse.claim_started()
+        try:
+            return await self._claim_and_publish()
+        finally:
+            pulse.claim_ended()
+
+    async def _claim_and_publish(self) -> tuple[int, bool | None]:
         assert self._store is not None
         assert self._publisher is not None
         self.gate.progress()
@@ -702,9 +740,14 @@ class Relay:
         # of this (_publish_kept_alive); if the relay stalls, the server ends that
         # transaction soon, and other relays may take its keys (stalls.py).
         idle_timeout = self.claim_timeout.for_claim()
+        # Silent this long, the claim may be gone: ended by the server, or by another relay
+        # while this process did not run (pulse.py).
+        lost_after = idle_timeout if self.pulse is None else min(idle_timeout, self.pulse.timeout)
         async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
             self.gate.progress()
             rows = batch.rows
+            if batch.busy and self.pulse is not None:
+                self.pulse.saw_busy()  # a frozen relay's claim, maybe: the pulse ends it
             if batch.busy:
                 # Other claims held buckets with fresh rows. A live one goes on with them
                 # itself; a frozen one loses them when PostgreSQL ends its claim, and nothing
@@ -723,10 +766,10 @@ class Relay:
                 self._retry_timers.claimed(r.id for r in rows if r.attempts)
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
-            if batch.idle() > idle_timeout / 2:
+            if batch.idle() > lost_after / 2:
                 # The relay did not run for a while since its claim (frozen, or its loop
-                # starved): PostgreSQL may have ended the claim and another relay taken its
-                # rows. Ask before sending them again behind that relay's copies.
+                # starved): the claim may have been ended and another relay taken its rows.
+                # Ask before sending them again behind that relay's copies.
                 await batch.keepalive()
             result = await self._publish_kept_alive(batch, idle_timeout)
             self._fault("after_ack")

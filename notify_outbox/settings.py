@@ -254,6 +254,16 @@ class OutboxSettings(DatabaseSettings):
         "healthy host, at the price of duplicates when a relay's host goes from quiet to "
         "starved at once. A working relay renews it while it waits for Kafka's acks",
     )
+    frozen_relay_timeout: Seconds = Field(
+        0.25,
+        ge=0,
+        description="A relay whose process did not run this long (its pulse, a thread with a "
+        "connection of its own, silent: SIGSTOP, a VM pause, a debugger) while a claim of it "
+        "sat idle as long has that claim ended by another relay (pg_terminate_backend), so its "
+        "keys wait about this long instead of claim_idle_timeout. A busy or starved event loop "
+        "does not silence the pulse. Needs the relays to see and signal each other's sessions "
+        "(one role, or pg_signal_backend); off behind a connection pooler; 0 turns it off",
+    )
 
     # --- how the relay works ------------------------------------------------------------------
     workers: int = Field(4, ge=1, le=256, description="Worker coroutines claiming in parallel")

@@ -297,13 +297,21 @@ _BROKEN: tuple[type[Exception], ...] = (
 )
 
 
-def _claim_lost(rows: int, idle: float, timeout: float) -> ClaimLost:
+def _claim_lost(rows: int, idle: float, timeout: float, reaped_after: float | None) -> ClaimLost:
+    if idle >= 0.9 * timeout or reaped_after is None:
+        return ClaimLost(
+            f"a claim of {rows} rows sat idle {idle:.2f}s, beyond its idle timeout "
+            f"({timeout:.2f}s), and PostgreSQL ended it: this relay did not run for that long "
+            "(frozen, or starved of CPU). The next claim takes its rows; if they had been "
+            "sent, they are sent again (duplicates). If the relay was only slow, raise "
+            "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT"
+        )
     return ClaimLost(
-        f"a claim of {rows} rows sat idle {idle:.2f}s, beyond its idle timeout "
-        f"({timeout:.2f}s), and PostgreSQL ended it: this relay did not run for that long "
-        "(frozen, or starved of CPU). The next claim takes its rows; if they had been sent, "
-        "they are sent again (duplicates). If the relay was only slow, raise "
-        "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT"
+        f"a claim of {rows} rows sat idle {idle:.2f}s, and another relay ended it: this "
+        f"process did not run for that long, its pulse silent beyond "
+        f"NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT ({reaped_after:.2f}s) (frozen, or its whole host "
+        "starved). The next claim takes its rows; if they had been sent, they are sent again "
+        "(duplicates). If the process was only slow, raise NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT"
     )
 
 
@@ -311,11 +319,12 @@ def _claim_lost(rows: int, idle: float, timeout: float) -> ClaimLost:
 _BROKEN_OR_LOST: tuple[type[Exception], ...] = (*_BROKEN, ClaimLost)
 
 # What a statement on a session the server has ended raises (25P03 is the idle timeout's
-# FATAL, when asyncpg reads it before it sees the socket closed).
+# FATAL, 57P01 pg_terminate_backend's, when asyncpg reads it before it sees the socket closed).
 _SESSION_GONE: tuple[type[Exception], ...] = (
     *_BROKEN,
     asyncpg.PostgresConnectionError,
     asyncpg.IdleInTransactionSessionTimeoutError,
+    asyncpg.AdminShutdownError,
 )
 
 
@@ -364,6 +373,15 @@ class PgOutboxStore:
         self._timeout = command_timeout
         #: The relay's low-water mark (migration 0006), advanced by every claim.
         self.marks = MarkKeeper()
+        #: Set while the relay pulses (pulse.py): another relay ends a claim of this one that
+        #: sat idle this long while this process did not run.
+        self.reaped_after: float | None = None
+
+    def lost_after(self, idle_timeout: float | None) -> float:
+        """How long a claim may sit idle before it may have been ended: by PostgreSQL (its
+        idle timeout) or by another relay's reaper (pulse.py), whichever comes first."""
+        bounds = [t for t in (idle_timeout, self.reaped_after) if t is not None]
+        return min(bounds) if bounds else float("inf")
 
     @asynccontextmanager
     async def claim(
@@ -415,12 +433,15 @@ class PgOutboxStore:
                 try:
                     yield batch
                 except Exception as e:
+                    lost_after = self.lost_after(idle_timeout)
                     if (
                         idle_timeout is not None
-                        and batch.idle_before >= 0.9 * idle_timeout
+                        and batch.idle_before >= 0.9 * lost_after
                         and isinstance(e, _SESSION_GONE)
                     ):
-                        raise _claim_lost(len(rows), batch.idle_before, idle_timeout) from e
+                        raise _claim_lost(
+                            len(rows), batch.idle_before, idle_timeout, self.reaped_after
+                        ) from e
                     if isinstance(e, _BROKEN):
                         # Ended below without a ROLLBACK: after a timeout, asyncpg sends the
                         # ROLLBACK only once the server acknowledged its cancel request,

@@ -1,9 +1,10 @@
 """A relay that stops answering while it holds a claim.
 
 Scenarios: 31 a relay frozen (SIGSTOP) right after a claim; 32 a relay whose worker
-connections go silent (the proxy swallows every byte, nothing is closed) right after a claim.
+connections go silent (the proxy swallows every byte, nothing is closed) right after a claim;
+33 as 31, with the relays' pulses on (the default): the other relay ends the frozen claim.
 
-In both, PostgreSQL ends the claim after ``claim_idle_timeout`` (``SET LOCAL
+In 31 and 32, PostgreSQL ends the claim after ``claim_idle_timeout`` (``SET LOCAL
 idle_in_transaction_session_timeout`` in the claim's ``BEGIN``), another relay delivers its
 rows without waiting for the fallback poll (300 s here), and relay A, once it runs again,
 finds its claim gone, claims anew and keeps delivering. In 31, A finds the claim gone before
@@ -51,6 +52,9 @@ MARGIN = 10.0
 
 ENV = {
     "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT": str(CLAIM_IDLE),
+    # 31 and 32 prove the server's timeout, the backstop for relays without a pulse (an
+    # older version, a pooler); 33 the pulse (pulse.py), which ends a frozen claim sooner.
+    "NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT": "0",
     # Nothing here may be rescued by the fallback poll.
     "NOTIFY_OUTBOX_POLL_INTERVAL": "300",
     "NOTIFY_OUTBOX_BATCH_SIZE": "20",
@@ -86,7 +90,9 @@ async def _frozen(relay: FaultRelay) -> bool:
     return _stopped(relay.proc.pid)
 
 
-async def _frozen_claim(watch: asyncpg.Connection, proxy: SilentProxy) -> Claim:
+async def _frozen_claim(
+    watch: asyncpg.Connection, proxy: SilentProxy, within: float = CLAIM_IDLE / 2
+) -> Claim:
     """Relay A's one claim, A being stopped in it: its session idle in its transaction."""
     rows: list[asyncpg.Record] = []
 
@@ -97,7 +103,7 @@ async def _frozen_claim(watch: asyncpg.Connection, proxy: SilentProxy) -> Claim:
 
     await eventually(
         settled,
-        within=CLAIM_IDLE / 2,
+        within=within,
         what="relay A's session is idle inside its claim (if PostgreSQL already ended it, the "
         "host is too slow for this test's claim_idle_timeout)",
         details=lambda: str([dict(r) for r in rows]),
@@ -290,5 +296,77 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             report = await checker.drain_and_check(within=60)
             await a.stop_ok()
     print(f"32: {len(silenced)} connection(s) of relay A silenced")
+    print(report.text())
+    report.assert_ok()
+
+
+async def test_33_a_frozen_relays_claim_is_ended_by_the_other_relays_pulse(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """As 31, with the relays' pulses on (pulse.py, the default) and a claim idle timeout far
+    away (30 s): relay B ends A's claim once it sat idle for frozen_relay_timeout while A's
+    pulse was silent as long (not before), and delivers its rows, A still frozen. Resumed, A
+    asks before sending, finds its claim gone, says who ended it, and claims again. No event
+    is sent twice."""
+    frozen_after = 1.0  # long enough for the watch to see A's claim before B ends it
+    idle_timeout = 30.0
+    env = {
+        **ENV,
+        "NOTIFY_OUTBOX_CLAIM_IDLE_TIMEOUT": str(idle_timeout),
+        "NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT": str(frozen_after),
+    }
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "33 pulse").setup()
+    load = checker.writers(writers=2, keys=10, pause=0.01)
+    with _proxy(db_dsn) as proxy:
+        a = _relay_a(proxy, db_dsn, services, **env)
+        b = FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-b")
+        async with (
+            relays(a, b),
+            KafkaTail(services.bootstrap, [topic]) as tail,
+            task_group() as tg,
+            checker.producer() as p,
+            connect(db_dsn) as watch,
+        ):
+            await a.ready()
+            await b.ready()
+            await p.bulk([f"key-{i % 10}" for i in range(200)])
+            # The writers go on: B keeps claiming, meets A's keys held, and its pulse beats.
+            tg.start_soon(load.run)
+            await eventually(lambda: _frozen(a), within=60, what="relay A froze in a claim")
+            claim = await _frozen_claim(watch, proxy, within=frozen_after / 2)
+            await eventually(
+                lambda: _ended(watch, claim.pid),
+                within=frozen_after + MARGIN,
+                what="relay B's pulse ended relay A's frozen claim",
+            )
+            ended = time.time() - claim.since
+            await eventually(
+                lambda: _settled(watch, claim),
+                within=MARGIN,
+                what="relay B published (and deleted) the rows of relay A's claim",
+            )
+            settled = time.time() - claim.since
+            FIGURES.recovery("33 frozen relay, pulse: claim ended by relay B", ended)
+            FIGURES.recovery("33 frozen relay, pulse: its rows settled by relay B", settled)
+            print(
+                f"33: claim of {len(claim.held)} rows ended {ended:.2f}s after it went idle "
+                f"(frozen_relay_timeout {frozen_after}s, claim_idle_timeout {idle_timeout}s); "
+                f"its rows settled by relay B after {settled:.2f}s"
+            )
+            # Not before the timeout (the server's clock on both sides of it), and long
+            # before the server's own idle timeout would have.
+            assert ended >= frozen_after, f"ended after {ended:.2f}s"
+            assert settled <= frozen_after + MARGIN < idle_timeout
+            assert _stopped(a.proc.pid), "relay A woke up: the test proves nothing"
+            a.signal(signal.SIGCONT)
+            await a.line("and another relay ended it", within=30)
+            await load.halt()
+            await b.stop_ok()
+            latency = await idle_latency(
+                db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, resumed"
+            )
+            print(f"33: relay A alone, resumed: an event on the idle relay in {latency:.2f}s")
+            report = await checker.drain_and_check(within=60)
+            await a.stop_ok()
     print(report.text())
     report.assert_ok()

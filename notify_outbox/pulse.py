@@ -1,0 +1,234 @@
+"""A relay's pulse, and the end of a frozen relay's claims.
+
+A claim holds its keys in an open transaction. A relay frozen inside one (SIGSTOP, a VM pause,
+a debugger) holds them until PostgreSQL ends the claim after ``claim_idle_timeout`` (2 s), and
+its keys' later events wait that long. A shorter idle timeout cannot tell a frozen relay from
+one whose event loop is only slow, and a claim ended under a slow relay after its records went
+out is published twice (claim.md, "Why 2 s stays the default").
+
+The pulse tells them apart. Each relay runs, on a thread of its own with its own event loop and
+its own connection (``application_name`` ``notify-outbox-pulse/<relay id>``), one statement
+every ``PULSE_EVERY`` while it has a claim open or had one lately. A busy or starved event loop
+does not silence it (the thread needs the interpreter for a few microseconds, which it gets
+within the switch interval, 5 ms); a stopped process does. That statement is the reaper: it
+ends (``pg_terminate_backend``) the claims of other relays that sat idle in their transaction
+longer than ``frozen_relay_timeout`` while their relay's pulse was silent as long. Their rows
+and key buckets are free at once, and the reaping relay wakes its workers.
+
+What it does not do: end the claim of a relay that has no pulse (an older version, one behind
+a connection pooler, where pids and sessions do not map, or one whose pulse is disabled); those
+still wait for the idle timeout. Sessions are matched by ``application_name`` and database, so
+both relays need the right to see and signal each other's backends (the same role, or
+``pg_signal_backend``); without it the reaper says so once and only pulses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import asyncpg
+
+from .db import DATABASE_ERRORS, session_parameters
+
+log = logging.getLogger("notify_outbox.pulse")
+
+WORKER_APP = "notify-outbox-worker"
+PULSE_APP = "notify-outbox-pulse"
+#: Seconds between two pulses while the relay claims.
+PULSE_EVERY = 0.05
+#: The pulse goes on this long after the relay's last claim, or after a claim met buckets held
+#: by other claims (a frozen relay's, maybe, which it would end), then rests (no statement).
+ACTIVE_AFTER = 5.0
+#: After a failed pulse (the database away: the workers say so), the next try.
+RETRY_AFTER = 1.0
+
+# One statement: the pulse itself (its session's state_change moves at each), and the reaper.
+# A worker session of another relay that sits idle in its transaction longer than $2 seconds,
+# while that relay's pulse session has been idle as long, belongs to a stopped process: end it.
+# A relay without a pulse session is never matched. pg_stat_activity is read once, at the
+# statement's first look; the CTE is materialized so that nothing is ended before every
+# condition was checked (PostgreSQL may evaluate a WHERE clause's terms in any order).
+REAP = f"""
+WITH frozen AS MATERIALIZED (
+    SELECT w.pid, extract(epoch FROM clock_timestamp() - w.state_change)::float8 AS idle
+    FROM pg_stat_activity AS w
+    JOIN pg_stat_activity AS p
+      ON p.datname = w.datname
+     AND p.application_name = '{PULSE_APP}' || substr(w.application_name, {len(WORKER_APP) + 1})
+    WHERE w.datname = current_database()
+      AND w.application_name LIKE '{WORKER_APP}/%'
+      AND w.application_name <> $1
+      AND w.state = 'idle in transaction'
+      AND w.state_change < clock_timestamp() - make_interval(secs => $2)
+      AND p.state = 'idle'
+      AND p.state_change < clock_timestamp() - make_interval(secs => $2)
+)
+SELECT pid, idle FROM frozen WHERE pg_terminate_backend(pid)
+"""
+
+
+def worker_app(relay_id: str) -> str:
+    """The ``application_name`` of a relay's worker sessions."""
+    return f"{WORKER_APP}/{relay_id}"
+
+
+def pulse_app(relay_id: str) -> str:
+    """The ``application_name`` of a relay's pulse session."""
+    return f"{PULSE_APP}/{relay_id}"
+
+
+class Pulse:
+    """The pulse thread of one relay. ``claim_started``, ``claim_ended`` and ``saw_busy``
+    are called from the relay's event loop (each a few attribute writes, no lock: the thread
+    only reads them); ``on_reaped(n)`` is called in that loop when the pulse ended ``n``
+    claims of frozen relays."""
+
+    def __init__(
+        self,
+        dsn: str,
+        relay_id: str,
+        timeout: float,
+        *,
+        command_timeout: float,
+        on_reaped: Callable[[int], None],
+    ) -> None:
+        self._dsn = dsn
+        self._worker_app = worker_app(relay_id)
+        self._app = pulse_app(relay_id)
+        self.timeout = timeout
+        self._command_timeout = command_timeout
+        self._on_reaped = on_reaped
+        self._open = 0  # claims open now
+        self._last = -ACTIVE_AFTER  # monotonic time of the last claim's end or busy look
+        self._stopped = False
+        self._resting = True
+        self._reaping = True
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the thread's
+        self._wake: asyncio.Event | None = None  # the thread's, set only in its loop
+        self._main: asyncio.AbstractEventLoop | None = None
+        #: Pulses sent and claims ended (read by tests and metrics).
+        self.pulses = 0
+        self.reaped = 0
+
+    # --- called in the relay's event loop ------------------------------------------------
+
+    def start(self) -> None:
+        self._main = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=self._thread_main, name="notify-outbox-pulse", daemon=True
+        )
+        self._thread.start()
+
+    def claim_started(self) -> None:
+        self._open += 1
+        if self._resting:
+            self._rouse()
+
+    def claim_ended(self) -> None:
+        self._open -= 1
+        self._last = time.monotonic()
+
+    def saw_busy(self) -> None:
+        self._last = time.monotonic()
+        if self._resting:
+            self._rouse()
+
+    async def stop(self) -> None:
+        """End the thread (and its connection); waits up to the command timeout for it."""
+        self._stopped = True
+        self._rouse()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join, self._command_timeout + 1)
+
+    def _rouse(self) -> None:
+        self._resting = False
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the thread's loop has closed
+                loop.call_soon_threadsafe(wake.set)
+
+    # --- the thread ----------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        return self._open > 0 or time.monotonic() - self._last < ACTIVE_AFTER
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except Exception:  # never silently: a relay without a pulse only loses the speed-up
+            log.exception(
+                "the relay's pulse stopped; frozen relays' claims now wait for claim_idle_timeout"
+            )
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        conn: asyncpg.Connection | None = None
+        try:
+            while not self._stopped:
+                if not self._active():
+                    self._resting = True
+                    self._wake.clear()
+                    if self._active() or self._stopped:
+                        continue
+                    # Rest: no statement until a claim comes (or, at worst, once a second
+                    # to look again at the flags).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 1.0)
+                    continue
+                try:
+                    if conn is None or conn.is_closed():
+                        conn = await asyncpg.connect(
+                            self._dsn,
+                            statement_cache_size=4,
+                            command_timeout=self._command_timeout,
+                            server_settings=session_parameters(self._app),
+                        )
+                    await self._beat(conn)
+                except DATABASE_ERRORS:
+                    # The workers report the database's outages; the pulse just tries again.
+                    if conn is not None:
+                        conn.terminate()
+                        conn = None
+                    await asyncio.sleep(RETRY_AFTER)
+                    continue
+                await asyncio.sleep(PULSE_EVERY)
+        finally:
+            if conn is not None:
+                conn.terminate()
+
+    async def _beat(self, conn: asyncpg.Connection) -> None:
+        if not self._reaping:
+            await conn.execute("SELECT 1")
+            self.pulses += 1
+            return
+        try:
+            ended = await conn.fetch(REAP, self._worker_app, self.timeout)
+        except asyncpg.InsufficientPrivilegeError as e:
+            self._reaping = False
+            log.warning(
+                "this relay may not end other relays' sessions (%s): a frozen relay's keys "
+                "wait for its claim_idle_timeout. Run the relays as one role, or grant it "
+                "pg_signal_backend",
+                e,
+            )
+            return
+        self.pulses += 1
+        if ended:
+            self.reaped += len(ended)
+            log.info(
+                "ended %d claim(s) of a relay that did not run for %.2fs (pulse silent: "
+                "frozen); their keys go on here",
+                len(ended),
+                max(r["idle"] for r in ended),
+            )
+            main = self._main
+            if main is not None:
+                main.call_soon_threadsafe(self._on_reaped, len(ended))

@@ -1,0 +1,135 @@
+"""The pulse's reaper (pulse.py) against a real PostgreSQL: it ends exactly the worker sessions
+of relays whose process stopped (idle in a transaction, their pulse session idle as long), and
+no other session; it rests while its relay does not claim.
+
+Sessions stand in for relays here (the names are what the reaper reads); a real relay frozen
+with SIGSTOP is tests/faults/test_held_claims.py, scenario 33."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import asyncpg
+import pytest
+
+from notify_outbox import pulse as pulse_module
+from notify_outbox.pulse import Pulse, pulse_app, worker_app
+from tests.faults.harness import eventually
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 0.4
+
+
+@asynccontextmanager
+async def session(dsn: str, app: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(dsn, server_settings={"application_name": app})
+    try:
+        yield conn
+    finally:
+        conn.terminate()
+
+
+async def _alive(watch: asyncpg.Connection, conn: asyncpg.Connection) -> bool:
+    pid = conn.get_server_pid()
+    return bool(await watch.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid))
+
+
+async def test_the_pulse_ends_only_the_claims_of_a_relay_whose_process_stopped(
+    db_dsn: str,
+) -> None:
+    reaped: list[int] = []
+    async with (
+        session(db_dsn, "watch") as watch,
+        # A stopped relay: a worker idle in its transaction, its pulse session idle as long.
+        session(db_dsn, worker_app("stopped1")) as stopped_worker,
+        session(db_dsn, pulse_app("stopped1")) as stopped_pulse,
+        # A live relay: its worker is idle in a transaction just as long, but it pulses.
+        session(db_dsn, worker_app("alive001")) as live_worker,
+        session(db_dsn, pulse_app("alive001")) as live_pulse,
+        # A relay without a pulse (an older version, or pulse off): never ended.
+        session(db_dsn, worker_app("nopulse1")) as unpulsed_worker,
+        # Not a relay at all.
+        session(db_dsn, "psql") as other,
+        # A stopped relay's worker that is not in a transaction: it holds nothing.
+        session(db_dsn, worker_app("stopped1")) as stopped_idle,
+    ):
+        await stopped_pulse.execute("SELECT 1")
+        # The stopped relay's pulse went silent a timeout before its claim did: the claim
+        # must still sit idle a timeout of its own before it is ended.
+        await anyio.sleep(TIMEOUT)
+        for conn in (stopped_worker, live_worker, unpulsed_worker, other):
+            await conn.execute("BEGIN; SELECT 1")
+        went_idle = time.monotonic()
+
+        async def beat() -> None:
+            while True:
+                await live_pulse.execute("SELECT 1")
+                await anyio.sleep(0.02)
+
+        pulse = Pulse(
+            db_dsn,
+            "reaper01",
+            TIMEOUT,
+            command_timeout=5,
+            on_reaped=reaped.append,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(beat)
+            pulse.start()
+            try:
+                pulse.claim_started()  # the reaping relay claims: its pulse beats
+                await eventually(
+                    lambda: _ended(watch, stopped_worker),
+                    within=10,
+                    what="the stopped relay's claim session was ended",
+                )
+                ended_after = time.monotonic() - went_idle
+                # It ended nothing else, then or in the pulses after (several timeouts).
+                await anyio.sleep(3 * TIMEOUT)
+                for conn in (stopped_pulse, live_worker, unpulsed_worker, other, stopped_idle):
+                    assert await _alive(watch, conn), conn.get_settings().application_name
+                pulse.claim_ended()
+            finally:
+                await pulse.stop()
+                tg.cancel_scope.cancel()
+    # Not before its session (and its pulse) had been silent for the timeout, less the round
+    # trip between the server's clock and ours.
+    assert ended_after >= TIMEOUT - 0.05, f"ended after {ended_after:.2f}s"
+    assert pulse.reaped == 1
+    await eventually(lambda: _true(reaped == [1]), within=5, what="the relay was told")
+
+
+async def test_the_pulse_rests_while_its_relay_does_not_claim(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pulse_module, "ACTIVE_AFTER", 0.3)
+    pulse = Pulse(db_dsn, "rest0001", TIMEOUT, command_timeout=5, on_reaped=lambda _n: None)
+    pulse.start()
+    try:
+        await anyio.sleep(0.5)
+        assert pulse.pulses == 0, "it beat before any claim"
+        pulse.claim_started()
+        await eventually(lambda: _true(pulse.pulses >= 3), within=10, what="it beats")
+        pulse.claim_ended()
+        await eventually(
+            lambda: _true(pulse._resting), within=10, what="it rests after its last claim"
+        )
+        rested = pulse.pulses
+        await anyio.sleep(0.5)
+        assert pulse.pulses <= rested + 1
+        pulse.saw_busy()  # a claim met buckets held by others: it beats again at once
+        await eventually(lambda: _true(pulse.pulses > rested + 1), within=10, what="woken")
+    finally:
+        await pulse.stop()
+
+
+async def _ended(watch: asyncpg.Connection, conn: asyncpg.Connection) -> bool:
+    return not await _alive(watch, conn)
+
+
+async def _true(value: bool) -> bool:
+    return value
