@@ -50,7 +50,8 @@ SELECT pid, extract(epoch FROM xact_start)::float8 AS began,
        extract(epoch FROM clock_timestamp() - xact_start)::float8 AS age,
        backend_xid IS NOT NULL AS has_xid
 FROM pg_stat_activity
-WHERE datname = current_database() AND application_name = 'notify-outbox-worker'
+WHERE datname = current_database()
+  AND (application_name = 'notify-outbox-worker' OR application_name LIKE 'notify-outbox-worker/%')
   AND xact_start IS NOT NULL
 """
 _DIGITS = re.compile(r"\d+")
@@ -186,7 +187,7 @@ class _Xact:
 
 class _XactSampler(Looker):
     """Every 50 ms, on its own connection to the relay's database: the relay's worker sessions
-    that are in a transaction (``pg_stat_activity``, ``application_name`` 'notify-outbox-worker'),
+    that are in a transaction (``pg_stat_activity``, ``application_name`` 'notify-outbox-worker/<relay id>'),
     from just before a Kafka stop until every transaction begun before Kafka came back has
     ended. A claim transaction that waits for Kafka's acks keeps the database's horizon
     (vacuum) where it was, and its rows and key buckets locked."""

@@ -140,12 +140,14 @@ class Pulse:
             self._rouse()
 
     async def stop(self) -> None:
-        """End the thread (and its connection); waits up to the command timeout for it."""
+        """End the thread (and its connection)."""
         self._stopped = True
         self._rouse()
         thread = self._thread
         if thread is not None:
-            await asyncio.to_thread(thread.join, self._command_timeout + 1)
+            # It ends within a pulse, or after the connection attempt in flight (bounded by
+            # the command timeout; a daemon thread, it holds no exit up).
+            await asyncio.to_thread(thread.join, min(2.0, self._command_timeout + 1))
 
     def _rouse(self) -> None:
         self._resting = False
@@ -187,6 +189,7 @@ class Pulse:
                     if conn is None or conn.is_closed():
                         conn = await asyncpg.connect(
                             self._dsn,
+                            timeout=self._command_timeout,
                             statement_cache_size=4,
                             command_timeout=self._command_timeout,
                             server_settings=session_parameters(self._app),
@@ -231,4 +234,5 @@ class Pulse:
             )
             main = self._main
             if main is not None:
-                main.call_soon_threadsafe(self._on_reaped, len(ended))
+                with contextlib.suppress(RuntimeError):  # the relay's loop has closed
+                    main.call_soon_threadsafe(self._on_reaped, len(ended))

@@ -4,6 +4,9 @@
 
 -- The relay: claims (SELECT ... FOR UPDATE needs UPDATE), marks or deletes published rows,
 -- dead-letters failed ones, and re-queues dead letters on request. LISTEN needs no grant.
+-- Relays end each other's frozen claims (notify_outbox/pulse.py), which works between sessions
+-- of one role: run every relay as this role (with a role per relay, grant them
+-- pg_read_all_stats and pg_signal_backend, or frozen claims wait for claim_idle_timeout).
 GRANT USAGE ON SCHEMA @schema@ TO @relay_role@;
 GRANT SELECT, INSERT, UPDATE, DELETE ON @table@ TO @relay_role@;
 GRANT SELECT, INSERT, DELETE ON @dead_letter@ TO @relay_role@;
