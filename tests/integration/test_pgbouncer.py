@@ -97,6 +97,7 @@ async def test_relay_delivers_every_event_in_key_order_through_pgbouncer(
     listen = {"listen_dsn": db_dsn} if mode == "transaction" else {}
     async with Relay(_settings(pooled_dsn, services, **listen)) as relay:
         assert relay.behind_pooler
+        assert relay.pulse is None, "a pooler's server sessions are not the relay's: no pulse"
         committed = await _write(pooled_dsn, topic)
         records, total = await consume(services.bootstrap, topic, expect=len(committed))
     assert total == len(committed) == WRITERS * TXS_PER_WRITER * 3

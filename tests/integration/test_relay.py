@@ -37,6 +37,7 @@ async def test_plain_sql_rows_become_kafka_messages(
     conn = await asyncpg.connect(db_dsn)
     try:
         async with Relay(make_settings(db_dsn, services)) as relay:
+            assert relay.pulse is not None, "the pulse is on by default (pulse.py)"
             await conn.execute(
                 f"""
                 INSERT INTO outbox (topic, key, payload, headers, event_type, aggregate_type,
