@@ -4,16 +4,21 @@ A claim holds its keys in an open transaction. A relay frozen inside one (SIGSTO
 a debugger) holds them until PostgreSQL ends the claim after ``claim_idle_timeout`` (2 s), and
 its keys' later events wait that long. A shorter idle timeout cannot tell a frozen relay from
 one whose event loop is only slow, and a claim ended under a slow relay after its records went
-out is published twice (claim.md, "Why 2 s stays the default").
+out is published twice (docs/concepts/claim.md).
 
-The pulse tells them apart. Each relay runs, on a thread of its own with its own event loop and
-its own connection (``application_name`` ``notify-outbox-pulse/<relay id>``), one statement
-every ``PULSE_EVERY`` while it has a claim open or had one lately. A busy or starved event loop
-does not silence it (the thread needs the interpreter for a few microseconds, which it gets
-within the switch interval, 5 ms); a stopped process does. That statement is the reaper: it
-ends (``pg_terminate_backend``) the claims of other relays that sat idle in their transaction
-longer than ``frozen_relay_timeout`` while their relay's pulse was silent as long. Their rows
-and key buckets are free at once, and the reaping relay wakes its workers.
+The pulse tells them apart. Each relay runs a thread with its own event loop and its own
+connection (``application_name`` ``notify-outbox-pulse/<relay id>``), which beats (one
+statement every ``PULSE_EVERY``) while a claim of the relay has been open longer than
+``BEAT_AFTER``, and for a while after a claim met buckets held by other claims. A busy or
+starved event loop does not silence it (the thread needs the interpreter for microseconds,
+which it gets within the switch interval, 5 ms); a stopped process does. The beat is the
+reaper: it ends (``pg_terminate_backend``) the worker sessions of other relays that sat idle
+in their transaction longer than ``frozen_relay_timeout`` while their relay's pulse session
+was idle as long. Their rows and key buckets are free at once, and the reaping relay wakes
+its workers. Claims of a few milliseconds (the common case) cost no statement, and an idle
+relay's pulse thread sleeps until a claim wakes it. A live relay's first beat comes at most
+two ``PULSE_EVERY`` after its claim began, and its claim is ended only after
+``frozen_relay_timeout`` (0.25 s) without a beat: its thread has 150 ms of slack.
 
 What it does not do: end the claim of a relay that has no pulse (an older version, one behind
 a connection pooler, where pids and sessions do not map, or one whose pulse is disabled); those
@@ -39,11 +44,21 @@ log = logging.getLogger("notify_outbox.pulse")
 
 WORKER_APP = "notify-outbox-worker"
 PULSE_APP = "notify-outbox-pulse"
-#: Seconds between two pulses while the relay claims.
+#: Seconds between two beats while the pulse beats.
 PULSE_EVERY = 0.05
-#: The pulse goes on this long after the relay's last claim, or after a claim met buckets held
-#: by other claims (a frozen relay's, maybe, which it would end), then rests (no statement).
-ACTIVE_AFTER = 5.0
+#: The pulse beats while a claim of the relay has been open this long (claims of a few
+#: milliseconds, the common case, cost no statement): the first beat comes at most two
+#: PULSE_EVERY after the claim began, well inside frozen_relay_timeout.
+BEAT_AFTER = PULSE_EVERY
+#: It also beats, and ends frozen claims, for this many frozen_relay_timeouts (at least
+#: REAP_AT_LEAST seconds) after a claim met buckets held by other claims: a frozen relay's,
+#: maybe, which falls due within one timeout.
+REAP_FOR = 4
+REAP_AT_LEAST = 1.0
+#: Between claims the thread looks at the relay's claims every PULSE_EVERY (no statement)
+#: for this long after the last one, then sleeps until a claim wakes it: an idle relay's
+#: pulse costs nothing.
+WATCH_FOR = 1.0
 #: After a failed pulse (the database away: the workers say so), the next try.
 RETRY_AFTER = 1.0
 
@@ -101,18 +116,22 @@ class Pulse:
         self._worker_app = worker_app(relay_id)
         self._app = pulse_app(relay_id)
         self.timeout = timeout
+        self._reap_for = max(REAP_AT_LEAST, REAP_FOR * timeout)
         self._command_timeout = command_timeout
         self._on_reaped = on_reaped
+        never = -1e9
         self._open = 0  # claims open now
-        self._last = -ACTIVE_AFTER  # monotonic time of the last claim's end or busy look
+        self._open_since = never  # since when some claim has been open without a break
+        self._ended_at = never  # when the last claim ended
+        self._busy_at = never  # when a claim last met buckets held by others
         self._stopped = False
-        self._resting = True
+        self._asleep = True  # the thread waits for a claim to wake it
         self._reaping = True
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the thread's
         self._wake: asyncio.Event | None = None  # the thread's, set only in its loop
         self._main: asyncio.AbstractEventLoop | None = None
-        #: Pulses sent and claims ended (read by tests and metrics).
+        #: Beats sent and claims ended (read by tests).
         self.pulses = 0
         self.reaped = 0
 
@@ -126,17 +145,19 @@ class Pulse:
         self._thread.start()
 
     def claim_started(self) -> None:
+        if self._open == 0:
+            self._open_since = time.monotonic()
         self._open += 1
-        if self._resting:
+        if self._asleep:
             self._rouse()
 
     def claim_ended(self) -> None:
         self._open -= 1
-        self._last = time.monotonic()
+        self._ended_at = time.monotonic()
 
     def saw_busy(self) -> None:
-        self._last = time.monotonic()
-        if self._resting:
+        self._busy_at = time.monotonic()
+        if self._asleep:
             self._rouse()
 
     async def stop(self) -> None:
@@ -145,12 +166,12 @@ class Pulse:
         self._rouse()
         thread = self._thread
         if thread is not None:
-            # It ends within a pulse, or after the connection attempt in flight (bounded by
+            # It ends within a beat, or after the connection attempt in flight (bounded by
             # the command timeout; a daemon thread, it holds no exit up).
             await asyncio.to_thread(thread.join, min(2.0, self._command_timeout + 1))
 
     def _rouse(self) -> None:
-        self._resting = False
+        self._asleep = False
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
             with contextlib.suppress(RuntimeError):  # the thread's loop has closed
@@ -158,8 +179,14 @@ class Pulse:
 
     # --- the thread ----------------------------------------------------------------------
 
-    def _active(self) -> bool:
-        return self._open > 0 or time.monotonic() - self._last < ACTIVE_AFTER
+    def _state(self) -> str:
+        """ "beat", "watch" (look again in PULSE_EVERY) or "sleep" (until a claim)."""
+        now = time.monotonic()
+        if now - self._busy_at < self._reap_for:
+            return "beat"
+        if self._open > 0:
+            return "beat" if now - self._open_since >= BEAT_AFTER else "watch"
+        return "watch" if now - self._ended_at < WATCH_FOR else "sleep"
 
     def _thread_main(self) -> None:
         try:
@@ -173,39 +200,53 @@ class Pulse:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         conn: asyncpg.Connection | None = None
+        first = True
         try:
             while not self._stopped:
-                if not self._active():
-                    self._resting = True
-                    self._wake.clear()
-                    if self._active() or self._stopped:
+                state = self._state()
+                # The pulse session must exist before a claim could freeze: a relay without
+                # one is never taken for frozen. Opened at start, and again once claims come.
+                if (first or state != "sleep") and (conn is None or conn.is_closed()):
+                    first = False
+                    try:
+                        conn = await self._connect()
+                    except DATABASE_ERRORS:
+                        # The workers report the database's outages; the pulse tries again.
+                        conn = None
+                        await asyncio.sleep(RETRY_AFTER)
                         continue
-                    # Rest: no statement until a claim comes (or, at worst, once a second
-                    # to look again at the flags).
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), 1.0)
+                if state == "sleep":
+                    self._wake.clear()
+                    self._asleep = True
+                    # A claim that began before the flag was set finds the thread awake;
+                    # one after it wakes the thread (the GIL orders the two).
+                    if self._state() == "sleep" and not self._stopped:
+                        await self._wake.wait()
+                    self._asleep = False
                     continue
+                if state == "watch":
+                    await asyncio.sleep(PULSE_EVERY)
+                    continue
+                assert conn is not None
                 try:
-                    if conn is None or conn.is_closed():
-                        conn = await asyncpg.connect(
-                            self._dsn,
-                            timeout=self._command_timeout,
-                            statement_cache_size=4,
-                            command_timeout=self._command_timeout,
-                            server_settings=session_parameters(self._app),
-                        )
                     await self._beat(conn)
                 except DATABASE_ERRORS:
-                    # The workers report the database's outages; the pulse just tries again.
-                    if conn is not None:
-                        conn.terminate()
-                        conn = None
-                    await asyncio.sleep(RETRY_AFTER)
+                    conn.terminate()
+                    conn = None
                     continue
                 await asyncio.sleep(PULSE_EVERY)
         finally:
             if conn is not None:
                 conn.terminate()
+
+    async def _connect(self) -> asyncpg.Connection:
+        return await asyncpg.connect(
+            self._dsn,
+            timeout=self._command_timeout,
+            statement_cache_size=4,
+            command_timeout=self._command_timeout,
+            server_settings=session_parameters(self._app),
+        )
 
     async def _beat(self, conn: asyncpg.Connection) -> None:
         if not self._reaping:

@@ -103,26 +103,46 @@ async def test_the_pulse_ends_only_the_claims_of_a_relay_whose_process_stopped(
     await eventually(lambda: _true(reaped == [1]), within=5, what="the relay was told")
 
 
-async def test_the_pulse_rests_while_its_relay_does_not_claim(
+async def test_the_pulse_beats_only_for_long_claims_and_after_busy_buckets(
     db_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pulse_module, "ACTIVE_AFTER", 0.3)
-    pulse = Pulse(db_dsn, "rest0001", TIMEOUT, command_timeout=5, on_reaped=lambda _n: None)
+    monkeypatch.setattr(pulse_module, "WATCH_FOR", 0.3)
+    monkeypatch.setattr(pulse_module, "REAP_AT_LEAST", 0.3)
+    pulse = Pulse(db_dsn, "rest0001", 0.05, command_timeout=5, on_reaped=lambda _n: None)
     pulse.start()
     try:
-        await anyio.sleep(0.5)
-        assert pulse.pulses == 0, "it beat before any claim"
+        # Its session is there from the start, before any claim: a relay whose claim froze
+        # before its first beat is still seen as stopped.
+        async with session(db_dsn, "watch") as watch:
+
+            async def opened() -> bool:
+                n = await watch.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                    pulse_app("rest0001"),
+                )
+                return bool(n)
+
+            await eventually(opened, within=10, what="the pulse session is open")
+        # A claim shorter than BEAT_AFTER (made long here, so that a loaded host cannot
+        # stretch the claim past it) costs no beat.
+        monkeypatch.setattr(pulse_module, "BEAT_AFTER", 5.0)
+        pulse.claim_started()
+        pulse.claim_ended()
+        await eventually(lambda: _true(pulse._asleep), within=10, what="it sleeps")
+        assert pulse.pulses == 0, "it beat for a short claim"
+        # A long claim: it beats while the claim is open.
+        monkeypatch.setattr(pulse_module, "BEAT_AFTER", 0.05)
         pulse.claim_started()
         await eventually(lambda: _true(pulse.pulses >= 3), within=10, what="it beats")
         pulse.claim_ended()
-        await eventually(
-            lambda: _true(pulse._resting), within=10, what="it rests after its last claim"
-        )
-        rested = pulse.pulses
+        await eventually(lambda: _true(pulse._asleep), within=10, what="it sleeps again")
+        asleep = pulse.pulses
         await anyio.sleep(0.5)
-        assert pulse.pulses <= rested + 1
-        pulse.saw_busy()  # a claim met buckets held by others: it beats again at once
-        await eventually(lambda: _true(pulse.pulses > rested + 1), within=10, what="woken")
+        assert pulse.pulses == asleep, "it beat while asleep"
+        # A claim met buckets held by others: it beats (and reaps) for a while.
+        pulse.saw_busy()
+        await eventually(lambda: _true(pulse.pulses >= asleep + 3), within=10, what="woken")
+        await eventually(lambda: _true(pulse._asleep), within=10, what="asleep after busy")
     finally:
         await pulse.stop()
 
