@@ -187,10 +187,10 @@ class _Xact:
 
 class _XactSampler(Looker):
     """Every 50 ms, on its own connection to the relay's database: the relay's worker sessions
-    that are in a transaction (``pg_stat_activity``, ``application_name`` 'notify-outbox-worker/<relay id>'),
-    from just before a Kafka stop until every transaction begun before Kafka came back has
-    ended. A claim transaction that waits for Kafka's acks keeps the database's horizon
-    (vacuum) where it was, and its rows and key buckets locked."""
+    that are in a transaction (``pg_stat_activity``, ``application_name``
+    'notify-outbox-worker/<relay id>'), from just before a Kafka stop until every transaction
+    begun before Kafka came back has ended. A claim transaction that waits for Kafka's acks
+    keeps the database's horizon (vacuum) where it was, and its rows and key buckets locked."""
 
     def __init__(self, dsn: str) -> None:
         super().__init__(dsn, _XACT_SAMPLE_S, "bench-xact-sampler")
