@@ -605,7 +605,7 @@ class _StalledRelay:
             freeze = f"freeze {k + 1}/{cfg.freezes}"
             # What it holds, once statements in flight at the stop have finished: its client
             # cannot change it while stopped, but the other relay's pulse ends a claim left
-            # idle for frozen_relay_timeout (0.25 s), PostgreSQL for claim_idle_timeout (2 s),
+            # idle for frozen_relay_timeout (0.15 s), PostgreSQL for claim_idle_timeout (2 s),
             # so a look just before the SIGCONT would miss the claim whose keys waited.
             await self._until(label, freeze, t_stop + _HELD_LOOK_NS, relays, gen)
             state = frozen_state(await watch.look(), relay, buckets)

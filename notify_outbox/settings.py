@@ -255,7 +255,7 @@ class OutboxSettings(DatabaseSettings):
         "starved at once. A working relay renews it while it waits for Kafka's acks",
     )
     frozen_relay_timeout: Seconds = Field(
-        0.25,
+        0.15,
         ge=0,
         description="A relay whose process did not run this long (its pulse, a thread with a "
         "connection of its own, silent: SIGSTOP, a VM pause, a debugger) while a claim of it "
