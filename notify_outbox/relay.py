@@ -746,13 +746,14 @@ class Relay:
         async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
             self.gate.progress()
             rows = batch.rows
-            if batch.busy and self.pulse is not None:
-                self.pulse.saw_busy()  # a frozen relay's claim, maybe: the pulse ends it
             if batch.busy:
                 # Other claims held buckets with fresh rows. A live one goes on with them
-                # itself; a frozen one loses them when PostgreSQL ends its claim, and nothing
-                # would wake a relay then: look again once that has happened.
+                # itself. A frozen one's claim is ended by this relay's pulse, which then
+                # wakes a worker; without a pulse, by PostgreSQL after its idle timeout, and
+                # nothing would wake a relay then: look again once that has happened.
                 # (Its timeout is its relay's; the fleet's relays usually learn alike.)
+                if self.pulse is not None:
+                    self.pulse.saw_busy()
                 self._wake_after_busy(idle_timeout * 1.1)
             if not rows:
                 self.events.emit("claimed_none")
