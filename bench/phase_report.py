@@ -507,7 +507,7 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         "claim it freezes), **freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, "
         "**recovery** (after the last). Latency is commit ack -> consumer receipt (ms). "
         "**Keys held** are the keys whose claim bucket the frozen relay held in an open claim "
-        "transaction (`pg_locks`, looked at 0.2 s after the SIGSTOP): per-key order makes them "
+        "transaction (`pg_locks`, looked at 0.08 s after the SIGSTOP): per-key order makes them "
         "wait for it, until the other relay's pulse ends the claim (frozen_relay_timeout, 0.15 s) "
         "or PostgreSQL does (claim_idle_timeout, 2 s); "
         "**keys free** are the others. **Rate %** is the producers' commits as a share of the "

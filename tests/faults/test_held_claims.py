@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import anyio
+import anyio.abc
 import asyncpg
 import pytest
 
 from tests.conftest import Services
-from tests.faults.checker import FIGURES, OutboxChecker
+from tests.faults.checker import FIGURES, CheckReport, OutboxChecker
 from tests.faults.harness import (
     FaultRelay,
     KafkaTail,
@@ -151,30 +155,107 @@ async def _settled(watch: asyncpg.Connection, claim: Claim) -> bool:
     return not left
 
 
-async def _released(watch: asyncpg.Connection, claim: Claim, label: str) -> None:
-    """PostgreSQL ends A's claim about ``CLAIM_IDLE`` after it went idle, and relay B
-    publishes and deletes its rows soon after (B's claims saw A's buckets busy and look again
-    1.1 x ``claim_idle_timeout`` later): both timed from the moment the claim went idle."""
+async def _released(
+    watch: asyncpg.Connection,
+    claim: Claim,
+    label: str,
+    *,
+    after: float = CLAIM_IDLE,
+    by: str = "PostgreSQL",
+    setting: str = "claim_idle_timeout",
+) -> float:
+    """``by`` (PostgreSQL, after ``claim_idle_timeout``; or relay B's pulse, after
+    ``frozen_relay_timeout``) ends A's claim about ``after`` seconds after it went idle, and
+    relay B publishes and deletes its rows soon after (B's claims saw A's buckets busy and
+    look again once it ended): both timed from the moment the claim went idle. Returns when
+    the claim ended."""
     await eventually(
         lambda: _ended(watch, claim.pid),
-        within=CLAIM_IDLE + MARGIN,
-        what="PostgreSQL ended relay A's claim (idle_in_transaction_session_timeout)",
+        within=after + MARGIN,
+        what=f"{by} ended relay A's claim ({setting})",
     )
     ended = time.time() - claim.since
     await eventually(
         lambda: _settled(watch, claim),
-        within=CLAIM_IDLE + MARGIN,
+        within=after + MARGIN,
         what="another relay published (and deleted) the rows of relay A's claim",
     )
     settled = time.time() - claim.since
-    FIGURES.recovery(f"{label}: claim ended by PostgreSQL", ended)
+    FIGURES.recovery(f"{label}: claim ended by {by}", ended)
     FIGURES.recovery(f"{label}: its rows settled by another relay", settled)
     print(
         f"{label}: claim of {len(claim.held)} rows ended {ended:.2f}s after it went idle "
-        f"(claim_idle_timeout {CLAIM_IDLE}s); its rows settled by relay B after {settled:.2f}s"
+        f"({setting} {after}s); its rows settled by relay B after {settled:.2f}s"
     )
-    assert ended <= CLAIM_IDLE + MARGIN, f"the claim held its rows {ended:.1f}s"
-    assert settled <= CLAIM_IDLE + MARGIN, f"its rows were settled after {settled:.1f}s"
+    assert ended <= after + MARGIN, f"the claim held its rows {ended:.1f}s"
+    assert settled <= after + MARGIN, f"its rows were settled after {settled:.1f}s"
+    return ended
+
+
+class Scene(NamedTuple):
+    """Relays A (stopped in its claim) and B, with what the scenarios look through."""
+
+    a: FaultRelay
+    b: FaultRelay
+    tail: KafkaTail
+    tg: anyio.abc.TaskGroup
+    p: Any  # the checker's producer
+    watch: asyncpg.Connection
+    claim: Claim
+
+
+@asynccontextmanager
+async def _a_stopped_in_a_claim(
+    checker: OutboxChecker,
+    proxy: SilentProxy,
+    services: Services,
+    db_dsn: str,
+    topic: str,
+    load: Any,
+    env: dict[str, str],
+    within: float = CLAIM_IDLE / 2,
+) -> AsyncIterator[Scene]:
+    """Relays A (through ``proxy``, stopping itself at its first claim) and B start; a burst
+    of 200 rows over 10 keys, then ``load`` runs; yields once A is stopped inside its claim
+    (A's claim takes a batch of keys, heads and followers, whose later rows must wait)."""
+    a = _relay_a(proxy, db_dsn, services, **env)
+    b = FaultRelay(db_dsn, services.bootstrap, env={**ENV, **env}, name="relay-b")
+    async with (
+        relays(a, b),
+        KafkaTail(services.bootstrap, [topic]) as tail,
+        task_group() as tg,
+        checker.producer() as p,
+        connect(db_dsn) as watch,
+    ):
+        await a.ready()
+        await b.ready()
+        await p.bulk([f"key-{i % 10}" for i in range(200)])
+        tg.start_soon(load.run)
+        await eventually(lambda: _frozen(a), within=60, what="relay A stopped in a claim")
+        claim = await _frozen_claim(watch, proxy, within)
+        yield Scene(a, b, tail, tg, p, watch, claim)
+
+
+async def _a_alone(
+    a: FaultRelay,
+    b: FaultRelay,
+    p: Any,
+    tail: KafkaTail,
+    checker: OutboxChecker,
+    db_dsn: str,
+    scenario: str,
+    state: str,
+) -> CheckReport:
+    """Relay B stops; relay A alone delivers an event on the idle relay at once; then every
+    committed event is checked and A stops."""
+    await b.stop_ok()
+    latency = await idle_latency(
+        db_dsn, lambda: p.produce("idle"), tail, what=f"relay A alone, {state}"
+    )
+    print(f"{scenario}: relay A alone, {state}: an event on the idle relay in {latency:.2f}s")
+    report = await checker.drain_and_check(within=60)
+    await a.stop_ok()
+    return report
 
 
 async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
@@ -190,23 +271,8 @@ async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
     before = checker.writers(writers=2, keys=10, pause=0.01)
     after = checker.writers(writers=2, keys=10, pause=0.01, seed=1, max_events=100)
     with _proxy(db_dsn) as proxy:
-        a = _relay_a(proxy, db_dsn, services)
-        b = FaultRelay(db_dsn, services.bootstrap, env=ENV, name="relay-b")
-        async with (
-            relays(a, b),
-            KafkaTail(services.bootstrap, [topic]) as tail,
-            task_group() as tg,
-            checker.producer() as p,
-            connect(db_dsn) as watch,
-        ):
-            await a.ready()
-            await b.ready()
-            # A burst first: A's claim takes a batch of keys (heads and followers), and those
-            # keys' later rows must wait behind it.
-            await p.bulk([f"key-{i % 10}" for i in range(200)])
-            tg.start_soon(before.run)
-            await eventually(lambda: _frozen(a), within=60, what="relay A froze in a claim")
-            claim = await _frozen_claim(watch, proxy)
+        scene = _a_stopped_in_a_claim(checker, proxy, services, db_dsn, topic, before, {})
+        async with scene as (a, b, tail, tg, p, watch, claim):
             await before.halt()
             await _released(watch, claim, "31 frozen relay")
             # A is frozen: the first copies in Kafka are B's.
@@ -222,13 +288,7 @@ async def test_31_a_relay_frozen_in_its_claim_loses_it_after_claim_idle_timeout(
             await a.line("and PostgreSQL ended it", within=30)
             with anyio.fail_after(60):
                 await after.finished.wait()
-            await b.stop_ok()
-            latency = await idle_latency(
-                db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, resumed"
-            )
-            print(f"31: relay A alone, resumed: an event on the idle relay in {latency:.2f}s")
-            report = await checker.drain_and_check(within=60)
-            await a.stop_ok()
+            report = await _a_alone(a, b, p, tail, checker, db_dsn, "31", "resumed")
     print(report.text())
     report.assert_ok()
 
@@ -247,21 +307,8 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
     load = checker.writers(writers=2, keys=10, pause=0.01)
     env = {"NOTIFY_OUTBOX_DB_COMMAND_TIMEOUT": str(command_timeout)}
     with _proxy(db_dsn) as proxy:
-        a = _relay_a(proxy, db_dsn, services, **env)
-        b = FaultRelay(db_dsn, services.bootstrap, env={**ENV, **env}, name="relay-b")
-        async with (
-            relays(a, b),
-            KafkaTail(services.bootstrap, [topic]) as tail,
-            task_group() as tg,
-            checker.producer() as p,
-            connect(db_dsn) as watch,
-        ):
-            await a.ready()
-            await b.ready()
-            await p.bulk([f"key-{i % 10}" for i in range(200)])
-            tg.start_soon(load.run)
-            await eventually(lambda: _frozen(a), within=60, what="relay A stopped in a claim")
-            claim = await _frozen_claim(watch, proxy)
+        scene = _a_stopped_in_a_claim(checker, proxy, services, db_dsn, topic, load, env)
+        async with scene as (a, b, tail, _, p, watch, claim):
             # Every connection of A's pool, the claim's among them, goes silent while A is
             # stopped: nothing A sends from now on reaches PostgreSQL.
             silenced = proxy.upstream_ports()
@@ -287,14 +334,8 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             # No session of A's is left holding rows (the idle ones stay, unreachable).
             assert not await watch.fetch(_CLAIMS, silenced)
             await load.halt()
-            await b.stop_ok()
-            latency = await idle_latency(
-                db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, reconnected"
-            )
-            print(f"32: relay A alone, reconnected: an event on the idle relay in {latency:.2f}s")
             checker.allow_duplicate_ids(claim.held, "relay A's cut-off claim, sent after it ended")
-            report = await checker.drain_and_check(within=60)
-            await a.stop_ok()
+            report = await _a_alone(a, b, p, tail, checker, db_dsn, "32", "reconnected")
     print(f"32: {len(silenced)} connection(s) of relay A silenced")
     print(report.text())
     report.assert_ok()
@@ -318,55 +359,26 @@ async def test_33_a_frozen_relays_claim_is_ended_by_the_other_relays_pulse(
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "33 pulse").setup()
     load = checker.writers(writers=2, keys=10, pause=0.01)
     with _proxy(db_dsn) as proxy:
-        a = _relay_a(proxy, db_dsn, services, **env)
-        b = FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-b")
-        async with (
-            relays(a, b),
-            KafkaTail(services.bootstrap, [topic]) as tail,
-            task_group() as tg,
-            checker.producer() as p,
-            connect(db_dsn) as watch,
-        ):
-            await a.ready()
-            await b.ready()
-            await p.bulk([f"key-{i % 10}" for i in range(200)])
-            # The writers go on: B keeps claiming, meets A's keys held, and its pulse beats.
-            tg.start_soon(load.run)
-            await eventually(lambda: _frozen(a), within=60, what="relay A froze in a claim")
-            claim = await _frozen_claim(watch, proxy, within=frozen_after / 2)
-            await eventually(
-                lambda: _ended(watch, claim.pid),
-                within=frozen_after + MARGIN,
-                what="relay B's pulse ended relay A's frozen claim",
-            )
-            ended = time.time() - claim.since
-            await eventually(
-                lambda: _settled(watch, claim),
-                within=MARGIN,
-                what="relay B published (and deleted) the rows of relay A's claim",
-            )
-            settled = time.time() - claim.since
-            FIGURES.recovery("33 frozen relay, pulse: claim ended by relay B", ended)
-            FIGURES.recovery("33 frozen relay, pulse: its rows settled by relay B", settled)
-            print(
-                f"33: claim of {len(claim.held)} rows ended {ended:.2f}s after it went idle "
-                f"(frozen_relay_timeout {frozen_after}s, claim_idle_timeout {idle_timeout}s); "
-                f"its rows settled by relay B after {settled:.2f}s"
+        # The writers go on: B keeps claiming, meets A's keys held, and its pulse beats.
+        async with _a_stopped_in_a_claim(
+            checker, proxy, services, db_dsn, topic, load, env, within=frozen_after / 2
+        ) as (a, b, tail, _, p, watch, claim):
+            ended = await _released(
+                watch,
+                claim,
+                "33 frozen relay, pulse",
+                after=frozen_after,
+                by="relay B's pulse",
+                setting="frozen_relay_timeout",
             )
             # Not before the timeout (the server's clock on both sides of it), and long
             # before the server's own idle timeout would have.
             assert ended >= frozen_after, f"ended after {ended:.2f}s"
-            assert settled <= frozen_after + MARGIN < idle_timeout
+            assert frozen_after + MARGIN < idle_timeout
             assert _stopped(a.proc.pid), "relay A woke up: the test proves nothing"
             a.signal(signal.SIGCONT)
             await a.line("and another relay ended it", within=30)
             await load.halt()
-            await b.stop_ok()
-            latency = await idle_latency(
-                db_dsn, lambda: p.produce("idle"), tail, what="relay A alone, resumed"
-            )
-            print(f"33: relay A alone, resumed: an event on the idle relay in {latency:.2f}s")
-            report = await checker.drain_and_check(within=60)
-            await a.stop_ok()
+            report = await _a_alone(a, b, p, tail, checker, db_dsn, "33", "resumed")
     print(report.text())
     report.assert_ok()
