@@ -108,6 +108,7 @@ async def test_the_pulse_beats_only_for_long_claims_and_after_busy_buckets(
 ) -> None:
     monkeypatch.setattr(pulse_module, "WATCH_FOR", 0.3)
     monkeypatch.setattr(pulse_module, "REAP_AT_LEAST", 0.3)
+    monkeypatch.setattr(pulse_module, "PEERS_EVERY", 0.2)
     pulse = Pulse(db_dsn, "rest0001", 0.05, command_timeout=5, on_reaped=lambda _n: None)
     pulse.start()
     try:
@@ -139,10 +140,20 @@ async def test_the_pulse_beats_only_for_long_claims_and_after_busy_buckets(
         asleep = pulse.pulses
         await anyio.sleep(0.5)
         assert pulse.pulses == asleep, "it beat while asleep"
-        # A claim met buckets held by others: it beats (and reaps) for a while.
+        # A claim met buckets held by others, and no other relay has a pulse: one look for
+        # peers, and no reaper (nobody to end).
+        reaps = pulse.reaps
         pulse.saw_busy()
-        await eventually(lambda: _true(pulse.pulses >= asleep + 3), within=10, what="woken")
+        await eventually(lambda: _true(pulse.pulses > asleep), within=10, what="it looks")
         await eventually(lambda: _true(pulse._asleep), within=10, what="asleep after busy")
+        assert pulse.reaps == reaps, "it ran the reaper with no other relay around"
+        # With another relay's pulse connected, busy buckets make it reap for a while.
+        async with session(db_dsn, pulse_app("peer0001")):
+            pulse.saw_busy()
+            await eventually(
+                lambda: _true(pulse.reaps >= reaps + 3), within=10, what="it reaps beside a peer"
+            )
+        await eventually(lambda: _true(pulse._asleep), within=10, what="asleep again")
     finally:
         await pulse.stop()
 
