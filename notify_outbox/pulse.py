@@ -9,7 +9,8 @@ out is published twice (docs/concepts/claim.md).
 The pulse tells them apart. Each relay runs a thread with its own event loop and its own
 connection (``application_name`` ``notify-outbox-pulse/<relay id>``), which beats (one
 statement every ``PULSE_EVERY``) while a claim of the relay has been open longer than
-``BEAT_AFTER``, and for a while after a claim met buckets held by other claims. A busy or
+``BEAT_AFTER``, and (every ``REAP_EVERY``) for a while after a claim met buckets held by
+other claims, if other relays with a pulse are connected. A busy or
 starved event loop does not silence it (the thread needs the interpreter for microseconds,
 which it gets within the switch interval, 5 ms); a stopped process does. The beat is the
 reaper: it ends (``pg_terminate_backend``) the worker sessions of other relays that sat idle
