@@ -65,6 +65,7 @@ from .store import (
     OutboxRow,
     OutboxStore,
     PgOutboxStore,
+    lost_after,
 )
 from .wakeup import Doorbell, RetryTimers
 
@@ -742,7 +743,7 @@ class Relay:
         idle_timeout = self.claim_timeout.for_claim()
         # Silent this long, the claim may be gone: ended by the server, or by another relay
         # while this process did not run (pulse.py).
-        lost_after = idle_timeout if self.pulse is None else min(idle_timeout, self.pulse.timeout)
+        lost = lost_after(idle_timeout, None if self.pulse is None else self.pulse.timeout)
         async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
             self.gate.progress()
             rows = batch.rows
@@ -767,7 +768,7 @@ class Relay:
                 self._retry_timers.claimed(r.id for r in rows if r.attempts)
             log.debug("claimed %d rows", len(rows))
             self._fault("after_claim")
-            if batch.idle() > lost_after / 2:
+            if batch.idle() > lost / 2:
                 # The relay did not run for a while since its claim (frozen, or its loop
                 # starved): the claim may have been ended and another relay taken its rows.
                 # Ask before sending them again behind that relay's copies.

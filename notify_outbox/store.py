@@ -297,6 +297,12 @@ _BROKEN: tuple[type[Exception], ...] = (
 )
 
 
+def lost_after(idle_timeout: float, reaped_after: float | None) -> float:
+    """How long a claim may sit idle before it may have been ended: by PostgreSQL (its idle
+    timeout) or by another relay's pulse (``reaped_after``, pulse.py), whichever comes first."""
+    return idle_timeout if reaped_after is None else min(idle_timeout, reaped_after)
+
+
 def _claim_lost(rows: int, idle: float, timeout: float, reaped_after: float | None) -> ClaimLost:
     if idle >= 0.9 * timeout or reaped_after is None:
         return ClaimLost(
@@ -377,12 +383,6 @@ class PgOutboxStore:
         #: sat idle this long while this process did not run.
         self.reaped_after: float | None = None
 
-    def lost_after(self, idle_timeout: float | None) -> float:
-        """How long a claim may sit idle before it may have been ended: by PostgreSQL (its
-        idle timeout) or by another relay's reaper (pulse.py), whichever comes first."""
-        bounds = [t for t in (idle_timeout, self.reaped_after) if t is not None]
-        return min(bounds) if bounds else float("inf")
-
     @asynccontextmanager
     async def claim(
         self, limit: int, idle_timeout: float | None = None
@@ -433,10 +433,9 @@ class PgOutboxStore:
                 try:
                     yield batch
                 except Exception as e:
-                    lost_after = self.lost_after(idle_timeout)
                     if (
                         idle_timeout is not None
-                        and batch.idle_before >= 0.9 * lost_after
+                        and batch.idle_before >= 0.9 * lost_after(idle_timeout, self.reaped_after)
                         and isinstance(e, _SESSION_GONE)
                     ):
                         raise _claim_lost(
