@@ -88,8 +88,12 @@ async def test_the_pulse_ends_only_the_claims_of_a_relay_whose_process_stopped(
                     what="the stopped relay's claim session was ended",
                 )
                 ended_after = time.monotonic() - went_idle
-                # It ended nothing else, then or in the pulses after (several timeouts).
-                await anyio.sleep(3 * TIMEOUT)
+                # It ended nothing else, then or in its next reaper statements (every other
+                # session has sat idle far longer than the timeout by now).
+                reaps = pulse.reaps
+                await eventually(
+                    lambda: _true(pulse.reaps >= reaps + 5), within=10, what="it reaps on"
+                )
                 for conn in (stopped_pulse, live_worker, unpulsed_worker, other, stopped_idle):
                     assert await _alive(watch, conn), conn.get_settings().application_name
                 pulse.claim_ended()
@@ -138,8 +142,14 @@ async def test_the_pulse_beats_only_for_long_claims_and_after_busy_buckets(
         pulse.claim_ended()
         await eventually(lambda: _true(pulse._asleep), within=10, what="it sleeps again")
         asleep = pulse.pulses
-        await anyio.sleep(0.5)
-        assert pulse.pulses == asleep, "it beat while asleep"
+        # Woken by a short claim, it looks at the claims (no statement) and sleeps again.
+        monkeypatch.setattr(pulse_module, "BEAT_AFTER", 5.0)
+        pulse.claim_started()
+        pulse.claim_ended()
+        assert not pulse._asleep
+        await eventually(lambda: _true(pulse._asleep), within=10, what="back to sleep")
+        assert pulse.pulses == asleep, "it beat for a short claim or while asleep"
+        monkeypatch.setattr(pulse_module, "BEAT_AFTER", 0.05)
         # A claim met buckets held by others, and no other relay has a pulse: one look for
         # peers, and no reaper (nobody to end).
         reaps = pulse.reaps
