@@ -364,6 +364,7 @@ class _FailingHead:
             "all_arrived_after_last_commit_s": (
                 (max(recv_of[i] for i in acked) - last_ack) / 1e9 if complete else None
             ),
+            "by_second": _by_second([ack[i] for i in acked if i in recv_of], lat),
         }
 
     async def _quiet(self, services: Services, proc: Child, database: str) -> dict[str, Any]:
@@ -394,6 +395,22 @@ class _FailingHead:
             self.run.progress.status(f"{what}: {left:.0f}s left")
             await asyncio.sleep(min(1.0, left))
         return time.monotonic() - t0
+
+
+def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
+    """Per second of commits from the first: [second, rows, p50 ms, max ms] (where in the
+    run the slow rows were: while the failing rows were being set aside, or after)."""
+    if not acks:
+        return []
+    first = min(acks)
+    slots: dict[int, list[int]] = {}
+    for a, v in zip(acks, lat, strict=True):
+        slots.setdefault((a - first) // 1_000_000_000, []).append(v)
+    out: list[list[float]] = []
+    for sec in sorted(slots):
+        vals = sorted(slots[sec])
+        out.append([sec, len(vals), round(vals[len(vals) // 2] / 1e6, 1), round(vals[-1] / 1e6, 1)])
+    return out
 
 
 def _lines(path: Path) -> int:
