@@ -48,12 +48,16 @@
 --    keys hid every healthy row behind them until the failures were dead-lettered. Now a claim
 --    that meets a fresh row held back behind a failed row of its key parks it: next_attempt_at
 --    = 'infinity', which moves it to the small indexes of waiting rows, out of the claim's way.
---    A claim parks at most `scan` / 2 rows (1,000 by default, about 50 ms here), so a claim
---    that parks stays short, and in a bucket where it met held rows it also takes the other
---    keys' rows past them: a healthy key whose bucket a failing key shares (hashes collide)
---    waits for no parking. Measured with claims alone (4 connections, no Kafka): 300 healthy
---    rows behind 100,000 rows of five failing keys were all claimed 1.7 s after their insert
---    when claims parked 4,000 rows and read only the head of each bucket, 0.12 s now.
+--    One claim at a time parks (an advisory lock next to the buckets': parking is the
+--    database's work, and four claims parking at once each took four times as long, with the
+--    healthy rows riding in them), at most `scan` / 2 rows (1,000 by default, about 25 ms
+--    here), so a claim that parks stays short. It also takes, in every bucket where it met
+--    held rows, the other keys' rows past them: a healthy key whose bucket a failing key
+--    shares (hashes collide) waits for no more than its next claim. The other claims take the
+--    healthy rows of other buckets at once. Measured with claims alone (4 connections, no
+--    Kafka): 300 healthy rows behind 100,000 rows of five failing keys were all claimed 1.7 s
+--    after their insert when claims parked 4,000 rows and read only the head of each bucket,
+--    0.12 s with 1,000.
 --    A failed row whose retry time came is claimed alone (it may fail again); once it is
 --    published or dead-lettered, the relay promotes its key's next parked row (next_attempt_at
 --    = now()). A claim takes a promoted row and the key's following waiting rows in order, as
@@ -246,6 +250,7 @@ DECLARE
     tried integer[] := '{}';
     held_keys text[] := '{}';
     parked integer := 0;
+    parker boolean := false;  -- this claim holds the parking lock
     n integer;
     saw_held boolean := false;
     widened boolean := false;
@@ -362,13 +367,7 @@ BEGIN
             -- A new statement, so a new snapshot taken after the lock: rows the bucket's
             -- previous owner published before it committed are seen as published.
             WITH range AS MATERIALIZED (
-                SELECT o.id, o.key,
-                       -- outbox_held(o.key, o.id), written out: a function with a subquery
-                       -- is never inlined, and calling one per row doubled the claim's cost.
-                       (SELECT w.id FROM @table@ AS w
-                        WHERE w.key = o.key AND w.published_at IS NULL
-                          AND w.next_attempt_at IS NOT NULL AND w.id < o.id
-                        ORDER BY w.key, w.id LIMIT 1) IS NOT NULL AS held
+                SELECT o.id, o.key
                 FROM @table@ AS o
                 -- The bucket b from the floor on, as a range of the bucket index (see 4).
                 WHERE ((CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
@@ -386,17 +385,43 @@ BEGIN
                 ORDER BY (CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
                                ELSE hashtext(o.key) & 255 END), o.id
                 LIMIT batch - cardinality(taken)
+            ),
+            -- Each key's earliest waiting row (failed, or parked behind one): the key's rows
+            -- after it are held back (outbox_held). Once per key, not per row: a failing key's
+            -- bucket holds a thousand of its rows, and a probe each was half of a parking
+            -- claim's time (measured alone: 134 ms a claim over 100,000 failing rows, 64 now).
+            firsts AS MATERIALIZED (
+                SELECT k.key,
+                       (SELECT w.id FROM @table@ AS w
+                        WHERE w.key = k.key AND w.published_at IS NULL
+                          AND w.next_attempt_at IS NOT NULL
+                        ORDER BY w.key, w.id LIMIT 1) AS first_id
+                FROM (SELECT DISTINCT range.key FROM range WHERE range.key IS NOT NULL) AS k
+            ),
+            checked AS (
+                SELECT range.id, range.key, coalesce(f.first_id < range.id, false) AS held
+                FROM range LEFT JOIN firsts AS f ON f.key = range.key
             )
             -- One pass over the range (it holds no more rows than the batch may take).
-            SELECT taken || coalesce(array_agg(range.id ORDER BY range.id)
-                                         FILTER (WHERE NOT range.held), '{}'),
-                   coalesce(array_agg(DISTINCT range.key)
-                                FILTER (WHERE range.held AND range.key <> ALL(run_keys)), '{}'),
-                   max(range.id)
-            FROM range
+            SELECT taken || coalesce(array_agg(c.id ORDER BY c.id) FILTER (WHERE NOT c.held),
+                                     '{}'),
+                   coalesce(array_agg(DISTINCT c.key)
+                                FILTER (WHERE c.held AND c.key <> ALL(run_keys)), '{}'),
+                   max(c.id)
+            FROM checked AS c
             INTO taken, held_keys, past;
             saw_held := saw_held OR cardinality(held_keys) > 0;
             CONTINUE WHEN cardinality(held_keys) = 0;
+            -- One claim at a time walks the held buckets and parks (lock 256 of the claim's
+            -- namespace, next to the buckets' 0-255). Both are the database's work: with four
+            -- claims doing both at once each took 250-350 ms under the bench's load, and every
+            -- healthy row behind the failing head rode in one of them. The other claims take
+            -- the healthy rows of other buckets at once (the widening below), and the parker
+            -- those that share a held bucket, in its next claim.
+            IF NOT parker THEN
+                parker := pg_try_advisory_xact_lock(@claim_ns@, 256);
+            END IF;
+            CONTINUE WHEN NOT parker;
             -- The bucket's rows of other keys, past the held ones: a key that shares its
             -- bucket with a failing key must not wait until every row of that key is parked
             -- (tens of thousands of rows: many claims). This walks the held keys' rows not
@@ -427,6 +452,15 @@ BEGIN
             -- published, and nothing would promote them. By primary key: the re-check is
             -- written so that no partial index's predicate matches it (a full scan of one
             -- would read every dead entry).
+            -- The held keys' earliest waiting rows, once per key (as in the range above).
+            WITH f AS MATERIALIZED (
+                SELECT k.key,
+                       (SELECT w.id FROM @table@ AS w
+                        WHERE w.key = k.key AND w.published_at IS NULL
+                          AND w.next_attempt_at IS NOT NULL
+                        ORDER BY w.key, w.id LIMIT 1) AS first_id
+                FROM unnest(held_keys) AS k(key)
+            )
             UPDATE @table@ AS o SET next_attempt_at = 'infinity'
             WHERE o.id = ANY(ARRAY(
                     SELECT h.id FROM @table@ AS h
@@ -436,7 +470,8 @@ BEGIN
                       AND (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
                                 ELSE hashtext(h.key) & 255 END) <= b
                       AND h.published_at IS NULL AND h.next_attempt_at IS NULL
-                      AND h.key = ANY(held_keys) AND @schema@.@prefix@_held(h.key, h.id)
+                      AND h.key = ANY(held_keys)
+                      AND h.id > (SELECT f.first_id FROM f WHERE f.key = h.key)
                     ORDER BY (CASE WHEN h.key IS NULL THEN (h.id & 255)::integer
                                    ELSE hashtext(h.key) & 255 END), h.id
                     LIMIT scan / 2 - parked))

@@ -15,6 +15,8 @@ import pytest
 
 from notify_outbox import Relay
 from notify_outbox.events import RelayEvents
+from notify_outbox.names import OutboxNames
+from notify_outbox.store import claim_scan
 from tests.conftest import Services
 from tests.integration.test_claim_buckets import BATCH, _claim
 from tests.integration.test_relay import make_settings
@@ -202,6 +204,79 @@ async def test_a_key_sharing_its_bucket_with_a_failing_key_is_claimed_at_once(
         # Parking goes on a chunk per claim: this claim did part of it, not all.
         assert 0 < parked < 20000 - 1, parked
     finally:
+        await conn.close()
+
+
+async def test_one_claim_at_a_time_parks_and_the_others_take_healthy_rows_at_once(
+    db_dsn: str,
+) -> None:
+    """While one claim parks a failing head (it holds the parking lock), another claim parks
+    nothing and walks no held bucket, but takes the healthy rows of other buckets at once. Once
+    the parker's transaction ended, the next claim parks a chunk, and takes the rows of a key
+    that shares a failing key's bucket too (it walks every held bucket)."""
+    lock = (OutboxNames().claim_namespace, 256)
+    conn = await asyncpg.connect(db_dsn)
+    parker = await asyncpg.connect(db_dsn)
+    try:
+        # Two failing keys, interleaved; five healthy keys in buckets of their own; and a
+        # twin: a healthy key in f0's bucket.
+        failing = ["f0", "f1"]
+        buckets = "SELECT hashtext(k) & 255 FROM unnest($1::text[]) AS k"
+        others = await conn.fetch(
+            f"SELECT 'h' || g AS k FROM generate_series(1, 1000) g "
+            f"WHERE hashtext('h' || g) & 255 NOT IN ({buckets}) LIMIT 5",
+            failing,
+        )
+        twin = await conn.fetchval(
+            "SELECT 'h' || g FROM generate_series(1, 100000) g "
+            "WHERE hashtext('h' || g) & 255 = hashtext('f0') & 255 LIMIT 1"
+        )
+        await conn.execute(
+            "INSERT INTO outbox (topic, key) "
+            "SELECT 'missing', 'f' || (g % 2) FROM generate_series(1, 4000) g"
+        )
+        await conn.execute(
+            "UPDATE outbox SET attempts = 1, next_attempt_at = now() + interval '1 hour' "
+            "WHERE id IN (SELECT min(id) FROM outbox GROUP BY key)"
+        )
+        await conn.execute(
+            "INSERT INTO outbox (topic, key) SELECT 'ok', k "
+            "FROM unnest($1::text[]) AS k, generate_series(1, 5)",
+            [r["k"] for r in others],
+        )
+        await conn.execute(
+            "INSERT INTO outbox (topic, key) SELECT 'ok', $1 FROM generate_series(1, 5)", twin
+        )
+        healthy = {
+            r["id"]
+            for r in await conn.fetch(
+                "SELECT id FROM outbox WHERE topic = 'ok' AND key <> $1", twin
+            )
+        }
+        twins = {r["id"] for r in await conn.fetch("SELECT id FROM outbox WHERE key = $1", twin)}
+        assert len(healthy) == 25
+        assert len(twins) == 5
+        await conn.execute("VACUUM ANALYZE outbox")
+
+        async def parked() -> int:
+            n: int = await conn.fetchval(
+                "SELECT count(*) FROM outbox WHERE next_attempt_at = 'infinity'"
+            )
+            return n
+
+        async def claim() -> set[int]:
+            async with conn.transaction():  # nothing published: the rows stay pending
+                return {r["id"] for r in await _claim(conn)}
+
+        async with parker.transaction():
+            await parker.execute("SELECT pg_advisory_xact_lock($1, $2)", *lock)
+            assert await claim() == healthy  # not the twin: its bucket was not walked
+            assert await parked() == 0, "a claim parked while another held the parking lock"
+        # The parker walks every held bucket (the twin's rows), and parks a chunk.
+        assert await claim() == healthy | twins
+        assert 0 < await parked() <= claim_scan(BATCH) // 2
+    finally:
+        await parker.close()
         await conn.close()
 
 
