@@ -48,13 +48,15 @@
 --    keys hid every healthy row behind them until the failures were dead-lettered. Now a claim
 --    that meets a fresh row held back behind a failed row of its key parks it: next_attempt_at
 --    = 'infinity', which moves it to the small indexes of waiting rows, out of the claim's way.
---    One claim at a time parks (an advisory lock next to the buckets': parking is the
---    database's work, and four claims parking at once each took four times as long, with the
---    healthy rows riding in them), at most `scan` / 2 rows (1,000 by default, about 25 ms
---    here), so a claim that parks stays short. It also takes, in every bucket where it met
---    held rows, the other keys' rows past them: a healthy key whose bucket a failing key
---    shares (hashes collide) waits for no more than its next claim. The other claims take the
---    healthy rows of other buckets at once. Measured with claims alone (4 connections, no
+--    At most two claims at a time park (two advisory locks next to the buckets': parking is
+--    the database's work, and four claims parking at once each took four times as long, with
+--    the healthy rows riding in them; one alone parked 100,000 rows in 10-15 s, and a claim
+--    parking 2,000 rows kept a key sharing a failing bucket waiting over a second), at most
+--    `scan` / 2 rows each (1,000 by default, about 25 ms here), so a claim that parks stays
+--    short. It also takes, in every bucket where it met held rows, the other keys' rows past
+--    them: a healthy key whose bucket a failing key shares (hashes collide) waits for no more
+--    than the next such claim. The other claims take the healthy rows of other buckets at
+--    once. Measured with claims alone (4 connections, no
 --    Kafka): 300 healthy rows behind 100,000 rows of five failing keys were all claimed 1.7 s
 --    after their insert when claims parked 4,000 rows and read only the head of each bucket,
 --    0.12 s with 1,000.
@@ -412,14 +414,16 @@ BEGIN
             INTO taken, held_keys, past;
             saw_held := saw_held OR cardinality(held_keys) > 0;
             CONTINUE WHEN cardinality(held_keys) = 0;
-            -- One claim at a time walks the held buckets and parks (lock 256 of the claim's
-            -- namespace, next to the buckets' 0-255). Both are the database's work: with four
-            -- claims doing both at once each took 250-350 ms under the bench's load, and every
-            -- healthy row behind the failing head rode in one of them. The other claims take
-            -- the healthy rows of other buckets at once (the widening below), and the parker
-            -- those that share a held bucket, in its next claim.
+            -- Two claims at a time walk the held buckets and park (locks 256 and 257 of the
+            -- claim's namespace, next to the buckets' 0-255). Both are the database's work:
+            -- with four claims doing both at once each took 250-350 ms under the bench's load,
+            -- and every healthy row behind the failing head rode in one of them; one alone
+            -- parked too slowly (see 2). The other claims take the healthy rows of other
+            -- buckets at once (the widening below), and the parkers those that share a held
+            -- bucket, in their next claim.
             IF NOT parker THEN
-                parker := pg_try_advisory_xact_lock(@claim_ns@, 256);
+                parker := pg_try_advisory_xact_lock(@claim_ns@, 256)
+                          OR pg_try_advisory_xact_lock(@claim_ns@, 257);
             END IF;
             CONTINUE WHEN NOT parker;
             -- The bucket's rows of other keys, past the held ones: a key that shares its

@@ -207,14 +207,14 @@ async def test_a_key_sharing_its_bucket_with_a_failing_key_is_claimed_at_once(
         await conn.close()
 
 
-async def test_one_claim_at_a_time_parks_and_the_others_take_healthy_rows_at_once(
+async def test_two_claims_at_a_time_park_and_the_others_take_healthy_rows_at_once(
     db_dsn: str,
 ) -> None:
-    """While one claim parks a failing head (it holds the parking lock), another claim parks
-    nothing and walks no held bucket, but takes the healthy rows of other buckets at once. Once
-    the parker's transaction ended, the next claim parks a chunk, and takes the rows of a key
+    """While two claims park a failing head (they hold the two parking locks), another claim
+    parks nothing and walks no held bucket, but takes the healthy rows of other buckets at
+    once. With a parking lock free, the next claim parks a chunk, and takes the rows of a key
     that shares a failing key's bucket too (it walks every held bucket)."""
-    lock = (OutboxNames().claim_namespace, 256)
+    namespace = OutboxNames().claim_namespace
     conn = await asyncpg.connect(db_dsn)
     parker = await asyncpg.connect(db_dsn)
     try:
@@ -269,12 +269,18 @@ async def test_one_claim_at_a_time_parks_and_the_others_take_healthy_rows_at_onc
                 return {r["id"] for r in await _claim(conn)}
 
         async with parker.transaction():
-            await parker.execute("SELECT pg_advisory_xact_lock($1, $2)", *lock)
+            await parker.execute(
+                "SELECT pg_advisory_xact_lock($1, 256), pg_advisory_xact_lock($1, 257)",
+                namespace,
+            )
             assert await claim() == healthy  # not the twin: its bucket was not walked
-            assert await parked() == 0, "a claim parked while another held the parking lock"
-        # The parker walks every held bucket (the twin's rows), and parks a chunk.
-        assert await claim() == healthy | twins
-        assert 0 < await parked() <= claim_scan(BATCH) // 2
+            assert await parked() == 0, "a claim parked while two others held the parking locks"
+        async with parker.transaction():
+            # One parking lock taken: this claim is the second parker. It walks every held
+            # bucket (the twin's rows), and parks a chunk.
+            await parker.execute("SELECT pg_advisory_xact_lock($1, 256)", namespace)
+            assert await claim() == healthy | twins
+            assert 0 < await parked() <= claim_scan(BATCH) // 2
     finally:
         await parker.close()
         await conn.close()
