@@ -55,3 +55,6 @@ class PublishResult:
     failed: list[tuple[int, str]] = field(default_factory=list)  # retry with backoff
     rejected: list[tuple[int, str]] = field(default_factory=list)  # can never be sent
     unavailable: str | None = None  # Kafka trouble: back off before claiming again
+    #: When the last record was handed to the producer (``time.monotonic_ns()``; None:
+    #: none was): the stage log's "handed" (stagelog.py).
+    handed_at: int | None = None

@@ -385,6 +385,8 @@ class KafkaPublisher:
                 # must still find every batch sent, to park its ack (_classify).
                 unsettled = []
                 await self._send_wave(producer, on_ack, wave, missing, blocked, result, unsettled)
+                if unsettled:
+                    result.handed_at = time.monotonic_ns()
                 if result.unavailable is None and not await self._await_acks(
                     [b.future for b in unsettled], topics
                 ):

@@ -57,6 +57,7 @@ from .publisher import KafkaPublisher, Publisher, PublishResult
 from .pulse import Pulse, worker_app
 from .settings import OutboxSettings, redact
 from .sqlfiles import Queries, render
+from .stagelog import open_stage_log
 from .stalls import ClaimIdleTimeout
 from .store import (
     BatchOutcome,
@@ -80,6 +81,9 @@ _STATEMENT_RETRY_CAP = 30.0
 _COUNT_LIMIT = 100_000
 # Points where a test can stop the process dead (see NOTIFY_OUTBOX_TEST_CRASH_AT in the CLI).
 FaultHook = Callable[[str], None]
+# Why a worker claims (stage log only, stagelog.py): the wake source or the reason it claimed
+# again, when the notification behind it arrived (or None), and when the worker went.
+_Cause = tuple[str, int | None, int]
 
 
 def _configuration_error(error: BaseException) -> ConfigurationError | None:
@@ -188,6 +192,9 @@ class Relay:
         #: Proof that this process runs, and the end of frozen relays' claims (pulse.py);
         #: None when off (frozen_relay_timeout 0, a pooler, a store other than PostgreSQL's).
         self.pulse: Pulse | None = None
+        #: Per-claim stage times for the bench (NOTIFY_OUTBOX_STAGE_LOG), else None.
+        self._stages = open_stage_log()
+        self._last_wake: tuple[str, int] | None = None  # (source, ns), kept for the stage log
 
     @property
     def low_water_mark(self) -> LowWaterMark:
@@ -397,6 +404,8 @@ class Relay:
             if self._busy_timer is not None:
                 self._busy_timer.cancel()
             self.gate.close()
+            if self._stages is not None:
+                self._stages.close()
             # Cancelled, aborted or failed: tear down at once (rows in flight stay pending).
             with anyio.CancelScope(shield=True):
                 await self._close(graceful=clean)
@@ -520,6 +529,8 @@ class Relay:
 
     def _wake(self, source: str) -> None:
         self.events.emit(f"wake:{source}")
+        if self._stages is not None:
+            self._last_wake = (source, time.monotonic_ns())
         if source in ("start", "reconnect"):
             # A backlog may have built up while nobody listened: let every worker at it.
             self._doorbell.ring_all()
@@ -611,14 +622,26 @@ class Relay:
         while await self._doorbell.wait():
             self._busy_workers += 1
             try:
-                await self._drain(backoffs)
+                await self._drain(backoffs, self._woken())
             finally:
                 self._busy_workers -= 1
                 if not self._busy_workers:
                     self._busy_since = None
             self.events.emit("idle")
 
-    async def _drain(self, backoffs: tuple[Backoff, Backoff]) -> None:
+    def _woken(self, why: str | None = None) -> _Cause | None:
+        """The stage log's cause of the next claim (None when there is no stage log): the
+        latest wake-up since the previous claim, or ``why`` the worker claims again."""
+        if self._stages is None:
+            return None
+        now = time.monotonic_ns()
+        wake, self._last_wake = self._last_wake, None
+        if why is not None or wake is None:
+            return (why or "again", None, now)
+        source, at = wake
+        return (source, at if source == "notification" else None, now)
+
+    async def _drain(self, backoffs: tuple[Backoff, Backoff], cause: _Cause | None) -> None:
         """Claim batches until nothing is due (a wake-up drains the table).
 
         With the gated notify (``gate.py``), unbroken draining marks the relay awake, and
@@ -629,8 +652,9 @@ class Relay:
         NOTIFY per commit for 20-60 s after its start, at twice the latency).
         """
         while not self._stopping:
-            done = await self._claim_once(backoffs)
+            done = await self._claim_once(backoffs, cause)
             if done is None:
+                cause = self._woken("error")
                 continue  # an error was handled (and waited out): claim again
             claimed, more = done
             if claimed:
@@ -641,13 +665,17 @@ class Relay:
                 if claimed >= self.settings.batch_size:
                     # More is probably waiting: bring an idle sibling in to help.
                     self._wake("backlog")
+                    cause = self._woken("full")
                     continue
                 if more is not False:
+                    cause = self._woken("more")
                     continue
             elif more:
+                cause = self._woken("parked")
                 continue  # the claim parked rows and got none: more may be parked
             if not await self.gate.settle(self._busy_workers):
                 return
+            cause = self._woken("gate")
 
     async def _due(self) -> bool:
         """Whether a claim would get something; True after an error, so that the caller
@@ -659,7 +687,7 @@ class Relay:
             return True
 
     async def _claim_once(
-        self, backoffs: tuple[Backoff, Backoff]
+        self, backoffs: tuple[Backoff, Backoff], cause: _Cause | None
     ) -> tuple[int, bool | None] | None:
         """One claim-publish-mark round: rows claimed, and whether more rows were due after
         it committed (None: unknown). None after an error that was logged and waited out.
@@ -671,7 +699,7 @@ class Relay:
             await self._wait_for_kafka()
             return None
         try:
-            claimed = await self._process_batch()
+            claimed = await self._process_batch(cause)
         except ClaimLost as e:
             # Not a database outage: the relay stalled. Claim again at once (a new session).
             self.events.emit("claim_lost")
@@ -721,19 +749,19 @@ class Relay:
         except DATABASE_ERRORS:
             return None
 
-    async def _process_batch(self) -> tuple[int, bool | None]:
+    async def _process_batch(self, cause: _Cause | None) -> tuple[int, bool | None]:
         pulse = self.pulse
         if pulse is None:
-            return await self._claim_and_publish()
+            return await self._claim_and_publish(cause)
         # The pulse beats while a claim is open: another relay ends this one's claims only
         # when both went silent (pulse.py).
         pulse.claim_started()
         try:
-            return await self._claim_and_publish()
+            return await self._claim_and_publish(cause)
         finally:
             pulse.claim_ended()
 
-    async def _claim_and_publish(self) -> tuple[int, bool | None]:
+    async def _claim_and_publish(self, cause: _Cause | None) -> tuple[int, bool | None]:
         assert self._store is not None
         assert self._publisher is not None
         self.gate.progress()
@@ -744,8 +772,10 @@ class Relay:
         # Silent this long, the claim may be gone: ended by the server, or by another relay
         # while this process did not run (pulse.py).
         lost = lost_after(idle_timeout, None if self.pulse is None else self.pulse.timeout)
+        start = time.monotonic_ns() if cause is not None else 0
         async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
             self.gate.progress()
+            rows_at = time.monotonic_ns() if cause is not None else 0
             rows = batch.rows
             if batch.busy:
                 # Other claims held buckets with fresh rows. A live one goes on with them
@@ -774,6 +804,7 @@ class Relay:
                 # Ask before sending them again behind that relay's copies.
                 await batch.keepalive()
             result = await self._publish_kept_alive(batch, idle_timeout)
+            acked = time.monotonic_ns() if cause is not None else 0
             self._fault("after_ack")
             outcome = decide(rows, result, self.settings, jitter=_jitter)
             _log_outcome(rows, outcome, self.settings)
@@ -781,6 +812,18 @@ class Relay:
             # were not acknowledged stay pending, and no transaction waits for the broker.
             await batch.complete(outcome)
         self.gate.progress()
+        if self._stages is not None and cause is not None:
+            self._stages.claim(
+                src=cause[0],
+                notified=cause[1],
+                woken=cause[2],
+                start=start,
+                rows_at=rows_at,
+                handed=result.handed_at,
+                acked=acked,
+                marked=time.monotonic_ns(),
+                rows=rows,
+            )
         self._fault("after_mark")
         self.events.emit("published", len(outcome.published))
         if outcome.retry:
