@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -46,6 +47,8 @@ _SLEEP_TRIES = 6
 _WATCH_CAP = 2.0
 # The marker is renewed while a claim started or ended within this many epochs.
 _PROGRESS_EPOCHS = 4
+# Time constant of the claimed-rows rate (s): the rate forgets a burst within a few of them.
+_RATE_TAU = 0.1
 
 
 class Gate:
@@ -84,6 +87,9 @@ class Gate:
         self._renewed_in = -1  # the epoch (this host's clock) of the last renewal (or try)
         self._progress_at = -1e9  # monotonic time a claim last started or ended
         self._sleep_tries = 0  # try_sleep refused in a row (producers in flight)
+        # Rows claimed per second, decaying with _RATE_TAU, as of _rate_at (monotonic).
+        self._rate = 0.0
+        self._rate_at = time.monotonic()
         self._lock = asyncio.Lock()  # the marker's state changes one at a time
         self._watch: asyncio.Task[None] | None = None
 
@@ -103,13 +109,27 @@ class Gate:
         result = await self.listener.session_statement(self._queries[name], *args)
         return None if result is None else bool(result[1])
 
-    async def busy_for(self, seconds: float) -> None:
-        """A worker has been claiming without a break for ``seconds`` and just made progress:
-        after ``gate_awake_after`` of it, hold the awake marker, and renew it once per epoch
-        (a relay that stops making progress lets it lapse, and producers notify again)."""
+    def rate(self) -> float:
+        """Rows this relay claimed per second lately (an exponentially decaying average)."""
+        return self._rate * math.exp((self._rate_at - time.monotonic()) / _RATE_TAU)
+
+    def _paying(self, share: float = 1.0) -> bool:
+        """Whether the relay claims at least ``share`` of ``gate_awake_rate`` rows per second:
+        only then does sparing producers their NOTIFY pay for the looks of an awake relay
+        (below it, producers notify and each row costs one claim, woken at once)."""
+        return self.rate() >= share * self._settings.gate_awake_rate
+
+    async def busy_for(self, seconds: float, rows: int) -> None:
+        """A worker has been claiming without a break for ``seconds`` and just claimed
+        ``rows``: after ``gate_awake_after`` of it, at ``gate_awake_rate`` rows per second or
+        more, hold the awake marker, and renew it once per epoch (a relay that stops making
+        progress lets it lapse, and producers notify again)."""
+        now = time.monotonic()
+        self._rate = self._rate * math.exp((self._rate_at - now) / _RATE_TAU) + rows / _RATE_TAU
+        self._rate_at = now
         if not self.enabled or self._renewed_lately():
             return
-        if not self.awake and seconds < self._settings.gate_awake_after:
+        if not self.awake and (seconds < self._settings.gate_awake_after or not self._paying()):
             return
         await self._hold(mark=True)
 
@@ -204,7 +224,9 @@ class Gate:
         s = self._settings
         if not self._must_sleep(busy_workers):
             return False
-        if await self._linger():
+        # Linger only while rows come fast enough to pay for the looks (hysteresis: half the
+        # rate that marks the relay awake); slower, producers may as well notify again now.
+        if self._paying(0.5) and await self._linger():
             return True
         async with self._lock:
             released = await self._statement("try_sleep", self._held) if self.awake else True

@@ -661,7 +661,7 @@ class Relay:
                 now = anyio.current_time()
                 if self._busy_since is None:
                     self._busy_since = now
-                await self.gate.busy_for(now - self._busy_since)
+                await self.gate.busy_for(now - self._busy_since, claimed)
                 if claimed >= self.settings.batch_size:
                     # More is probably waiting: bring an idle sibling in to help.
                     self._wake("backlog")

@@ -339,6 +339,17 @@ class OutboxSettings(DatabaseSettings):
         "awake and producers stop notifying (at low load it never does, and producers simply "
         "notify); 0 marks it at the first claim",
     )
+    gate_awake_rate: float = Field(
+        500.0,
+        ge=0,
+        description="Gated notify: rows per second the relay must be claiming before it marks "
+        "itself awake (and producers stop notifying); below half of it an awake relay lets "
+        "producers notify again at once instead of lingering. An awake relay finds rows by "
+        "looking every gate_poll_interval, which costs latency and statements; a NOTIFY costs "
+        "producers a cluster-wide lock at commit, which matters only when many commit at once. "
+        "Measured here: at 100 ev/s notifying is faster, at 1,000 ev/s the gate is. 0: awake "
+        "whenever gate_awake_after allows",
+    )
 
     header_style: Literal["native", "debezium"] = Field(
         "native",

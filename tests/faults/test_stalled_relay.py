@@ -41,6 +41,7 @@ async def test_27_a_frozen_relay_does_not_silence_the_producers(
     env = {
         "NOTIFY_OUTBOX_POLL_INTERVAL": "300",  # delivery during the freeze cannot be the poll
         "NOTIFY_OUTBOX_GATE_AWAKE_AFTER": "0",
+        "NOTIFY_OUTBOX_GATE_AWAKE_RATE": "0",
         # A frozen claim keeps its rows' key buckets (keyless rows: id mod 256): small batches
         # keep what the frozen relay holds small.
         "NOTIFY_OUTBOX_BATCH_SIZE": "5",

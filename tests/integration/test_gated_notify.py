@@ -180,6 +180,7 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
         gate_linger=0.002,
         gate_poll_interval=0.001,
         gate_awake_after=0,  # every round marks the relay awake
+        gate_awake_rate=0,  # whatever its rate
         reconnect_min_delay=0.01,
     )
     rounds, committed, aborted = 2000, 0, 0
@@ -299,8 +300,12 @@ async def test_a_steady_stream_shared_by_several_workers_marks_the_relay_awake(
     had one claiming all along, so it marks itself awake and producers stop notifying. (On a
     quiet host a single worker's run gets there too; the bench's held snapshot showed where
     it did not: at 800 ev/s beside PostgreSQL, Kafka and the producers, a relay whose runs
-    counted per worker stayed notified per commit, at twice the latency, for 20-60 s.)"""
-    settings = OutboxSettings(dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=4)
+    counted per worker stayed notified per commit, at twice the latency, for 20-60 s.) The
+    rate that marks a relay awake is lowered below this stream's (``gate_awake_rate``, tested
+    on its own below): what is tested here is how the run is counted."""
+    settings = OutboxSettings(
+        dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=4, gate_awake_rate=100
+    )
     insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
     async with connections(db_dsn, 2) as conns, Relay(settings) as relay:
         events = relay.events
@@ -357,3 +362,39 @@ async def test_a_trickle_never_marks_the_relay_awake_but_a_backlog_does(
             await events.wait_for("published", 5050)
         assert events.counts["gate_awake"] >= 1
         assert events.counts["wake:poll"] == 0
+
+
+async def test_below_the_awake_rate_producers_keep_notifying_even_with_no_break(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """``gate_awake_rate``: an awake relay finds rows only by looking every
+    ``gate_poll_interval``, which at low rates costs more latency than the NOTIFY it spares.
+    With ``gate_awake_after`` 0 (the first claim with rows would mark the relay awake), events
+    at a low rate still leave producers notifying, every one waking the relay; a backlog,
+    claimed at thousands of rows per second, marks it awake."""
+    settings = OutboxSettings(
+        dsn=db_dsn,
+        kafka_bootstrap_servers=services.bootstrap,
+        workers=2,
+        batch_size=50,
+        gate_awake_after=0,
+        gate_awake_rate=500,
+    )
+    insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
+    async with connections(db_dsn, 1) as (conn,), Relay(settings) as relay:
+        events = relay.events
+        for n in range(30):
+            await conn.execute(insert, topic, f"k{n % 7}")
+            with anyio.fail_after(10):
+                await events.wait_for("published", n + 1)
+        assert relay.gate.rate() < 500
+        assert events.counts["gate_awake"] == 0
+        assert events.counts["wake:notification"] >= 30
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, payload) "
+            "SELECT $1, 'k' || (i % 97), '{}' FROM generate_series(1, 5000) i",
+            topic,
+        )
+        with anyio.fail_after(60):
+            await events.wait_for("published", 5030)
+        assert events.counts["gate_awake"] >= 1

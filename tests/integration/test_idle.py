@@ -85,6 +85,7 @@ async def test_an_open_producer_transaction_does_not_make_an_awake_relay_spin(
         workers=1,
         poll_interval=3600,
         gate_awake_after=0,  # the first claim marks the relay awake
+        gate_awake_rate=0,
         gate_linger=0.002,
         gate_poll_interval=0.02,  # tries for 20+40+...+640 ms before letting go
     )

@@ -38,6 +38,7 @@ def _settings(dsn: str, services: Services, **kw: Any) -> OutboxSettings:
         "batch_size": 50,
         "poll_interval": 30.0,  # long: delivery must not depend on the fallback poll
         "gate_awake_after": 0.0,  # take part in the gated notify at once, where allowed
+        "gate_awake_rate": 0.0,
     }
     base.update(kw)
     return OutboxSettings(**base)
