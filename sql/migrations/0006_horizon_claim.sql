@@ -312,48 +312,52 @@ BEGIN
     INTO mark, xids, lows, heads, head_full, any_waiting;
 
     -- Due rows, each the earliest waiting row of its key (so each key once): a retry whose time
-    -- came, or a parked row promoted. Few. A try on a bucket this transaction owns already
-    -- succeeds (the lock is re-entrant).
-    FOR r IN
-        SELECT o.id, o.key, o.attempts,
-               CASE WHEN o.key IS NULL THEN (o.id & 255)::integer ELSE hashtext(o.key) & 255 END AS b
-        FROM @table@ AS o
-        WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
-          AND NOT @schema@.@prefix@_held(o.key, o.id)
-        ORDER BY o.id
-    LOOP
-        EXIT WHEN cardinality(taken) >= batch;
-        CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, r.b);
-        taken := taken || r.id;
-        -- A retry goes alone: it may well fail again. If it is published, the relay promotes
-        -- the key's next parked row (promote_next), and the run follows.
-        CONTINUE WHEN r.key IS NULL OR r.attempts > 0;
-        -- The run: the key's following waiting rows in order, up to one that waits for its
-        -- retry time (parked rows wait for 'infinity', promoted and due ones are <= now()).
-        run := ARRAY(
-            SELECT x.id FROM (
-                SELECT w.id,
-                       bool_or(w.next_attempt_at > now() AND w.next_attempt_at < 'infinity')
-                           OVER (ORDER BY w.id) AS stop
-                FROM @table@ AS w
-                WHERE w.key = r.key AND w.published_at IS NULL AND w.next_attempt_at IS NOT NULL
-                  AND w.id > r.id
-                ORDER BY w.key, w.id  -- the key index's order
-                LIMIT batch - cardinality(taken)
-            ) AS x
-            WHERE NOT x.stop ORDER BY x.id);
-        taken := taken || run;
-        run_keys := run_keys || r.key;
-        -- Promote the row after the run, if it is parked, so the rest follows next time.
-        UPDATE @table@ AS o SET next_attempt_at = now()
-        WHERE o.id = (SELECT w.id FROM @table@ AS w
-                      WHERE w.key = r.key AND w.published_at IS NULL
-                        AND w.next_attempt_at IS NOT NULL
-                        AND w.id > coalesce(run[cardinality(run)], r.id)
-                      ORDER BY w.key, w.id LIMIT 1)
-          AND o.next_attempt_at = 'infinity';
-        changed := changed OR FOUND;
-    END LOOP;
+    -- came, or a parked row promoted. Few, and none at all where no row waits (the common case:
+    -- the loop's statement is then not even started). A try on a bucket this transaction owns
+    -- already succeeds (the lock is re-entrant).
+    IF any_waiting THEN
+        FOR r IN
+            SELECT o.id, o.key, o.attempts,
+                   CASE WHEN o.key IS NULL THEN (o.id & 255)::integer
+                        ELSE hashtext(o.key) & 255 END AS b
+            FROM @table@ AS o
+            WHERE o.published_at IS NULL AND o.next_attempt_at <= now()
+              AND NOT @schema@.@prefix@_held(o.key, o.id)
+            ORDER BY o.id
+        LOOP
+            EXIT WHEN cardinality(taken) >= batch;
+            CONTINUE WHEN NOT pg_try_advisory_xact_lock(@claim_ns@, r.b);
+            taken := taken || r.id;
+            -- A retry goes alone: it may well fail again. If it is published, the relay promotes
+            -- the key's next parked row (promote_next), and the run follows.
+            CONTINUE WHEN r.key IS NULL OR r.attempts > 0;
+            -- The run: the key's following waiting rows in order, up to one that waits for its
+            -- retry time (parked rows wait for 'infinity', promoted and due ones are <= now()).
+            run := ARRAY(
+                SELECT x.id FROM (
+                    SELECT w.id,
+                           bool_or(w.next_attempt_at > now() AND w.next_attempt_at < 'infinity')
+                               OVER (ORDER BY w.id) AS stop
+                    FROM @table@ AS w
+                    WHERE w.key = r.key AND w.published_at IS NULL
+                      AND w.next_attempt_at IS NOT NULL AND w.id > r.id
+                    ORDER BY w.key, w.id  -- the key index's order
+                    LIMIT batch - cardinality(taken)
+                ) AS x
+                WHERE NOT x.stop ORDER BY x.id);
+            taken := taken || run;
+            run_keys := run_keys || r.key;
+            -- Promote the row after the run, if it is parked, so the rest follows next time.
+            UPDATE @table@ AS o SET next_attempt_at = now()
+            WHERE o.id = (SELECT w.id FROM @table@ AS w
+                          WHERE w.key = r.key AND w.published_at IS NULL
+                            AND w.next_attempt_at IS NOT NULL
+                            AND w.id > coalesce(run[cardinality(run)], r.id)
+                          ORDER BY w.key, w.id LIMIT 1)
+              AND o.next_attempt_at = 'infinity';
+            changed := changed OR FOUND;
+        END LOOP;
+    END IF;
 
     -- The buckets of the head first. When they hold rows held back behind a failed row of
     -- their key, and the batch is not full, every other bucket that has fresh rows, in order
