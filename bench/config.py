@@ -28,16 +28,17 @@ class Mode:
     """One way of moving the outbox to Kafka.
 
     ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
-    bench's plain polling publisher. ``notify`` says what happens to the NOTIFY trigger in this
-    mode's database: "shipped" (as migrated), "disabled" (``ALTER TABLE ... DISABLE TRIGGER``,
-    as a plain polling outbox has none), or a ``notify_mode`` value of migration 0002
-    ("always", "gated"), which needs that migration. ``pgbouncer`` modes run the relay through
-    the run's transaction-pooling PgBouncer (the bench starts one when a selected mode needs
-    it).
+    bench's plain polling publisher; "floor" has no process and no database: the load
+    generator sends each event straight to Kafka (what Kafka alone costs). ``notify`` says
+    what happens to the NOTIFY trigger in this mode's database: "shipped" (as migrated),
+    "disabled" (``ALTER TABLE ... DISABLE TRIGGER``, as a plain polling outbox has none), or a
+    ``notify_mode`` value of migration 0002 ("always", "gated"), which needs that migration.
+    ``pgbouncer`` modes run the relay through the run's transaction-pooling PgBouncer (the
+    bench starts one when a selected mode needs it).
     """
 
     name: str
-    kind: Literal["relay", "poller"]
+    kind: Literal["relay", "poller", "floor"]
     description: str
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
@@ -57,6 +58,14 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
+        Mode(
+            "floor",
+            "floor",
+            "Kafka floor, no database: the load generator's schedule, keys and payloads, each "
+            "event sent straight to the topic with the relay's producer settings (aiokafka, "
+            "acks=all, idempotent, linger 0); its commit ack is the hand-over to send()",
+            notify="none",
+        ),
         Mode(
             "notify",
             "relay",
@@ -318,8 +327,9 @@ def smoke_config() -> RunConfig:
     """``smoke``: a few seconds per phase, to prove the bench works end to end."""
     return RunConfig(
         preset="smoke",
-        # Plus the pooled modes (a few seconds each): proves the PgBouncer path works.
-        modes=[*DEFAULT_MODES, "notify-pgbouncer", "relay-poll-pgbouncer"],
+        # Plus the pooled modes (a few seconds each): proves the PgBouncer path works; and
+        # the Kafka floor (the generator's own Kafka sink).
+        modes=["floor", *DEFAULT_MODES, "notify-pgbouncer", "relay-poll-pgbouncer"],
         loads=[200],
         extend_loads=False,
         max_load=200,

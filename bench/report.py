@@ -7,7 +7,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +64,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         }
         latency.append(row)
     mode_order = list(result["config"]["modes"])
+    floors = _floor_modes(result)
+
+    def rank(mode: str) -> int:
+        return mode_order.index(mode) if mode in mode_order else 99
+
+    # With a Kafka floor, the rows go by load, the floor first, so that it sits next to the
+    # modes it bounds; without, by mode, as always.
     latency.sort(
         key=lambda r: (
-            mode_order.index(r["mode"]) if r["mode"] in mode_order else 99,
             r["arrival"] != "constant" or r["producer"] != "sql",
+            *((r["load"], r["mode"] not in floors) if floors else ()),
+            rank(r["mode"]),
             r["load"],
             r["arrival"],
             r["producer"],
@@ -100,9 +108,43 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "producer": producer_rows,
         "idle": idle,
         "final_cells": sorted(int(c["cell"]) for c in final.values()),
+        "over_floor": _over_floor(final.values(), floors[0] if floors else None, rank),
     }
     summary["targets"] = _targets(summary)
     return summary
+
+
+def _floor_modes(result: dict[str, Any]) -> list[str]:
+    """The run's Kafka floor modes (no database: what Kafka and the consumer alone cost)."""
+    return [n for n, m in result.get("modes", {}).items() if m.get("kind") == "floor"]
+
+
+def _over_floor(
+    cells: Iterable[dict[str, Any]], floor_mode: str | None, rank: Callable[[str], int]
+) -> list[dict[str, Any]]:
+    """Per mode and load, ack->recv p50 and p99 and their excess over the floor's in the same
+    round (the median of the per-round differences: both saw the same minute of the host)."""
+    main = [c for c in cells if c["arrival"] == "constant" and c["producer"] == "sql"]
+    floor = {(float(c["load"]), int(c["rep"])): c for c in main if c["mode"] == floor_mode}
+    groups: dict[tuple[str, float], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for c in main:
+        f = floor.get((float(c["load"]), int(c["rep"])))
+        if f is not None and c["mode"] != floor_mode:
+            groups[(c["mode"], float(c["load"]))].append((c, f))
+    rows = []
+    for (mode, load), pairs in groups.items():
+        row: dict[str, Any] = {"mode": mode, "load": load, "rounds": len(pairs)}
+        for p in ("p50", "p99"):
+            ours = [c["latency"]["ack_to_recv"][p] for c, _ in pairs]
+            theirs = [f["latency"]["ack_to_recv"][p] for _, f in pairs]
+            row[p] = _med(ours)
+            row[f"floor_{p}"] = _med(theirs)
+            row[f"over_{p}"] = _med(
+                a - b for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None
+            )
+        rows.append(row)
+    rows.sort(key=lambda r: (r["load"], rank(r["mode"])))
+    return rows
 
 
 def _producer_summary(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -406,10 +448,9 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "producers could not commit at the offered rate (the load generator and PostgreSQL "
         "share the 2 cores with Kafka and the mode under test); *saturated: delivery*: the mode "
         "fell behind (latency grew through the window, or events did not arrive).",
-        "",
-        "## Maximum throughput per mode",
-        "",
     ]
+    lines += _floor_lines(summary)
+    lines += ["", "## Maximum throughput per mode", ""]
     lines += _table(
         ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
         [
@@ -519,6 +560,43 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _floor_lines(summary: dict[str, Any]) -> list[str]:
+    """The ack->recv of every mode against the Kafka floor's in the same round."""
+    rows = summary.get("over_floor") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Over the Kafka floor (ack->recv, ms)",
+        "",
+        "The floor sends every event straight to Kafka with the relay's producer settings, no "
+        "database in the path; its commit ack is the hand-over to `send()`. **over** is the "
+        "median over rounds of the mode's value minus the floor's in the same round.",
+        "",
+    ]
+    return lines + _table(
+        ["offered ev/s", "mode", "p50", "floor p50", "over p50", "p99", "floor p99", "over p99"],
+        [
+            [
+                f"{r['load']:g}",
+                r["mode"],
+                _f(r["p50"]),
+                _f(r["floor_p50"]),
+                _signed(r["over_p50"]),
+                _f(r["p99"]),
+                _f(r["floor_p99"]),
+                _signed(r["over_p99"]),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _signed(v: float | None) -> str:
+    text = _f(v)
+    return text if text == "-" or text.startswith("-") else f"+{text}"
 
 
 def _pct(v: float) -> str:

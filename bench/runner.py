@@ -118,7 +118,9 @@ class Runner:
             self.result["modes"][name]["database_setup"] = notify
         return dbs
 
-    async def _start_mode(self, services: Services, mode: Mode, dsn: str) -> Child:
+    async def _start_mode(self, services: Services, mode: Mode, dsn: str) -> Child | None:
+        if mode.kind == "floor":  # the load generator is the floor's only process
+            return None
         return await self._run.start(services, mode, dsn, name=mode.name)
 
     # --- idle ---------------------------------------------------------------------------------
@@ -131,6 +133,7 @@ class Runner:
         """Every mode's process at once, no traffic: queries/s and commits/s of its own
         database (pg_stat_statements, pg_stat_database) and the process's CPU."""
         seconds = self.cfg.idle_seconds
+        dbs = {name: db for name, db in dbs.items() if db.mode.kind != "floor"}  # no process
         self.progress.status(f"idle: starting {len(dbs)} processes")
         children: dict[str, Child] = {}
         try:
@@ -216,7 +219,8 @@ class Runner:
                 process = await starting
             if not ready.get("ready"):
                 raise BenchError(f"consumer for {name} did not get ready: {ready}")
-            conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
+            if db.dsn:  # the floor has no database
+                conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
             planned = loads_of.get(name)
             if planned is None:
                 done: list[float] = []
@@ -242,6 +246,8 @@ class Runner:
                     await self._cell(services, db, consumer, process, conn, rep, load)
             if name in cfg.variant_modes:
                 for arrival, producer in (("poisson", "sql"), ("constant", "enqueue")):
+                    if producer == "enqueue" and db.mode.kind == "floor":
+                        continue  # the Python API writes to the database the floor has not
                     await self._cell(
                         services,
                         db,
@@ -268,8 +274,8 @@ class Runner:
         services: Services,
         db: _ModeDb,
         consumer: Child,
-        process: Child,
-        conn: asyncpg.Connection,
+        process: Child | None,
+        conn: asyncpg.Connection | None,
         rep: int,
         load: float,
         *,
@@ -303,10 +309,12 @@ class Runner:
             seed=n,
             grace=max(2.0, cfg.duration / 2),
             tx_events=cfg.tx_events,
+            sink="kafka" if db.mode.kind == "floor" else "postgres",
+            bootstrap=services.bootstrap,
         )
         config_path = cells_dir / f"c{n}-config.json"
         lc.save(config_path)
-        cpu0 = process.cpu()
+        cpu0 = process.cpu() if process is not None else 0.0
         host0 = envinfo.cpu_times()
         started = utc()
         gen = await Child.start(
@@ -317,7 +325,9 @@ class Runner:
             pipes=True,
             cwd=self.src,
         )
-        profiler = await self._start_profiler(process, n) if profile else None
+        profiler = None
+        if profile and process is not None:
+            profiler = await self._start_profiler(process, n)
         try:
             limit = cfg.warmup + cfg.duration + lc.grace + 60.0
             summary = json.loads(await gen.read_line(limit))
@@ -339,7 +349,7 @@ class Runner:
             )
         )
         reply = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
-        cpu_used = process.cpu() - cpu0
+        cpu_used = process.cpu() - cpu0 if process is not None else None
         host1 = envinfo.cpu_times()
         profile_summary: dict[str, Any] | None = None
         if profiler is not None:
@@ -351,7 +361,7 @@ class Runner:
             summary["window_start"],
             summary["window_end"],
         )
-        drained, residual = await self._wait_empty(conn)
+        drained, residual = await self._wait_empty(conn) if conn is not None else (True, 0)
         for p in (gen_path, got_path, config_path):
             p.unlink(missing_ok=True)
         total_events = summary["acked"]
@@ -370,9 +380,11 @@ class Runner:
             "generator": {k: summary[k] for k in ("events", "sent", "acked", "errors")},
             "generator_error": summary.get("first_error"),
             "consumer": reply,
-            "mode_cpu_s": round(cpu_used, 3),
+            "mode_cpu_s": round(cpu_used, 3) if cpu_used is not None else None,
             "mode_cpu_us_per_event": (
-                round(1e6 * cpu_used / total_events, 1) if total_events else None
+                round(1e6 * cpu_used / total_events, 1)
+                if total_events and cpu_used is not None
+                else None
             ),
             "host_cpu_busy": envinfo.busy_share(host0, host1),
             "load_average": loadavg(),
