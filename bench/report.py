@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment_lines", "summarize", "write_report"]
+from bench.revs import revision_text
+
+__all__ = ["environment_lines", "mode_bullets", "summarize", "write_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -357,10 +359,33 @@ def environment_lines(result: dict[str, Any]) -> list[str]:
         *pooler,
         f"- git {str(git.get('revision'))[:12]} on {git.get('branch')}"
         + (" (uncommitted changes)" if git.get("dirty") else ""),
+        *_compare_lines(result),
         f"- noise: load average {result.get('load_average_start')} at start, "
         f"{result.get('load_average_end')} at end; host CPU busy "
         f"{_f(100 * (result.get('host_cpu_busy') or math.nan), 0)}% over "
         f"{_f(result.get('wall_seconds'), 0)} s",
+    ]
+
+
+def _compare_lines(result: dict[str, Any]) -> list[str]:
+    """With ``--compare-rev``: which revision ran where."""
+    alt = result.get("config", {}).get("alt_revision")
+    if not alt:
+        return []
+    git = result.get("environment", {}).get("git", {})
+    return [
+        f"- **compared** (`--compare-rev {alt['ref']}`): the `-alt` modes (recovery and "
+        f"stalled-relay: the relay itself) ran {revision_text(alt)}; the others this checkout, "
+        f"{revision_text(git)}"
+    ]
+
+
+def mode_bullets(result: dict[str, Any]) -> list[str]:
+    """One bullet per mode: its description, and with ``--compare-rev`` its revision."""
+    return [
+        f"- `{n}`: {m['description']}"
+        + (f"; {revision_text(m['revision'])}" if m.get("revision") else "")
+        for n, m in result.get("modes", {}).items()
     ]
 
 
@@ -551,8 +576,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             for m, i in summary["idle"].items()
         ],
     )
-    lines += ["", "## Modes", ""]
-    lines += [f"- `{n}`: {m['description']}" for n, m in result["modes"].items()]
+    lines += ["", "## Modes", "", *mode_bullets(result)]
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p}]({p})" for p in plots]
