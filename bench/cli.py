@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fsync-seconds", type=int, help="pg_test_fsync -s N (0: skip)")
     p.add_argument("--profile", action="store_true", help="py-spy the relay at the variant load")
     p.add_argument(
+        "--stages",
+        action="store_true",
+        help="relay modes write a stage log (NOTIFY_OUTBOX_STAGE_LOG); the report breaks each "
+        "event's commit ack -> receipt into the relay's stages",
+    )
+    p.add_argument(
         "--skip",
         nargs="+",
         default=[],
@@ -596,6 +602,7 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
         cfg.modes = with_alt_modes(cfg.modes, alt_of)
         cfg.variant_modes = with_alt_modes(cfg.variant_modes, alt_of)
     cfg.profile = args.profile
+    cfg.stages = args.stages
     cfg.skip = list(args.skip)
     return cfg
 
@@ -629,6 +636,8 @@ def _check_smoke(path: Path, cfg: RunConfig) -> list[str]:
                     f"mode {mode} cell {c['cell']}: {c['events']} events, {c['missing']} "
                     f"missing, {c['unsent']} unsent, {c['failed']} failed"
                 )
+            if cfg.stages and MODES[mode].kind == "relay" and "stage_log" not in c:
+                problems.append(f"mode {mode} cell {c['cell']}: no stage-log record")
         if MODES[mode].kind != "floor" and not any(i["mode"] == mode for i in result["idle"]):
             problems.append(f"no idle measurement for mode {mode}")
     for v in cfg.variants:

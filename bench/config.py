@@ -270,6 +270,7 @@ class RunConfig:
     tx_events: int = 1  # latency cells: up to this many already-due events per transaction
     fsync_test_seconds: int = 2  # pg_test_fsync -s N; 0: only the short fdatasync probe
     profile: bool = False  # run the notify relay under py-spy at the variant load
+    stages: bool = False  # relay modes write a stage log (NOTIFY_OUTBOX_STAGE_LOG), joined per cell
     alt_relay: str | None = None  # the tree of the *-alt modes (--alt-relay, --compare-rev)
     alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer
@@ -347,4 +348,5 @@ def smoke_config() -> RunConfig:
         variant_load=200,
         variant_modes=["notify"],
         fsync_test_seconds=0,
+        stages=True,  # costs a read of each relay's stage log per cell
     )

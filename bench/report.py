@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from bench.revs import revision_text
+from bench.stages import STAGES
 
 __all__ = ["environment_lines", "mode_bullets", "summarize", "write_report"]
 
@@ -64,6 +65,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             stage: {p: _med(c["stages"][stage].get(p) for c in cells) for p in ("p50", "p99")}
             for stage in cells[0]["stages"]
         }
+        if any("stage_log" in c for c in cells):
+            row["stage_log"] = _stage_log_summary([c["stage_log"] for c in cells])
         latency.append(row)
     mode_order = list(result["config"]["modes"])
     floors = _floor_modes(result)
@@ -114,6 +117,32 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     }
     summary["targets"] = _targets(summary)
     return summary
+
+
+def _stage_log_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The relay's stage log over the rounds of one mode and load: each stage's p50, p99 and
+    share of negative intervals (medians over rounds), the claims' wake sources (shares of
+    all rounds' claims), and the events no line carried (all rounds)."""
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return {"status": "no stage log", "rounds": len(records)}
+    sources: Counter[str] = Counter()
+    for r in ok:
+        sources.update(r["sources"])
+    claims = sum(sources.values())
+    return {
+        "status": "ok",
+        "rounds": len(ok),
+        "rounds_without": len(records) - len(ok),
+        "claims": claims,
+        "sources": {k: n / claims for k, n in sources.most_common()},
+        "events": sum(r["events"] for r in ok),
+        "missing_lines": sum(r["missing_lines"] for r in ok),
+        "stages": {
+            stage: {p: _med(r["stages"][stage][p] for r in ok) for p in ("p50", "p99", "negative")}
+            for stage in STAGES
+        },
+    }
 
 
 def _floor_modes(result: dict[str, Any]) -> list[str]:
@@ -421,11 +450,6 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     lines += ["", "## Latency per mode and offered load", ""]
     rows = []
     for r in summary["latency"]:
-        variant = (
-            ""
-            if r["arrival"] == "constant" and r["producer"] == "sql"
-            else (f" ({r['arrival']}, {r['producer']})")
-        )
         e, a = r["e2e"], r["ack_to_recv"]
         verdict = (
             f"sustained {r['sustained_reps']}/{r['reps']}"
@@ -436,7 +460,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         )
         rows.append(
             [
-                r["mode"] + variant,
+                _row_label(r),
                 f"{r['load']:g}",
                 _f(r["commit_rate"]),
                 _f(r["delivered_rate"]),
@@ -522,6 +546,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "The Kafka send time is the record's CreateTime, stamped by the publishing producer "
         "at `send()` with millisecond resolution.",
     ]
+    lines += _stage_log_lines(summary)
     for c in result.get("latency_cells", []):
         if c.get("profile"):
             lines += profile_lines(
@@ -584,6 +609,66 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _row_label(r: dict[str, Any]) -> str:
+    """A latency row's mode, with its arrival and producer when they are not the default."""
+    main = r["arrival"] == "constant" and r["producer"] == "sql"
+    return str(r["mode"]) + ("" if main else f" ({r['arrival']}, {r['producer']})")
+
+
+def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
+    """ "Where the time goes": the relay's stage log joined with every measured event."""
+    rows = [r for r in summary["latency"] if r.get("stage_log")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Where the time goes (relay stage log, p50 / p99, ms)",
+        "",
+        "Per measured event, the claim that carried it (the relay's `NOTIFY_OUTBOX_STAGE_LOG` "
+        "line), joined with the generator's commit ack and the consumer's receipt; medians over "
+        "rounds. **notified -> woken** is from the commit ack when no notification led to the "
+        "claim. The Kafka CreateTime has millisecond resolution (the middle of its millisecond "
+        "is taken: ±0.5 ms) and is stamped at each record's `send()`, before *handed* (after "
+        "the last one). A negative interval counts as 0; the share of them is in brackets "
+        "(commit ack -> notified < 0: the event was committed after the notification that led "
+        "to its claim). **no stage log**: the relay wrote no line for the cell's events.",
+        "",
+    ]
+    out = []
+    for r in rows:
+        s = r["stage_log"]
+        if s["status"] != "ok":
+            out.append([_row_label(r), f"{r['load']:g}", s["status"], *("-" for _ in STAGES), "-"])
+            continue
+        sources = ", ".join(f"{k} {_pct(v)}" for k, v in s["sources"].items())
+        out.append(
+            [
+                _row_label(r),
+                f"{r['load']:g}",
+                f"{s['claims']:,}: {sources}",
+                *(_stage_cell(s["stages"][k]) for k in STAGES),
+                f"{s['missing_lines']:,} of {s['events']:,}"
+                + (
+                    f" ({s['rounds_without']} round(s) without a log)"
+                    if s["rounds_without"]
+                    else ""
+                ),
+            ]
+        )
+    return lines + _table(
+        ["mode", "offered ev/s", "claims: wake sources", *STAGES.values(), "events without a line"],
+        out,
+    )
+
+
+def _stage_cell(st: dict[str, Any]) -> str:
+    text = f"{_f(st['p50'])} / {_f(st['p99'])}"
+    neg = st.get("negative")
+    if neg is None or math.isnan(neg) or neg < 0.005:  # shown from 1 % (rounded)
+        return text
+    return f"{text} ({_pct(neg)} <0)"
 
 
 def _floor_lines(summary: dict[str, Any]) -> list[str]:
