@@ -608,7 +608,7 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
 
 
 def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
-    from bench.report import write_report
+    from bench.report import floor_lines, write_report
     from bench.runner import Runner
 
     runner = Runner(cfg, out, keep_work_dir=keep)
@@ -618,6 +618,8 @@ def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
         written = out / f"{runner.run_id}.json"
         if written.exists():
             md = write_report(written, plots=plots)
+            for line in floor_lines(json.loads(written.read_text())):
+                print(line, file=sys.stderr)
             print(f"result: {written}\nreport: {md}", file=sys.stderr)
     return path
 

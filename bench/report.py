@@ -14,7 +14,7 @@ from typing import Any
 from bench.revs import revision_text
 from bench.stages import STAGES
 
-__all__ = ["environment_lines", "mode_bullets", "summarize", "write_report"]
+__all__ = ["environment_lines", "floor_lines", "mode_bullets", "summarize", "write_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -701,6 +701,14 @@ def _floor_lines(summary: dict[str, Any]) -> list[str]:
             for r in rows
         ],
     )
+
+
+def floor_lines(result: dict[str, Any]) -> list[str]:
+    """The "Over the Kafka floor" table of a run's result (empty without a floor), for the
+    terminal at the end of a run."""
+    if not _floor_modes(result):
+        return []
+    return [line for line in _floor_lines(summarize(result)) if line.startswith("|")]
 
 
 def _signed(v: float | None) -> str:
