@@ -234,7 +234,7 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     if cfg.sink not in ("postgres", "kafka"):
         raise ValueError(f"unknown sink {cfg.sink!r}")
     kafka = await _KafkaSink.start(cfg) if cfg.sink == "kafka" else None
-    conns: list[Any] = [kafka] * cfg.writers if kafka else await _connect_all(cfg)
+    conns: list[Any] = [kafka] * cfg.writers if kafka is not None else await _connect_all(cfg)
     t0 = time.monotonic_ns() + _START_DELAY_NS
     sched = build_schedule(cfg.rate, cfg.warmup + cfg.duration, cfg.arrival, cfg.seed, t0)
     if cfg.announce:  # the orchestrator times its own steps from the schedule's start
@@ -250,7 +250,8 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     errors: list[str] = []
     reconnects = 0
     stopped_at: int | None = None
-    opened = [] if kafka else list(conns)  # every connection, reconnects included, is closed
+    # Every connection, reconnects included, is closed at the end (the floor has none).
+    opened = [] if kafka is not None else list(conns)
 
     async def writer(conn: Any) -> None:
         nonlocal next_i, reconnects

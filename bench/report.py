@@ -498,7 +498,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "share the 2 cores with Kafka and the mode under test); *saturated: delivery*: the mode "
         "fell behind (latency grew through the window, or events did not arrive).",
     ]
-    lines += _floor_lines(summary)
+    lines += _over_floor_section(summary)
     lines += ["", "## Maximum throughput per mode", ""]
     lines += _table(
         ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
@@ -618,7 +618,8 @@ def _row_label(r: dict[str, Any]) -> str:
 
 
 def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
-    """ "Where the time goes": the relay's stage log joined with every measured event."""
+    """The "Where the time goes" section: the relay's stage log joined with every measured
+    event."""
     rows = [r for r in summary["latency"] if r.get("stage_log")]
     if not rows:
         return []
@@ -671,7 +672,7 @@ def _stage_cell(st: dict[str, Any]) -> str:
     return f"{text} ({_pct(neg)} <0)"
 
 
-def _floor_lines(summary: dict[str, Any]) -> list[str]:
+def _over_floor_section(summary: dict[str, Any]) -> list[str]:
     """The ack->recv of every mode against the Kafka floor's in the same round."""
     rows = summary.get("over_floor") or []
     if not rows:
@@ -708,7 +709,7 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
     terminal at the end of a run."""
     if not _floor_modes(result):
         return []
-    return [line for line in _floor_lines(summarize(result)) if line.startswith("|")]
+    return [line for line in _over_floor_section(summarize(result)) if line.startswith("|")]
 
 
 def _signed(v: float | None) -> str:
