@@ -17,7 +17,7 @@ from typing import Any
 from bench.arrays import new_array
 from bench.hist import Histogram
 
-__all__ = ["P99_LIMIT_MS", "analyse_cell", "is_flat"]
+__all__ = ["P99_LIMIT_MS", "analyse_cell", "by_index", "is_flat", "window_indices"]
 
 P99_LIMIT_MS = 100.0  # the latency part of "sustained"
 RATE_TOLERANCE = 0.01  # achieved must be within 1 % of offered
@@ -36,6 +36,23 @@ def _median_ms(values: list[int]) -> float:
     return statistics.median(values) / 1e6 if values else math.nan
 
 
+def by_index(got: dict[str, array[int]], n: int) -> tuple[array[int], array[int]]:
+    """The consumer's receipt and Kafka CreateTime of each of ``n`` events, by event index
+    (0: not received)."""
+    recv = new_array(n)
+    kts = new_array(n)
+    for i, r, k in zip(got["index"], got["recv"], got["kafka_ts"], strict=True):
+        if 0 <= i < n:
+            recv[i] = r
+            kts[i] = k
+    return recv, kts
+
+
+def window_indices(sched: array[int], window_start: int, window_end: int) -> range:
+    """The indices of the events *scheduled* in the measured window (the schedule is sorted)."""
+    return range(bisect.bisect_left(sched, window_start), bisect.bisect_left(sched, window_end))
+
+
 def analyse_cell(
     gen: dict[str, array[int]],
     got: dict[str, array[int]],
@@ -44,16 +61,10 @@ def analyse_cell(
 ) -> dict[str, Any]:
     """Latency histograms, stage breakdown, rates, backlog and the sustained verdict."""
     sched, send, ack = gen["sched"], gen["send"], gen["ack"]
-    n = len(sched)
-    recv = new_array(n)
-    kts = new_array(n)
-    for i, r, k in zip(got["index"], got["recv"], got["kafka_ts"], strict=True):
-        if 0 <= i < n:
-            recv[i] = r
-            kts[i] = k
+    recv, kts = by_index(got, len(sched))
     seconds = (window_end - window_start) / 1e9
-    lo = bisect.bisect_left(sched, window_start)
-    hi = bisect.bisect_left(sched, window_end)
+    window = window_indices(sched, window_start, window_end)
+    lo, hi = window.start, window.stop
     e2e, ack_recv = Histogram(), Histogram()
     stages = {name: Histogram() for name in STAGES}
     unsent = failed = missing = 0

@@ -28,6 +28,7 @@ from bench.config import (
     smoke_config,
 )
 from bench.procs import ROOT, BenchError
+from bench.revs import compare_tree, with_alt_modes
 
 __all__ = ["main"]
 
@@ -47,12 +48,14 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         help=f"default: {' '.join(DEFAULT_MODES)}; all: {' '.join(MODES)} (and *-alt)",
     )
-    p.add_argument(
+    alt = p.add_mutually_exclusive_group()
+    alt.add_argument(
         "--alt-relay",
         type=Path,
         help="a copy of the source tree with a proposed relay change: adds the modes "
         "notify-alt, relay-poll-alt, ... (run from that tree) for A/B runs",
     )
+    _compare_rev_option(alt)
     p.add_argument("--loads", nargs="+", type=float, help="offered loads, events/s")
     p.add_argument("--no-extend", action="store_true", help="do not raise loads past the list")
     p.add_argument("--duration", type=float, help="measured seconds per cell")
@@ -74,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variant-modes", nargs="*", help="modes with those cells")
     p.add_argument("--fsync-seconds", type=int, help="pg_test_fsync -s N (0: skip)")
     p.add_argument("--profile", action="store_true", help="py-spy the relay at the variant load")
+    p.add_argument(
+        "--stages",
+        action="store_true",
+        help="relay modes write a stage log (NOTIFY_OUTBOX_STAGE_LOG); the report breaks each "
+        "event's commit ack -> receipt into the relay's stages",
+    )
     p.add_argument(
         "--skip",
         nargs="+",
@@ -273,16 +282,29 @@ def _phase_options(p: argparse.ArgumentParser) -> None:
         help="a setting of the relay processes, e.g. workers=8 or NOTIFY_OUTBOX_BATCH_SIZE=500 "
         "(repeatable)",
     )
-    p.add_argument(
+    alt = p.add_mutually_exclusive_group()
+    alt.add_argument(
         "--alt-relay",
         type=Path,
         help="a copy of the source tree with a proposed relay change (drain: modes "
-        "relay-N-alt; recovery: runs that relay instead)",
+        "relay-N-alt; held-snapshot, failing-head: notify-alt; recovery, stalled-relay: runs "
+        "that relay instead)",
     )
+    _compare_rev_option(alt)
     p.add_argument("--fsync-seconds", type=int, default=0, help="pg_test_fsync -s N (0: skip)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
     p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
     p.add_argument("--no-plots", action="store_true")
+
+
+def _compare_rev_option(group: argparse._MutuallyExclusiveGroup) -> None:
+    group.add_argument(
+        "--compare-rev",
+        metavar="REV",
+        help="a git revision (main, HEAD~1, a hash): checked out as a detached worktree for "
+        "this run and run as --alt-relay runs a tree; adds the -alt counterpart of every "
+        "selected relay mode unless an -alt mode is named",
+    )
 
 
 def _regime_options(p: argparse.ArgumentParser) -> None:
@@ -301,7 +323,7 @@ def _alt_tree(path: Path | None) -> str | None:
         return None
     tree = path.resolve()
     if not (tree / "notify_outbox" / "__main__.py").is_file():
-        raise BenchError(f"--alt-relay {tree}: no notify_outbox/ package there")
+        raise BenchError(f"relay tree {tree}: no notify_outbox/ package there")
     return str(tree)
 
 
@@ -314,6 +336,7 @@ def _run_phase(args: argparse.Namespace) -> int:
         DEFAULT_MODES,
         MIXES,
         DrainConfig,
+        alt_drain_mode,
         drain_problems,
         parse_mode,
         parse_relay_env,
@@ -334,6 +357,8 @@ def _run_phase(args: argparse.Namespace) -> int:
         if unknown:
             raise BenchError(f"unknown key mix(es) {unknown}; known: {sorted(MIXES)}")
         modes = list(dict.fromkeys(args.modes or DEFAULT_MODES))
+        if args.alt_revision:
+            modes = with_alt_modes(modes, alt_drain_mode)
         for m in modes:
             parse_mode(m, alt)  # fails early on a bad name
         if args.rows < 1 or args.repeat < 1:
@@ -345,6 +370,7 @@ def _run_phase(args: argparse.Namespace) -> int:
             repeat=args.repeat,
             relay_env=relay_env,
             alt_relay=alt,
+            alt_revision=args.alt_revision,
             cell_timeout=args.cell_timeout or 0.0,
             fsync_test_seconds=args.fsync_seconds,
             profile=args.profile,
@@ -366,6 +392,7 @@ def _run_phase(args: argparse.Namespace) -> int:
             recover_timeout=args.recover_timeout,
             relay_env=relay_env,
             alt_relay=alt,
+            alt_revision=args.alt_revision,
             stack_dir=str(args.stack_dir.resolve()) if args.stack_dir else None,
             fsync_test_seconds=args.fsync_seconds,
         )
@@ -404,6 +431,8 @@ def _regime(
     from bench.regimes import regime_mode
 
     modes = list(dict.fromkeys(args.modes))
+    if args.alt_revision:
+        modes = with_alt_modes(modes, lambda m: "notify-alt" if m == "notify" else None)
     for m in modes:
         regime_mode(m, alt)  # fails early on a bad name
     if args.repeat < 1:
@@ -413,6 +442,7 @@ def _regime(
         "repeat": args.repeat,
         "relay_env": relay_env,
         "alt_relay": alt,
+        "alt_revision": args.alt_revision,
         "fsync_test_seconds": args.fsync_seconds,
     }
     if args.command == "held-snapshot":
@@ -485,6 +515,7 @@ def _stalled(
         drain_timeout=args.drain_timeout,
         relay_env=relay_env,
         alt_relay=alt,
+        alt_revision=args.alt_revision,
         fsync_test_seconds=args.fsync_seconds,
     )
     return (
@@ -527,11 +558,10 @@ def _run_inbox(args: argparse.Namespace) -> int:
 
 
 def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
-    if args.alt_relay is not None:
-        tree = args.alt_relay.resolve()
-        if not (tree / "notify_outbox" / "__main__.py").is_file():
-            raise BenchError(f"--alt-relay {tree}: no notify_outbox/ package there")
-        add_alt_modes(str(tree))
+    cfg.alt_relay = _alt_tree(args.alt_relay)
+    cfg.alt_revision = args.alt_revision
+    if cfg.alt_relay is not None:
+        add_alt_modes(cfg.alt_relay)
     unknown = [m for m in args.modes or [] if m not in MODES]
     if unknown:
         raise BenchError(f"unknown mode(s) {unknown}; known: {sorted(MODES)}")
@@ -564,13 +594,21 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     if args.variant_modes is not None:
         cfg.variant_modes = [m for m in args.variant_modes if m in cfg.modes]
     cfg.variant_modes = [m for m in cfg.variant_modes if m in cfg.modes]
+    if cfg.alt_revision:
+        # The compared revision beside every relay mode (and its variant cells), interleaved.
+        def alt_of(m: str) -> str | None:
+            return f"{m}-alt" if f"{m}-alt" in MODES else None
+
+        cfg.modes = with_alt_modes(cfg.modes, alt_of)
+        cfg.variant_modes = with_alt_modes(cfg.variant_modes, alt_of)
     cfg.profile = args.profile
+    cfg.stages = args.stages
     cfg.skip = list(args.skip)
     return cfg
 
 
 def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
-    from bench.report import write_report
+    from bench.report import floor_lines, write_report
     from bench.runner import Runner
 
     runner = Runner(cfg, out, keep_work_dir=keep)
@@ -580,6 +618,8 @@ def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
         written = out / f"{runner.run_id}.json"
         if written.exists():
             md = write_report(written, plots=plots)
+            for line in floor_lines(json.loads(written.read_text())):
+                print(line, file=sys.stderr)
             print(f"result: {written}\nreport: {md}", file=sys.stderr)
     return path
 
@@ -598,7 +638,9 @@ def _check_smoke(path: Path, cfg: RunConfig) -> list[str]:
                     f"mode {mode} cell {c['cell']}: {c['events']} events, {c['missing']} "
                     f"missing, {c['unsent']} unsent, {c['failed']} failed"
                 )
-        if not any(i["mode"] == mode for i in result["idle"]):
+            if cfg.stages and MODES[mode].kind == "relay" and "stage_log" not in c:
+                problems.append(f"mode {mode} cell {c['cell']}: no stage-log record")
+        if MODES[mode].kind != "floor" and not any(i["mode"] == mode for i in result["idle"]):
             problems.append(f"no idle measurement for mode {mode}")
     for v in cfg.variants:
         if not any(p["variant"] == v and p["commits"] > 0 for p in result["producer_cells"]):
@@ -637,8 +679,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(write_report(args.json, plots=not args.no_plots))
             return 0
-        if args.command in ("drain", "recovery", "held-snapshot", "failing-head", "stalled-relay"):
-            return _run_phase(args)
         if args.command == "inbox":
             return _run_inbox(args)
         if args.command == "smoke":
@@ -649,9 +689,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             for p in problems:
                 print(f"smoke: {p}", file=sys.stderr)
             return 1 if problems else 0
-        cfg = _apply(quick_config() if args.quick else full_config(), args)
-        _run(cfg, args.out, keep=args.keep_work_dir, plots=not args.no_plots)
-        return 0
+        with compare_tree(args.compare_rev) as alt:
+            args.alt_revision = alt.to_json() if alt else None
+            if alt is not None:
+                args.alt_relay = alt.tree
+                print(
+                    f"bench: --compare-rev {alt.ref}: {alt.revision} “{alt.subject}” in {alt.tree}",
+                    file=sys.stderr,
+                )
+            if args.command != "run":
+                return _run_phase(args)
+            cfg = _apply(quick_config() if args.quick else full_config(), args)
+            _run(cfg, args.out, keep=args.keep_work_dir, plots=not args.no_plots)
+            return 0
     except BenchError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 1

@@ -28,16 +28,17 @@ class Mode:
     """One way of moving the outbox to Kafka.
 
     ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
-    bench's plain polling publisher. ``notify`` says what happens to the NOTIFY trigger in this
-    mode's database: "shipped" (as migrated), "disabled" (``ALTER TABLE ... DISABLE TRIGGER``,
-    as a plain polling outbox has none), or a ``notify_mode`` value of migration 0002
-    ("always", "gated"), which needs that migration. ``pgbouncer`` modes run the relay through
-    the run's transaction-pooling PgBouncer (the bench starts one when a selected mode needs
-    it).
+    bench's plain polling publisher; "floor" has no process and no database: the load
+    generator sends each event straight to Kafka (what Kafka alone costs). ``notify`` says
+    what happens to the NOTIFY trigger in this mode's database: "shipped" (as migrated),
+    "disabled" (``ALTER TABLE ... DISABLE TRIGGER``, as a plain polling outbox has none), or a
+    ``notify_mode`` value of migration 0002 ("always", "gated"), which needs that migration.
+    ``pgbouncer`` modes run the relay through the run's transaction-pooling PgBouncer (the
+    bench starts one when a selected mode needs it).
     """
 
     name: str
-    kind: Literal["relay", "poller"]
+    kind: Literal["relay", "poller", "floor"]
     description: str
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
@@ -57,6 +58,14 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
+        Mode(
+            "floor",
+            "floor",
+            "Kafka floor, no database: the load generator's schedule, keys and payloads, each "
+            "event sent straight to the topic with the relay's producer settings (aiokafka, "
+            "acks=all, idempotent, linger 0); its commit ack is the hand-over to send()",
+            notify="none",
+        ),
         Mode(
             "notify",
             "relay",
@@ -261,6 +270,9 @@ class RunConfig:
     tx_events: int = 1  # latency cells: up to this many already-due events per transaction
     fsync_test_seconds: int = 2  # pg_test_fsync -s N; 0: only the short fdatasync probe
     profile: bool = False  # run the notify relay under py-spy at the variant load
+    stages: bool = False  # relay modes write a stage log (NOTIFY_OUTBOX_STAGE_LOG), joined per cell
+    alt_relay: str | None = None  # the tree of the *-alt modes (--alt-relay, --compare-rev)
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -318,8 +330,9 @@ def smoke_config() -> RunConfig:
     """``smoke``: a few seconds per phase, to prove the bench works end to end."""
     return RunConfig(
         preset="smoke",
-        # Plus the pooled modes (a few seconds each): proves the PgBouncer path works.
-        modes=[*DEFAULT_MODES, "notify-pgbouncer", "relay-poll-pgbouncer"],
+        # Plus the pooled modes (a few seconds each): proves the PgBouncer path works; and
+        # the Kafka floor (the generator's own Kafka sink).
+        modes=["floor", *DEFAULT_MODES, "notify-pgbouncer", "relay-poll-pgbouncer"],
         loads=[200],
         extend_loads=False,
         max_load=200,
@@ -335,4 +348,5 @@ def smoke_config() -> RunConfig:
         variant_load=200,
         variant_modes=["notify"],
         fsync_test_seconds=0,
+        stages=True,  # costs a read of each relay's stage log per cell
     )

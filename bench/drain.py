@@ -36,6 +36,7 @@ __all__ = [
     "MIXES",
     "DrainConfig",
     "DrainMode",
+    "alt_drain_mode",
     "parse_mode",
     "parse_relay_env",
     "run_drain",
@@ -125,6 +126,14 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
     return DrainMode(name, mode, n)
 
 
+def alt_drain_mode(name: str) -> str | None:
+    """The ``-alt`` counterpart of a ``relay-N[-pgbouncer]`` mode (None for the others)."""
+    m = _MODE_RE.match(name)
+    if m is None or m.group(2):
+        return None
+    return f"relay-{m.group(1)}-alt{m.group(3) or ''}"
+
+
 def parse_relay_env(items: list[str]) -> dict[str, str]:
     """``KEY=VALUE`` settings for relay processes; ``workers=8`` means
     ``NOTIFY_OUTBOX_WORKERS=8``. The DSN and bootstrap servers are the bench's own."""
@@ -156,6 +165,7 @@ class DrainConfig:
     repeat: int = 1
     relay_env: dict[str, str] = field(default_factory=dict)
     alt_relay: str | None = None
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     partitions: int = 3
     cell_timeout: float = 0.0  # 0: 60 s + 1 s per 500 rows
     fsync_test_seconds: int = 0

@@ -17,12 +17,13 @@ from typing import Any
 
 import asyncpg
 
-from bench.procs import ROOT
+from bench.procs import ROOT, BenchError
 
 __all__ = [
     "cpu_times",
     "fdatasync_probe",
     "git_info",
+    "git_output",
     "host_info",
     "library_versions",
     "pg_test_fsync",
@@ -92,22 +93,35 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def _git(*args: str) -> str | None:
+def git_output(*args: str) -> str:
+    """The output of ``git ARGS`` in this checkout; BenchError with git's message if it
+    fails."""
     try:
         done = subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20, check=False
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BenchError(f"git {' '.join(args)}: {e}") from None
+    if done.returncode != 0:
+        raise BenchError(f"git {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout.strip()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return git_output(*args)
+    except BenchError:
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def git_info() -> dict[str, Any]:
-    """HEAD revision, branch, and whether the tree has uncommitted changes (read-only)."""
+    """HEAD revision and subject, branch, and whether the tree has uncommitted changes
+    (read-only)."""
     status = _git("status", "--porcelain")
     changed = [line[3:] for line in status.splitlines()] if status else []
     return {
         "revision": _git("rev-parse", "HEAD"),
+        "subject": _git("log", "-1", "--format=%s", "HEAD"),
         "branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
         "dirty": bool(changed) if status is not None else None,
         "changed_files": changed[:50],

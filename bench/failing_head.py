@@ -99,6 +99,7 @@ class FailingHeadConfig:
     repeat: int = 1
     relay_env: dict[str, str] = field(default_factory=dict)
     alt_relay: str | None = None
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     partitions: int = 3
     fsync_test_seconds: int = 0
 

@@ -21,6 +21,12 @@ bench runs a schedule as long as its deadline and stops it when its restarts are
 ``announce`` the generator prints ``{"t0": ...}`` (the schedule's start, monotonic ns) on stdout
 before the first event, so the orchestrator can time its own steps (the held snapshot) from it.
 
+With ``sink: "kafka"`` there is no database: the generator is the bench's Kafka floor. It
+sends every event, on the same schedule and with the same key and payload, straight to the
+topic with the relay's own producer (``KafkaPublisher``'s aiokafka settings: acks=all,
+idempotent, linger 0), and its "commit ack" is the moment ``send()`` has taken the record, so
+that ack->recv is what Kafka and the consumer alone cost.
+
 Closed loop (``closed: true``): ``writers`` connections insert as fast as they can for
 ``duration`` seconds; used for producer overhead when pgbench is not available.
 """
@@ -32,17 +38,20 @@ import json
 import random
 import sys
 import time
+import uuid
 from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from bench.arrays import new_array, save_arrays
 from bench.hist import Histogram
 
-__all__ = ["LoadConfig", "build_schedule", "main"]
+__all__ = ["LoadConfig", "build_schedule", "event_key", "event_payload", "main"]
 
 SQL_INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, $3::jsonb)"
 SQL_INSERT_MANY = (
@@ -51,6 +60,7 @@ SQL_INSERT_MANY = (
 )
 _CONNECT_TIMEOUT = 15.0
 _START_DELAY_NS = 300_000_000  # the schedule starts this long after every writer connected
+_FLUSH_TIMEOUT = 30.0  # the floor: how long the last sends' acks may take after the schedule
 
 
 @dataclass
@@ -75,6 +85,8 @@ class LoadConfig:
     reconnect: bool = False  # open loop: reconnect a writer whose connection broke
     stop_on_input: bool = False  # open loop: a line (or EOF) on stdin ends the schedule
     announce: bool = False  # open loop: print {"t0": ...} on stdout when the schedule is fixed
+    sink: str = "postgres"  # "postgres": INSERT into the outbox; "kafka": the floor (no database)
+    bootstrap: str = ""  # Kafka's bootstrap servers, for the "kafka" sink
 
     @classmethod
     def load(cls, path: Path) -> LoadConfig:
@@ -107,6 +119,73 @@ def build_schedule(rate: float, seconds: float, arrival: str, seed: int, t0: int
     return sched
 
 
+def event_key(cfg: LoadConfig, i: int) -> str:
+    """The key of event ``i``: ``cfg.keys`` values, round robin."""
+    return f"k{i % cfg.keys}"
+
+
+def event_payload(cfg: LoadConfig, i: int, sched_ns: int) -> str:
+    """The JSON payload of event ``i``: its cell, index and scheduled time."""
+    return f'{{"c":{cfg.cell},"i":{i},"t":{sched_ns}}}'
+
+
+class _KafkaSink:
+    """The floor's sink: one producer for every writer, as the relay has one per process."""
+
+    def __init__(self, cfg: LoadConfig, producer: AIOKafkaProducer) -> None:
+        self.cfg = cfg
+        self.producer = producer
+        self.pending: set[asyncio.Future[Any]] = set()
+        self.errors: list[str] = []
+
+    @classmethod
+    async def start(cls, cfg: LoadConfig) -> _KafkaSink:
+        """The relay's own producer (its settings' defaults), started, with the topic's
+        metadata in hand: the first send must not wait for it."""
+        from notify_outbox.publisher import KafkaPublisher
+        from notify_outbox.settings import OutboxSettings
+
+        settings = OutboxSettings.model_validate(
+            {
+                "dsn": "postgresql://floor.invalid/none",  # required, never used: no database
+                "kafka_bootstrap_servers": cfg.bootstrap,
+                "kafka_client_id": "bench-floor",
+            }
+        )
+        producer = KafkaPublisher(settings)._make_producer()
+        async with asyncio.timeout(_CONNECT_TIMEOUT):
+            await producer.start()
+            await producer.partitions_for(cfg.topic)
+        return cls(cfg, producer)
+
+    async def send(self, idx: list[int], sched_ns: list[int]) -> None:
+        """Hand events ``idx`` to the producer (their acks come later, in the background)."""
+        for i, t in zip(idx, sched_ns, strict=True):
+            fut = await self.producer.send(
+                self.cfg.topic,
+                value=event_payload(self.cfg, i, t).encode(),
+                key=event_key(self.cfg, i).encode(),
+                # The relay's records carry their event id: the same bytes on the wire.
+                headers=[("outbox-event-id", str(uuid.uuid4()).encode())],
+            )
+            self.pending.add(fut)
+            fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future[Any]) -> None:
+        self.pending.discard(fut)
+        if not fut.cancelled() and (e := fut.exception()) is not None:
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    async def close(self) -> None:
+        """Wait (bounded) for the acks still out, then stop the producer."""
+        if self.pending:
+            await asyncio.wait(set(self.pending), timeout=_FLUSH_TIMEOUT)
+        if self.pending:
+            self.errors.append(f"{len(self.pending)} sends without an ack at the end")
+        async with asyncio.timeout(_FLUSH_TIMEOUT):
+            await self.producer.stop()
+
+
 async def _connect_all(cfg: LoadConfig) -> list[asyncpg.Connection]:
     if cfg.producer == "enqueue":
         import notify_outbox  # noqa: F401  (a slow first import must not stall the schedule)
@@ -130,10 +209,9 @@ async def _insert_many(
     cfg: LoadConfig, conn: asyncpg.Connection, idx: list[int], sched_ns: list[int]
 ) -> None:
     """Events ``idx`` in one transaction (one autocommit statement for plain SQL)."""
-    keys = [f"k{i % cfg.keys}" for i in idx]
+    keys = [event_key(cfg, i) for i in idx]
     if cfg.producer == "sql":
-        pairs = zip(idx, sched_ns, strict=True)
-        payloads = [f'{{"c":{cfg.cell},"i":{i},"t":{t}}}' for i, t in pairs]
+        payloads = [event_payload(cfg, i, t) for i, t in zip(idx, sched_ns, strict=True)]
         if len(idx) == 1:
             await conn.execute(SQL_INSERT, cfg.topic, keys[0], payloads[0])
         else:
@@ -153,7 +231,10 @@ async def _insert_many(
 
 async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     """Run the open-loop schedule; write the arrays; return a summary."""
-    conns = await _connect_all(cfg)
+    if cfg.sink not in ("postgres", "kafka"):
+        raise ValueError(f"unknown sink {cfg.sink!r}")
+    kafka = await _KafkaSink.start(cfg) if cfg.sink == "kafka" else None
+    conns: list[Any] = [kafka] * cfg.writers if kafka is not None else await _connect_all(cfg)
     t0 = time.monotonic_ns() + _START_DELAY_NS
     sched = build_schedule(cfg.rate, cfg.warmup + cfg.duration, cfg.arrival, cfg.seed, t0)
     if cfg.announce:  # the orchestrator times its own steps from the schedule's start
@@ -169,9 +250,10 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     errors: list[str] = []
     reconnects = 0
     stopped_at: int | None = None
-    opened = list(conns)  # every connection, reconnects included, is closed at the end
+    # Every connection, reconnects included, is closed at the end (the floor has none).
+    opened = [] if kafka is not None else list(conns)
 
-    async def writer(conn: asyncpg.Connection) -> None:
+    async def writer(conn: Any) -> None:
         nonlocal next_i, reconnects
         while next_i < n:
             if cfg.reconnect and conn.is_closed():
@@ -204,12 +286,16 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
             for j in group:
                 send[j] = now
             try:
-                await _insert_many(cfg, conn, group, [sched[j] for j in group])
+                if kafka is not None:
+                    await kafka.send(group, [sched[j] for j in group])
+                else:
+                    await _insert_many(cfg, conn, group, [sched[j] for j in group])
             except (
                 asyncpg.PostgresError,
                 OSError,
                 asyncpg.InterfaceError,
                 asyncpg.InternalClientError,
+                KafkaError,
             ) as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 if cfg.reconnect and isinstance(e, asyncpg.InternalClientError):
@@ -236,6 +322,9 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     finally:
         if stopper is not None:
             stopper.cancel()
+        if kafka is not None:
+            await kafka.close()
+            errors += kafka.errors  # acks that failed: those events count as missing too
         await asyncio.gather(*(c.close(timeout=5) for c in opened), return_exceptions=True)
     save_arrays(Path(cfg.out), {"sched": sched, "send": send, "ack": ack})
     return {

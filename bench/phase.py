@@ -26,6 +26,7 @@ from bench.loadgen import LoadConfig
 from bench.pooler import end_record, mode_dsns, start_pgbouncer
 from bench.procs import ROOT, BenchError, Child, python_argv
 from bench.progress import Progress
+from bench.revs import label_modes
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
 from devstack.relayproc import READY, child_env, cli_argv, relay_env
 
@@ -409,6 +410,7 @@ class PhaseRun:
                 notes=self.notes,
                 load_average=self.result["load_average_start"],
             )
+            label_modes(self.result)  # needs the environment's git record
             if pgbouncer:
                 self.progress.status("starting PgBouncer (transaction pooling)")
                 pooled = await start_pgbouncer(services)

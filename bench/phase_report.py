@@ -13,7 +13,7 @@ from bench.drain import drain_problems, summarize_drain
 from bench.failing_head import failing_head_problems, summarize_failing_head
 from bench.held_snapshot import held_snapshot_problems, summarize_held_snapshot, window_table
 from bench.recovery import recovery_problems, summarize_recovery
-from bench.report import _f, _table, environment_lines, profile_lines
+from bench.report import _f, _table, environment_lines, mode_bullets, profile_lines
 from bench.stalled_relay import stalled_relay_problems, summarize_stalled_relay
 
 __all__ = ["compact_table", "write_phase_report"]
@@ -97,7 +97,7 @@ def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     lines += _profile_lines(result)
     lines += ["", "## Key mixes and modes", ""]
     lines += [f"- `{m}`: {d}" for m, d in result.get("mixes", {}).items()]
-    lines += [f"- `{n}`: {m['description']}" for n, m in result.get("modes", {}).items()]
+    lines += mode_bullets(result)
     return _finish(lines, result, plots, drain_problems(result))
 
 
@@ -288,9 +288,7 @@ def _targets(summary: dict[str, Any], source: str) -> list[str]:
 
 
 def _modes_lines(result: dict[str, Any]) -> list[str]:
-    return ["", "## Modes", ""] + [
-        f"- `{n}`: {m['description']}" for n, m in result.get("modes", {}).items()
-    ]
+    return ["", "## Modes", "", *mode_bullets(result)]
 
 
 def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:

@@ -71,6 +71,7 @@ class RecoveryConfig:
     drain_timeout: float = 60.0  # at the end: until every committed event arrived
     relay_env: dict[str, str] = field(default_factory=dict)
     alt_relay: str | None = None
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     stack_dir: str | None = None
     partitions: int = 3
     fsync_test_seconds: int = 0

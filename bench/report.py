@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment_lines", "summarize", "write_report"]
+from bench.revs import revision_text
+from bench.stages import STAGES
+
+__all__ = ["environment_lines", "floor_lines", "mode_bullets", "summarize", "write_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -62,12 +65,22 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             stage: {p: _med(c["stages"][stage].get(p) for c in cells) for p in ("p50", "p99")}
             for stage in cells[0]["stages"]
         }
+        if any("stage_log" in c for c in cells):
+            row["stage_log"] = _stage_log_summary([c["stage_log"] for c in cells])
         latency.append(row)
     mode_order = list(result["config"]["modes"])
+    floors = _floor_modes(result)
+
+    def rank(mode: str) -> int:
+        return mode_order.index(mode) if mode in mode_order else 99
+
+    # With a Kafka floor, the rows go by load, the floor first, so that it sits next to the
+    # modes it bounds; without, by mode, as always.
     latency.sort(
         key=lambda r: (
-            mode_order.index(r["mode"]) if r["mode"] in mode_order else 99,
             r["arrival"] != "constant" or r["producer"] != "sql",
+            *((r["load"], r["mode"] not in floors) if floors else ()),
+            rank(r["mode"]),
             r["load"],
             r["arrival"],
             r["producer"],
@@ -100,9 +113,69 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "producer": producer_rows,
         "idle": idle,
         "final_cells": sorted(int(c["cell"]) for c in final.values()),
+        "over_floor": _over_floor(final.values(), floors[0] if floors else None, rank),
     }
     summary["targets"] = _targets(summary)
     return summary
+
+
+def _stage_log_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The relay's stage log over the rounds of one mode and load: each stage's p50, p99 and
+    share of negative intervals (medians over rounds), the claims' wake sources (shares of
+    all rounds' claims), and the events no line carried (all rounds)."""
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return {"status": "no stage log", "rounds": len(records)}
+    sources: Counter[str] = Counter()
+    for r in ok:
+        sources.update(r["sources"])
+    claims = sum(sources.values())
+    return {
+        "status": "ok",
+        "rounds": len(ok),
+        "rounds_without": len(records) - len(ok),
+        "claims": claims,
+        "sources": {k: n / claims for k, n in sources.most_common()},
+        "events": sum(r["events"] for r in ok),
+        "missing_lines": sum(r["missing_lines"] for r in ok),
+        "stages": {
+            stage: {p: _med(r["stages"][stage][p] for r in ok) for p in ("p50", "p99", "negative")}
+            for stage in STAGES
+        },
+    }
+
+
+def _floor_modes(result: dict[str, Any]) -> list[str]:
+    """The run's Kafka floor modes (no database: what Kafka and the consumer alone cost)."""
+    return [n for n, m in result.get("modes", {}).items() if m.get("kind") == "floor"]
+
+
+def _over_floor(
+    cells: Iterable[dict[str, Any]], floor_mode: str | None, rank: Callable[[str], int]
+) -> list[dict[str, Any]]:
+    """Per mode and load, ack->recv p50 and p99 and their excess over the floor's in the same
+    round (the median of the per-round differences: both saw the same minute of the host)."""
+    main = [c for c in cells if c["arrival"] == "constant" and c["producer"] == "sql"]
+    floor = {(float(c["load"]), int(c["rep"])): c for c in main if c["mode"] == floor_mode}
+    groups: dict[tuple[str, float], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for c in main:
+        f = floor.get((float(c["load"]), int(c["rep"])))
+        if f is not None and c["mode"] != floor_mode:
+            groups[(c["mode"], float(c["load"]))].append((c, f))
+    rows = []
+    for (mode, load), pairs in groups.items():
+        row: dict[str, Any] = {"mode": mode, "load": load, "rounds": len(pairs)}
+        for p in ("p50", "p99"):
+            ours = [c["latency"]["ack_to_recv"][p] for c, _ in pairs]
+            theirs = [f["latency"]["ack_to_recv"][p] for _, f in pairs]
+            row[p] = _med(ours)
+            row[f"floor_{p}"] = _med(theirs)
+            row[f"over_{p}"] = _med(
+                a - b for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None
+            )
+        rows.append(row)
+    rows.sort(key=lambda r: (r["load"], rank(r["mode"])))
+    return rows
 
 
 def _producer_summary(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -315,10 +388,33 @@ def environment_lines(result: dict[str, Any]) -> list[str]:
         *pooler,
         f"- git {str(git.get('revision'))[:12]} on {git.get('branch')}"
         + (" (uncommitted changes)" if git.get("dirty") else ""),
+        *_compare_lines(result),
         f"- noise: load average {result.get('load_average_start')} at start, "
         f"{result.get('load_average_end')} at end; host CPU busy "
         f"{_f(100 * (result.get('host_cpu_busy') or math.nan), 0)}% over "
         f"{_f(result.get('wall_seconds'), 0)} s",
+    ]
+
+
+def _compare_lines(result: dict[str, Any]) -> list[str]:
+    """With ``--compare-rev``: which revision ran where."""
+    alt = result.get("config", {}).get("alt_revision")
+    if not alt:
+        return []
+    git = result.get("environment", {}).get("git", {})
+    return [
+        f"- **compared** (`--compare-rev {alt['ref']}`): the `-alt` modes (recovery and "
+        f"stalled-relay: the relay itself) ran {revision_text(alt)}; the others this checkout, "
+        f"{revision_text(git)}"
+    ]
+
+
+def mode_bullets(result: dict[str, Any]) -> list[str]:
+    """One bullet per mode: its description, and with ``--compare-rev`` its revision."""
+    return [
+        f"- `{n}`: {m['description']}"
+        + (f"; {revision_text(m['revision'])}" if m.get("revision") else "")
+        for n, m in result.get("modes", {}).items()
     ]
 
 
@@ -354,11 +450,6 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     lines += ["", "## Latency per mode and offered load", ""]
     rows = []
     for r in summary["latency"]:
-        variant = (
-            ""
-            if r["arrival"] == "constant" and r["producer"] == "sql"
-            else (f" ({r['arrival']}, {r['producer']})")
-        )
         e, a = r["e2e"], r["ack_to_recv"]
         verdict = (
             f"sustained {r['sustained_reps']}/{r['reps']}"
@@ -369,7 +460,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         )
         rows.append(
             [
-                r["mode"] + variant,
+                _row_label(r),
                 f"{r['load']:g}",
                 _f(r["commit_rate"]),
                 _f(r["delivered_rate"]),
@@ -406,10 +497,9 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "producers could not commit at the offered rate (the load generator and PostgreSQL "
         "share the 2 cores with Kafka and the mode under test); *saturated: delivery*: the mode "
         "fell behind (latency grew through the window, or events did not arrive).",
-        "",
-        "## Maximum throughput per mode",
-        "",
     ]
+    lines += _over_floor_section(summary)
+    lines += ["", "## Maximum throughput per mode", ""]
     lines += _table(
         ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
         [
@@ -456,6 +546,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "The Kafka send time is the record's CreateTime, stamped by the publishing producer "
         "at `send()` with millisecond resolution.",
     ]
+    lines += _stage_log_lines(summary)
     for c in result.get("latency_cells", []):
         if c.get("profile"):
             lines += profile_lines(
@@ -510,8 +601,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             for m, i in summary["idle"].items()
         ],
     )
-    lines += ["", "## Modes", ""]
-    lines += [f"- `{n}`: {m['description']}" for n, m in result["modes"].items()]
+    lines += ["", "## Modes", "", *mode_bullets(result)]
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p}]({p})" for p in plots]
@@ -519,6 +609,112 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _row_label(r: dict[str, Any]) -> str:
+    """A latency row's mode, with its arrival and producer when they are not the default."""
+    main = r["arrival"] == "constant" and r["producer"] == "sql"
+    return str(r["mode"]) + ("" if main else f" ({r['arrival']}, {r['producer']})")
+
+
+def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
+    """The "Where the time goes" section: the relay's stage log joined with every measured
+    event."""
+    rows = [r for r in summary["latency"] if r.get("stage_log")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Where the time goes (relay stage log, p50 / p99, ms)",
+        "",
+        "Per measured event, the claim that carried it (the relay's `NOTIFY_OUTBOX_STAGE_LOG` "
+        "line), joined with the generator's commit ack and the consumer's receipt; medians over "
+        "rounds. **notified -> woken** is from the commit ack when no notification led to the "
+        "claim. The Kafka CreateTime has millisecond resolution (the middle of its millisecond "
+        "is taken: ±0.5 ms) and is stamped at each record's `send()`, before *handed* (after "
+        "the last one). A negative interval counts as 0; the share of them is in brackets "
+        "(commit ack -> notified < 0: the event was committed after the notification that led "
+        "to its claim). **no stage log**: the relay wrote no line for the cell's events.",
+        "",
+    ]
+    out = []
+    for r in rows:
+        s = r["stage_log"]
+        if s["status"] != "ok":
+            out.append([_row_label(r), f"{r['load']:g}", s["status"], *("-" for _ in STAGES), "-"])
+            continue
+        sources = ", ".join(f"{k} {_pct(v)}" for k, v in s["sources"].items())
+        out.append(
+            [
+                _row_label(r),
+                f"{r['load']:g}",
+                f"{s['claims']:,}: {sources}",
+                *(_stage_cell(s["stages"][k]) for k in STAGES),
+                f"{s['missing_lines']:,} of {s['events']:,}"
+                + (
+                    f" ({s['rounds_without']} round(s) without a log)"
+                    if s["rounds_without"]
+                    else ""
+                ),
+            ]
+        )
+    return lines + _table(
+        ["mode", "offered ev/s", "claims: wake sources", *STAGES.values(), "events without a line"],
+        out,
+    )
+
+
+def _stage_cell(st: dict[str, Any]) -> str:
+    text = f"{_f(st['p50'])} / {_f(st['p99'])}"
+    neg = st.get("negative")
+    if neg is None or math.isnan(neg) or neg < 0.005:  # shown from 1 % (rounded)
+        return text
+    return f"{text} ({_pct(neg)} <0)"
+
+
+def _over_floor_section(summary: dict[str, Any]) -> list[str]:
+    """The ack->recv of every mode against the Kafka floor's in the same round."""
+    rows = summary.get("over_floor") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Over the Kafka floor (ack->recv, ms)",
+        "",
+        "The floor sends every event straight to Kafka with the relay's producer settings, no "
+        "database in the path; its commit ack is the hand-over to `send()`. **over** is the "
+        "median over rounds of the mode's value minus the floor's in the same round.",
+        "",
+    ]
+    return lines + _table(
+        ["offered ev/s", "mode", "p50", "floor p50", "over p50", "p99", "floor p99", "over p99"],
+        [
+            [
+                f"{r['load']:g}",
+                r["mode"],
+                _f(r["p50"]),
+                _f(r["floor_p50"]),
+                _signed(r["over_p50"]),
+                _f(r["p99"]),
+                _f(r["floor_p99"]),
+                _signed(r["over_p99"]),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def floor_lines(result: dict[str, Any]) -> list[str]:
+    """The "Over the Kafka floor" table of a run's result (empty without a floor), for the
+    terminal at the end of a run."""
+    if not _floor_modes(result):
+        return []
+    return [line for line in _over_floor_section(summarize(result)) if line.startswith("|")]
+
+
+def _signed(v: float | None) -> str:
+    text = _f(v)
+    return text if text == "-" or text.startswith("-") else f"+{text}"
 
 
 def _pct(v: float) -> str:

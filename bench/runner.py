@@ -33,6 +33,7 @@ from bench.services import (
     prepare_mode,
     set_notify,
 )
+from bench.stages import STAGE_LOG_ENV, StageLog, collect_stages
 from devstack.relayproc import child_env, create_topics
 from notify_outbox.names import OutboxNames
 from notify_outbox.sqlfiles import Queries
@@ -118,8 +119,12 @@ class Runner:
             self.result["modes"][name]["database_setup"] = notify
         return dbs
 
-    async def _start_mode(self, services: Services, mode: Mode, dsn: str) -> Child:
-        return await self._run.start(services, mode, dsn, name=mode.name)
+    async def _start_mode(
+        self, services: Services, mode: Mode, dsn: str, extra_env: dict[str, str] | None = None
+    ) -> Child | None:
+        if mode.kind == "floor":  # the load generator is the floor's only process
+            return None
+        return await self._run.start(services, mode, dsn, name=mode.name, extra_env=extra_env)
 
     # --- idle ---------------------------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class Runner:
         """Every mode's process at once, no traffic: queries/s and commits/s of its own
         database (pg_stat_statements, pg_stat_database) and the process's CPU."""
         seconds = self.cfg.idle_seconds
+        dbs = {name: db for name, db in dbs.items() if db.mode.kind != "floor"}  # no process
         self.progress.status(f"idle: starting {len(dbs)} processes")
         children: dict[str, Child] = {}
         try:
@@ -208,28 +214,44 @@ class Runner:
         )
         process: Child | None = None
         conn: asyncpg.Connection | None = None
+        stage_log: StageLog | None = None
+        if cfg.stages and db.mode.kind == "relay":
+            stage_log = StageLog(self.work / "stages" / f"{slug(name)}-rep{rep + 1}.jsonl")
+            stage_log.path.parent.mkdir(parents=True, exist_ok=True)
+        extra_env = {STAGE_LOG_ENV: str(stage_log.path)} if stage_log is not None else None
         try:
-            starting = asyncio.ensure_future(self._start_mode(services, db.mode, db.dsn))
+            starting = asyncio.ensure_future(self._start_mode(services, db.mode, db.dsn, extra_env))
             try:
                 ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
             finally:
                 process = await starting
             if not ready.get("ready"):
                 raise BenchError(f"consumer for {name} did not get ready: {ready}")
-            conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
+            if db.dsn:  # the floor has no database
+                conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
             planned = loads_of.get(name)
             if planned is None:
                 done: list[float] = []
                 queue = list(cfg.loads)
                 while queue:
                     load = queue.pop(0)
-                    cell = await self._cell(services, db, consumer, process, conn, rep, load)
+                    cell = await self._cell(
+                        services, db, consumer, process, conn, rep, load, stage_log=stage_log
+                    )
                     if not cell["keeps_up"]:
                         # One noisy minute must not end the climb: a load counts as saturated
                         # only when a second attempt fails too (both are kept and reported).
                         self.progress.line(f"{name} {load:g} ev/s: not keeping up; once more")
                         cell = await self._cell(
-                            services, db, consumer, process, conn, rep, load, attempt=2
+                            services,
+                            db,
+                            consumer,
+                            process,
+                            conn,
+                            rep,
+                            load,
+                            attempt=2,
+                            stage_log=stage_log,
                         )
                     done.append(load)
                     if not cell["keeps_up"]:
@@ -239,9 +261,13 @@ class Runner:
                 loads_of[name] = done
             else:
                 for load in planned:
-                    await self._cell(services, db, consumer, process, conn, rep, load)
+                    await self._cell(
+                        services, db, consumer, process, conn, rep, load, stage_log=stage_log
+                    )
             if name in cfg.variant_modes:
                 for arrival, producer in (("poisson", "sql"), ("constant", "enqueue")):
+                    if producer == "enqueue" and db.mode.kind == "floor":
+                        continue  # the Python API writes to the database the floor has not
                     await self._cell(
                         services,
                         db,
@@ -253,6 +279,7 @@ class Runner:
                         arrival=arrival,
                         producer=producer,
                         profile=cfg.profile and rep == 0 and producer == "sql",
+                        stage_log=stage_log,
                     )
         finally:
             if conn is not None:
@@ -268,8 +295,8 @@ class Runner:
         services: Services,
         db: _ModeDb,
         consumer: Child,
-        process: Child,
-        conn: asyncpg.Connection,
+        process: Child | None,
+        conn: asyncpg.Connection | None,
         rep: int,
         load: float,
         *,
@@ -277,6 +304,7 @@ class Runner:
         producer: str = "sql",
         profile: bool = False,
         attempt: int = 1,
+        stage_log: StageLog | None = None,
     ) -> dict[str, Any]:
         cfg = self.cfg
         self._cell_no += 1
@@ -303,10 +331,12 @@ class Runner:
             seed=n,
             grace=max(2.0, cfg.duration / 2),
             tx_events=cfg.tx_events,
+            sink="kafka" if db.mode.kind == "floor" else "postgres",
+            bootstrap=services.bootstrap,
         )
         config_path = cells_dir / f"c{n}-config.json"
         lc.save(config_path)
-        cpu0 = process.cpu()
+        cpu0 = process.cpu() if process is not None else 0.0
         host0 = envinfo.cpu_times()
         started = utc()
         gen = await Child.start(
@@ -317,7 +347,9 @@ class Runner:
             pipes=True,
             cwd=self.src,
         )
-        profiler = await self._start_profiler(process, n) if profile else None
+        profiler = None
+        if profile and process is not None:
+            profiler = await self._start_profiler(process, n)
         try:
             limit = cfg.warmup + cfg.duration + lc.grace + 60.0
             summary = json.loads(await gen.read_line(limit))
@@ -339,19 +371,22 @@ class Runner:
             )
         )
         reply = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
-        cpu_used = process.cpu() - cpu0
+        cpu_used = process.cpu() - cpu0 if process is not None else None
         host1 = envinfo.cpu_times()
         profile_summary: dict[str, Any] | None = None
         if profiler is not None:
             await stop_profiler(profiler[0])
             profile_summary = {"file": profiler[1].name, **top_self(profiler[1])}
-        analysis = analyse_cell(
-            load_arrays(gen_path),
-            load_arrays(got_path),
-            summary["window_start"],
-            summary["window_end"],
+        gen_arrays, got_arrays = load_arrays(gen_path), load_arrays(got_path)
+        window = (summary["window_start"], summary["window_end"])
+        analysis = analyse_cell(gen_arrays, got_arrays, *window)
+        drained, residual = await self._wait_empty(conn) if conn is not None else (True, 0)
+        # After the outbox emptied: every claim of the cell is marked, its line written.
+        stages = (
+            await collect_stages(stage_log, gen_arrays, got_arrays, n, *window)
+            if stage_log is not None
+            else None
         )
-        drained, residual = await self._wait_empty(conn)
         for p in (gen_path, got_path, config_path):
             p.unlink(missing_ok=True)
         total_events = summary["acked"]
@@ -370,9 +405,11 @@ class Runner:
             "generator": {k: summary[k] for k in ("events", "sent", "acked", "errors")},
             "generator_error": summary.get("first_error"),
             "consumer": reply,
-            "mode_cpu_s": round(cpu_used, 3),
+            "mode_cpu_s": round(cpu_used, 3) if cpu_used is not None else None,
             "mode_cpu_us_per_event": (
-                round(1e6 * cpu_used / total_events, 1) if total_events else None
+                round(1e6 * cpu_used / total_events, 1)
+                if total_events and cpu_used is not None
+                else None
             ),
             "host_cpu_busy": envinfo.busy_share(host0, host1),
             "load_average": loadavg(),
@@ -382,6 +419,8 @@ class Runner:
         }
         if profile_summary is not None:
             cell["profile"] = profile_summary
+        if stages is not None:
+            cell["stage_log"] = stages
         self.result["latency_cells"].append(cell)
         lat = cell["latency"]["e2e"]
         ack = cell["latency"]["ack_to_recv"]
@@ -390,7 +429,8 @@ class Runner:
             f"{label:<42} commit {cell['commit_rate']:8.0f}/s  e2e p50 {_ms(lat['p50'])} "
             f"p99 {_ms(lat['p99'])} max {_ms(lat['max'])} | ack->recv p50 {_ms(ack['p50'])} "
             f"p99 {_ms(ack['p99'])} | {verdict}"
-            + (f" missing {cell['missing']}" if cell["missing"] else ""),
+            + (f" missing {cell['missing']}" if cell["missing"] else "")
+            + (f" | {_stages_note(stages)}" if stages is not None else ""),
             cell=True,
         )
         if cell["missing"] and cell["keeps_up"] is False and load <= 1000:
@@ -640,6 +680,15 @@ def _ms(v: float) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "   -   "
     return f"{v:7.1f}" if v >= 10 else f"{v:7.2f}"
+
+
+def _stages_note(stages: dict[str, Any]) -> str:
+    if stages["status"] != "ok":
+        return str(stages["status"])
+    return (
+        f"stage log: {stages['claims']} claims, {stages['missing_lines']} of "
+        f"{stages['events']} events without a line"
+    )
 
 
 def _fmt(v: float | None) -> str:

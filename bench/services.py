@@ -224,7 +224,11 @@ async def prepare_mode(
 ) -> tuple[str, dict[str, Any]]:
     """A fresh database for ``mode`` (migrated from the mode's own tree, if it has one), a
     fresh topic, the NOTIFY trigger as the mode wants it and, for the plain poller, the index
-    its claim uses. Returns the DSN and what was done to the database."""
+    its claim uses. Returns the DSN and what was done to the database (the Kafka floor has
+    none: its DSN is empty)."""
+    if mode.kind == "floor":
+        await create_topics(services.bootstrap, [topic], partitions=partitions)
+        return "", {"database": None}
     dsn = await services.create_database(database, src=Path(mode.cwd) if mode.cwd else None)
     await create_topics(services.bootstrap, [topic], partitions=partitions)
     setup = await set_notify(dsn, mode.notify)

@@ -124,6 +124,7 @@ class StalledRelayConfig:
     drain_timeout: float = 120.0  # after the load: until every committed event arrived
     relay_env: dict[str, str] = field(default_factory=dict)
     alt_relay: str | None = None
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     partitions: int = 3
     fsync_test_seconds: int = 0
 

@@ -561,6 +561,9 @@ _TOOL_VARIABLES = frozenset(
         "REDIS_SERVER",
         "STACK_DIR",
         "CACHE_DIR",
+        # The relay's stage log, which the bench's --stages sets (bench/stages.py); known here
+        # until the relay's own writer registers it.
+        "STAGE_LOG",
     }
 )
 _TOOL_PREFIX = "TEST_"

@@ -36,10 +36,18 @@ def test_smoke_run_writes_a_result_with_every_mode(services: Services, tmp_path:
     result = json.loads(results[0].read_text())
     modes = set(result["config"]["modes"])
     assert modes == set(smoke_config().modes)
-    assert {"notify-pgbouncer", "relay-poll-pgbouncer"} <= modes
+    assert {"notify-pgbouncer", "relay-poll-pgbouncer", "floor"} <= modes
     assert {c["mode"] for c in result["latency_cells"]} == modes
     assert all(c["missing"] == 0 and c["events"] > 0 for c in result["latency_cells"])
-    assert {i["mode"] for i in result["idle"]} == modes
+    # The smoke asks for the relays' stage logs: every relay cell says what it found (a relay
+    # that does not write one yet: "no stage log").
+    relay_cells = [
+        c for c in result["latency_cells"] if result["modes"][c["mode"]]["kind"] == "relay"
+    ]
+    assert relay_cells
+    assert all(c["stage_log"]["status"] in ("ok", "no stage log") for c in relay_cells)
+    # The Kafka floor has no process of its own to idle.
+    assert {i["mode"] for i in result["idle"]} == modes - {"floor"}
     assert {p["variant"] for p in result["producer_cells"]} == set(result["config"]["variants"])
     # The pooled modes ran through the bench's own PgBouncer, stopped at the end.
     pgbouncer = result["environment"]["pgbouncer"]
