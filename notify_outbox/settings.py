@@ -561,8 +561,7 @@ _TOOL_VARIABLES = frozenset(
         "REDIS_SERVER",
         "STACK_DIR",
         "CACHE_DIR",
-        # The relay's stage log, which the bench's --stages sets (bench/stages.py); known here
-        # until the relay's own writer registers it.
+        # The relay's per-claim stage log for the bench's --stages (stagelog.py): not a setting.
         "STAGE_LOG",
     }
 )
