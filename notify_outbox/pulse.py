@@ -36,7 +36,7 @@ in a 10,000-event run, 93 to 273 repeats). So each relay's tolerance follows its
   ``frozen_relay_timeout`` and ``TOLERANCE_CEILING`` (2 s: PostgreSQL's idle timeout ends a
   claim silent that long anyway). Every statement of the pulse starts with it
   (``/* notify-outbox tolerance_ms=N */``), where the other relays' reaper reads it in
-  ``pg_stat_activity.query``; one grown while the thread only looked is told at once;
+  ``pg_stat_activity.query``; one that changed while the thread only looked is told at once;
 - the reaper ends a relay's claim once it was silent for the longer of that relay's
   tolerance and its own: a reaper that ran late was starved, and so may its peers have been
   (a VM or a whole host stalled: the first to run again must not end the others' claims).
@@ -310,7 +310,7 @@ class Pulse:
     def _state(self) -> tuple[str, float]:
         """What the thread does next, and how long it then waits: "beat" (a statement),
         "peers" (look up other relays' pulses: a statement too), "tell" (a statement that only
-        carries a tolerance grown since the last one), "watch" (look again) or "sleep" (until
+        carries a tolerance changed since the last one), "watch" (look again) or "sleep" (until
         a claim wakes it)."""
         now = time.monotonic()
         if self._open > 0 and now - self._open_since >= BEAT_AFTER:
@@ -326,10 +326,11 @@ class Pulse:
         return "sleep", 0.0
 
     def _watch(self) -> tuple[str, float]:
-        # Peers read the tolerance in the last statement: one that grew while the thread only
-        # looked (short claims) is told at once, before a claim could stall (rare: it grows
-        # with a delay worse than any recent one).
-        if self.tolerance() > self._carried:
+        # Peers read the tolerance in the last statement: one that changed while the thread
+        # only looked (short claims) is told at once, before a claim could stall (rare: it
+        # grows with a delay worse than any recent one, and comes down once that delay left
+        # the window; a stale one kept a frozen relay's keys waiting longer than needed).
+        if self.tolerance() != self._carried:
             return "tell", PULSE_EVERY
         return "watch", PULSE_EVERY
 
