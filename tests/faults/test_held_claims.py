@@ -35,7 +35,9 @@ import anyio.abc
 import asyncpg
 import pytest
 
+from notify_outbox import OutboxNames
 from notify_outbox.pulse import PULSE_APP, WORKER_APP
+from notify_outbox.sqlfiles import Queries
 from tests.conftest import Services
 from tests.faults.checker import FIGURES, CheckReport, OutboxChecker
 from tests.faults.harness import (
@@ -414,19 +416,24 @@ _PULSES = (
 async def test_34_a_relay_starved_of_cpu_keeps_its_claims(
     db_dsn: str, services: Services, topic: str
 ) -> None:
-    """Relays A and B with their pulses on (frozen_relay_timeout 0.15 s). Relay A is alive
-    but starved: stopped 0.3 s in every 0.4 s. While events flow (on a topic of their own),
-    A's pulse notes how late it wakes and asks, in its statements, for three times that
-    before a peer takes it for stopped. Then writers commit events over 20 keys, A still
-    starved, until A was stopped inside a claim, its pulse silent, for longer than
-    frozen_relay_timeout at least five times (what B's pulse ended before): B ends none of
-    A's claims, A loses none, and every event arrives once, in per-key order."""
+    """Relays A and B with their pulses on (frozen_relay_timeout 0.15 s), every commit
+    notified. Relay A is alive but starved: stopped 0.3 s in every 0.4 s. While events flow
+    (on a topic of their own), A's pulse notes how late it wakes and asks, in its
+    statements, for three times that before a peer takes it for stopped. Then writers commit
+    events over 20 keys, A still starved, until A was stopped inside a claim, its pulse
+    silent, for longer than frozen_relay_timeout at least five times (what B's pulse ended
+    before): B ends none of A's claims, A loses none, and every event arrives once, in
+    per-key order."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "34 starved").setup()
     warm = f"t-{uuid.uuid4().hex[:12]}"
     await create_topics(services.bootstrap, [warm], partitions=3)
     env = {**ENV, "NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT": str(FROZEN_AFTER)}
     starving = True
     stops = exposed = 0
+    async with connect(db_dsn) as watch:
+        # Every commit wakes both relays: A claims whenever it runs (with the gated notify,
+        # producers may leave waking to B while B is awake, and A would rest).
+        await watch.execute(Queries(OutboxNames())["set_notify_mode"], "always")
     a = FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-a")
     async with relays(a), connect(db_dsn) as watch, connect(db_dsn) as probe:
         await a.ready()
