@@ -165,7 +165,7 @@ class RelayMetrics:
             "not_authorized, kafka_error), rows given back while Kafka was unavailable "
             "(kafka_unavailable), claims that failed on the database (database), claims "
             "ended because the relay stalled past their idle timeout, or its process did not "
-            "run for frozen_relay_timeout (claim_lost)",
+            "run for its pulse's tolerance, frozen_relay_timeout or more (claim_lost)",
             [*labels, "reason"],
             registry=r,
         )
@@ -195,7 +195,8 @@ class RelayMetrics:
         self.frozen_claims_ended = Counter(
             PREFIX + "frozen_claims_ended",
             "Claims of other relays this relay's pulse ended: idle in their transaction while "
-            "their relay's process did not run for frozen_relay_timeout (pulse.py)",
+            "their relay's process did not run for its tolerance, frozen_relay_timeout or more "
+            "(pulse.py)",
             labels,
             registry=r,
         )

@@ -260,9 +260,12 @@ class OutboxSettings(DatabaseSettings):
         description="A relay whose process did not run this long (its pulse, a thread with a "
         "connection of its own, silent: SIGSTOP, a VM pause, a debugger) while a claim of it "
         "sat idle as long has that claim ended by another relay (pg_terminate_backend), so its "
-        "keys wait about this long instead of claim_idle_timeout. A busy or starved event loop "
-        "does not silence the pulse. Needs the relays to see and signal each other's sessions "
-        "(one role, or pg_signal_backend); off behind a connection pooler; 0 turns it off",
+        "keys wait about this long instead of claim_idle_timeout. A busy event loop does not "
+        "silence the pulse; a process starved of CPU (a container at its CPU limit) does, for "
+        "a while: a relay whose pulse ran late recently is given three times its worst recent "
+        "delay (up to 2 s) instead, and so is every relay by one that ran late itself. Needs "
+        "the relays to see and signal each other's sessions (one role, or pg_signal_backend); "
+        "off behind a connection pooler; 0 turns it off",
     )
 
     # --- how the relay works ------------------------------------------------------------------

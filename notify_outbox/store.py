@@ -314,9 +314,10 @@ def _claim_lost(rows: int, idle: float, timeout: float, reaped_after: float | No
         )
     return ClaimLost(
         f"a claim of {rows} rows sat idle {idle:.2f}s, and another relay ended it: this "
-        f"process did not run for that long, its pulse silent beyond "
-        f"NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT ({reaped_after:.2f}s) (frozen, or its whole host "
-        "starved). The next claim takes its rows; if they had been sent, they are sent again "
+        "process did not run for that long, its pulse silent beyond its tolerance "
+        f"(NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT, {reaped_after:.2f}s, or three times the worst "
+        "recent delay of its pulse: frozen, or starved worse than ever in the last seconds). "
+        "The next claim takes its rows; if they had been sent, they are sent again "
         "(duplicates). If the process was only slow, raise NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT"
     )
 

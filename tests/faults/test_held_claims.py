@@ -2,7 +2,9 @@
 
 Scenarios: 31 a relay frozen (SIGSTOP) right after a claim; 32 a relay whose worker
 connections go silent (the proxy swallows every byte, nothing is closed) right after a claim;
-33 as 31, with the relays' pulses on (the default): the other relay ends the frozen claim.
+33 as 31, with the relays' pulses on (the default): the other relay ends the frozen claim;
+34 a relay alive but starved of CPU (stopped and resumed again and again, as a container at
+its CPU quota), pulses on: the other relay ends none of its claims once its pulse ran late.
 
 In 31 and 32, PostgreSQL ends the claim after ``claim_idle_timeout`` (``SET LOCAL
 idle_in_transaction_session_timeout`` in the claim's ``BEGIN``), another relay delivers its
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +35,9 @@ import anyio.abc
 import asyncpg
 import pytest
 
+from notify_outbox import OutboxNames
+from notify_outbox.pulse import PULSE_APP, WORKER_APP
+from notify_outbox.sqlfiles import Queries
 from tests.conftest import Services
 from tests.faults.checker import FIGURES, CheckReport, OutboxChecker
 from tests.faults.harness import (
@@ -46,6 +52,7 @@ from tests.faults.harness import (
     relays,
     task_group,
 )
+from tests.support import create_topics
 
 pytestmark = pytest.mark.anyio
 
@@ -381,4 +388,147 @@ async def test_33_a_frozen_relays_claim_is_ended_by_the_other_relays_pulse(
             await load.halt()
             report = await _a_alone(a, b, p, tail, checker, db_dsn, "33", "resumed")
     print(report.text())
+    report.assert_ok()
+
+
+# Scenario 34: relay A runs STARVED_RUN seconds, then is stopped STARVED_STOP seconds, again and
+# again: 25% of a CPU, in stalls twice frozen_relay_timeout (a container at its CPU quota, with
+# a long period; SIGSTOP and SIGCONT from the test, so that no cgroup is needed).
+STARVED_RUN = 0.1
+STARVED_STOP = 0.3
+FROZEN_AFTER = 0.15  # frozen_relay_timeout, the default
+# A stop in which A's claim sat idle longer than frozen_relay_timeout while A's pulse was
+# silent as long: what a peer's pulse ended before a relay's tolerance followed its delays.
+_EXPOSED = f"""
+SELECT count(*) FROM pg_stat_activity AS w
+JOIN pg_stat_activity AS p ON p.datname = w.datname AND p.application_name = $2
+WHERE w.datname = current_database() AND w.application_name = $1
+  AND w.state = 'idle in transaction'
+  AND w.state_change < clock_timestamp() - interval '{FROZEN_AFTER} s'
+  AND p.state = 'idle' AND p.state_change < clock_timestamp() - interval '{FROZEN_AFTER} s'
+"""
+_PULSES = (
+    "SELECT application_name, query FROM pg_stat_activity "
+    f"WHERE datname = current_database() AND application_name LIKE '{PULSE_APP}/%'"
+)
+
+
+async def test_34_a_relay_starved_of_cpu_keeps_its_claims(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Relays A and B with their pulses on (frozen_relay_timeout 0.15 s), every commit
+    notified. Relay A is alive but starved: stopped 0.3 s in every 0.4 s. While events flow
+    (on a topic of their own), A's pulse notes how late it wakes and asks, in its
+    statements, for three times that before a peer takes it for stopped. Then writers commit
+    events over 20 keys, A still starved, until A was stopped inside a claim, its pulse
+    silent, for longer than frozen_relay_timeout at least five times (what B's pulse ended
+    before): B ends none of A's claims, A loses none, and every event arrives once, in
+    per-key order."""
+    checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "34 starved").setup()
+    warm = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(services.bootstrap, [warm], partitions=3)
+    env = {**ENV, "NOTIFY_OUTBOX_FROZEN_RELAY_TIMEOUT": str(FROZEN_AFTER)}
+    starving = True
+    stops = exposed = 0
+    async with connect(db_dsn) as watch:
+        # Every commit wakes both relays: A claims whenever it runs (with the gated notify,
+        # producers may leave waking to B while B is awake, and A would rest).
+        await watch.execute(Queries(OutboxNames())["set_notify_mode"], "always")
+    a = FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-a")
+    async with relays(a), connect(db_dsn) as watch, connect(db_dsn) as probe:
+        await a.ready()
+        # A's pulse session opens at its start; A is the only relay yet: its names.
+        pulses = await watch.fetch(_PULSES)
+        assert len(pulses) == 1, pulses
+        a_pulse = pulses[0]["application_name"]
+        a_workers = WORKER_APP + a_pulse[len(PULSE_APP) :]
+        b = FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-b")
+        async with relays(b), task_group() as tg:
+            await b.ready()
+
+            async def starve() -> None:
+                nonlocal stops, exposed
+                # Load shaping by the clock, as a CPU quota does: the fault, not a wait for it.
+                while starving:
+                    a.signal(signal.SIGSTOP)
+                    try:
+                        stops += 1
+                        await anyio.sleep(STARVED_STOP - 0.05)
+                        if await probe.fetchval(_EXPOSED, a_workers, a_pulse):
+                            exposed += 1
+                        await anyio.sleep(0.05)
+                    finally:
+                        a.signal(signal.SIGCONT)
+                    await anyio.sleep(STARVED_RUN)
+
+            warm_up = checker.writers(topic=warm, writers=2, keys=20, pause=0.005, seed=7)
+            tg.start_soon(warm_up.run)
+            tg.start_soon(starve)
+            # A's pulse wakes late, by a stop's length: its log says what it asks for now,
+            # and its statements carry it (B's pulse reads it there).
+            await a.line(r"end its claims after (0\.[6-9]\d|[1-9]\.\d\d)s of silence", within=60)
+
+            async def carried() -> bool:
+                query = next(r["query"] for r in await watch.fetch(_PULSES) if r[0] == a_pulse)
+                tag = query.removeprefix("/* notify-outbox tolerance_ms=").split(" ", 1)[0]
+                return tag.isdigit() and int(tag) >= 600
+
+            await eventually(carried, within=30, what="relay A's pulse carries its tolerance")
+            await warm_up.halt()
+            # What was ended so far (the first stalls, before A knew it was starved) is not
+            # this test's business; from here on nothing may be.
+            ended_before = len(b.matching(r"ended \d+ claim"))
+            lost_before = len(a.matching("another relay ended it|PostgreSQL unavailable"))
+            stops_before, exposed_before = stops, exposed
+            load = checker.writers(writers=4, keys=20, pause=0.005)
+            tg.start_soon(load.run)
+            feeding = True
+            fed = anyio.Event()
+
+            async def feed() -> None:
+                # A backlog all along, so that A claims (and waits for acks) whenever it
+                # runs: batches of 100 events (5 per key) 10 times a second, load shaping.
+                try:
+                    async with checker.producer() as p:
+                        while feeding:
+                            await p.bulk([f"key-{i % 20}" for i in range(100)])
+                            await anyio.sleep(0.1)
+                finally:
+                    fed.set()
+
+            tg.start_soon(feed)
+
+            def ended() -> list[str]:
+                return b.matching(r"ended \d+ claim")[ended_before:]
+
+            def lost() -> list[str]:
+                return a.matching("another relay ended it|PostgreSQL unavailable")[lost_before:]
+
+            async def exposed_enough() -> bool:
+                # Five such stops, or a claim of A ended (fails below, without waiting on).
+                return exposed - exposed_before >= 5 or bool(ended() or lost())
+
+            await eventually(
+                exposed_enough,
+                within=120,
+                what="relay A was stopped inside a claim, its pulse silent, for longer than "
+                "frozen_relay_timeout five times",
+            )
+            feeding = False
+            await load.halt()
+            with anyio.fail_after(30):
+                await fed.wait()
+            starving = False
+            report = await checker.drain_and_check(within=60)
+            ended_by_b, lost_by_a = ended(), lost()
+            await b.stop_ok()
+        await a.stop_ok()
+    print(
+        f"34: relay A stopped {stops - stops_before} times while {load.produced} events were "
+        f"written, {exposed - exposed_before} of them inside a claim with its pulse silent "
+        f"beyond {FROZEN_AFTER}s; relay B ended {len(ended_by_b)} of its claims"
+    )
+    print(report.text())
+    assert not ended_by_b, f"relay B ended claims of the starved relay A: {ended_by_b}"
+    assert not lost_by_a, f"relay A lost claims: {lost_by_a}"
     report.assert_ok()

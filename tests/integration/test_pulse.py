@@ -1,12 +1,16 @@
 """The pulse's reaper (pulse.py) against a real PostgreSQL: it ends exactly the worker sessions
 of relays whose process stopped (idle in a transaction, their pulse session idle as long), and
-no other session; it rests while its relay does not claim.
+no other session; it rests while its relay does not claim. A relay whose pulse ran late
+(starved of CPU) carries a longer tolerance in its statements, and is ended only after it; a
+reaper that ran late itself waits longer too.
 
 Sessions stand in for relays here (the names are what the reaper reads); a real relay frozen
-with SIGSTOP is tests/faults/test_held_claims.py, scenario 33."""
+with SIGSTOP is tests/faults/test_held_claims.py, scenario 33, and one starved of CPU,
+scenario 34."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +20,7 @@ import asyncpg
 import pytest
 
 from notify_outbox import pulse as pulse_module
-from notify_outbox.pulse import Pulse, pulse_app, worker_app
+from notify_outbox.pulse import Pulse, pulse_app, tagged, tolerance_for, worker_app
 from tests.faults.harness import eventually
 
 pytestmark = pytest.mark.anyio
@@ -107,9 +111,135 @@ async def test_the_pulse_ends_only_the_claims_of_a_relay_whose_process_stopped(
     await eventually(lambda: _true(reaped == [1]), within=5, what="the relay was told")
 
 
+async def test_a_relay_whose_pulse_ran_late_is_ended_only_after_the_tolerance_it_carries(
+    db_dsn: str,
+) -> None:
+    """Two relays stop at once, each inside a claim: one whose pulse never ran late (its last
+    statement carries the plain timeout) and one whose pulse had run 0.5 s late (a throttled
+    container: it carries three times that). The reaper ends the first after the timeout,
+    and the second only once it was silent for its own tolerance."""
+    base = 0.15
+    tolerant = tolerance_for(base, 0.5)
+    assert tolerant == 1.5
+    reaped: list[int] = []
+    async with (
+        session(db_dsn, "watch") as watch,
+        session(db_dsn, worker_app("frozen01")) as frozen_worker,
+        session(db_dsn, pulse_app("frozen01")) as frozen_pulse,
+        session(db_dsn, worker_app("starved1")) as starved_worker,
+        session(db_dsn, pulse_app("starved1")) as starved_pulse,
+    ):
+        # Their pulses' last statements, as the pulse sends them; then both claims go idle.
+        await frozen_pulse.execute(tagged("SELECT 1", base))
+        await starved_pulse.execute(tagged("SELECT 1", tolerant))
+        for conn in (frozen_worker, starved_worker):
+            await conn.execute("BEGIN; SELECT 1")
+        went_idle = time.monotonic()
+        pulse = Pulse(db_dsn, "reaper03", base, command_timeout=5, on_reaped=reaped.append)
+        pulse.start()
+        try:
+            pulse.claim_started()  # the reaping relay claims: its pulse beats, and reaps
+            await eventually(
+                lambda: _ended(watch, frozen_worker),
+                within=10,
+                what="the claim of the relay that never ran late was ended",
+            )
+            frozen_after = time.monotonic() - went_idle
+            assert await _alive(watch, starved_worker), (
+                f"the starved relay's claim was ended with the frozen one's, after "
+                f"{frozen_after:.2f}s: its tolerance ({tolerant}s) was not read"
+            )
+            await eventually(
+                lambda: _ended(watch, starved_worker),
+                within=10,
+                what="the starved relay's claim was ended once silent for its tolerance",
+            )
+            starved_after = time.monotonic() - went_idle
+            pulse.claim_ended()
+        finally:
+            await pulse.stop()
+    # Each not before its own tolerance (less the round trip between the server's clock and
+    # ours), and the first long before the second's.
+    assert frozen_after >= base - 0.05, f"ended after {frozen_after:.2f}s"
+    assert frozen_after < tolerant - 0.05, f"ended after {frozen_after:.2f}s"
+    assert starved_after >= tolerant - 0.05, f"ended after {starved_after:.2f}s"
+    assert pulse.reaped == 2
+
+
+async def test_a_pulse_starved_of_the_interpreter_carries_its_lateness_and_reaps_later(
+    db_dsn: str,
+) -> None:
+    """A relay's pulse thread kept from running for 0.5 s (its process holds the interpreter:
+    a starved relay, as seen from its thread) notes how late it woke. Its statements carry
+    the tolerance that follows (three times that: other relays wait so long before they take
+    it for stopped), and as a reaper it waits as long before it ends a silent peer (it was
+    starved: so may its peers have been)."""
+    base = 0.15
+    async with session(db_dsn, "watch") as watch:
+        pulse = Pulse(db_dsn, "starved2", base, command_timeout=5, on_reaped=lambda _n: None)
+        pulse.start()
+        try:
+            pulse.claim_started()  # a long claim: the pulse beats every PULSE_EVERY
+            await eventually(lambda: _true(pulse.pulses >= 3), within=10, what="it beats")
+            before = pulse.lateness.worst()
+            assert before < 0.3, f"the host starved the thread ({before:.3f}s) before the test"
+            # Starve its thread: this thread keeps the interpreter for 0.5 s (the thread
+            # waits for it up to the switch interval before it asks for it).
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(5.0)
+            try:
+                until = time.monotonic() + 0.5
+                while time.monotonic() < until:
+                    pass
+            finally:
+                sys.setswitchinterval(interval)
+            await eventually(
+                lambda: _true(pulse.lateness.worst() >= 0.3),
+                within=10,
+                what="the pulse noted how late it woke",
+            )
+            tolerance = pulse.tolerance()
+            assert tolerance >= 0.9, f"{tolerance}s for a delay of {pulse.lateness.worst()}s"
+            tag = tagged("", tolerance)
+
+            async def carried() -> bool:
+                query = await watch.fetchval(
+                    "SELECT query FROM pg_stat_activity WHERE application_name = $1",
+                    pulse_app("starved2"),
+                )
+                return bool(query and query.startswith(tag))
+
+            await eventually(carried, within=10, what=f"its statements carry {tag!r}")
+            # A peer stops inside a claim (its pulse silent as long): the starved reaper ends
+            # it only after its own tolerance, not after the timeout.
+            async with (
+                session(db_dsn, worker_app("peer0002")) as peer_worker,
+                session(db_dsn, pulse_app("peer0002")) as peer_pulse,
+            ):
+                await peer_pulse.execute("SELECT 1")
+                await peer_worker.execute("BEGIN; SELECT 1")
+                went_idle = time.monotonic()
+                await eventually(
+                    lambda: _ended(watch, peer_worker),
+                    within=10,
+                    what="the starved reaper ended the stopped peer's claim",
+                )
+                ended_after = time.monotonic() - went_idle
+            pulse.claim_ended()
+        finally:
+            await pulse.stop()
+    # Its tolerance lasts for LATENESS_WINDOW samples at least (5 s of beats, longer than this
+    # test): the peer was ended only once silent that long.
+    assert ended_after >= tolerance - 0.05, f"ended after {ended_after:.2f}s, not {tolerance}s"
+    assert pulse.reaped == 1
+
+
 async def test_the_pulse_beats_only_for_long_claims_and_after_busy_buckets(
     db_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A loaded host delays the thread, which would grow its tolerance and tell it in a
+    # statement ("tell", tested above): kept out of this test's statement counts.
+    monkeypatch.setattr(pulse_module, "FACTOR", 0.0)
     monkeypatch.setattr(pulse_module, "WATCH_FOR", 0.3)
     monkeypatch.setattr(pulse_module, "REAP_AT_LEAST", 0.3)
     monkeypatch.setattr(pulse_module, "PEERS_EVERY", 0.2)
