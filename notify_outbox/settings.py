@@ -342,8 +342,8 @@ class OutboxSettings(DatabaseSettings):
         "awake and producers stop notifying (at low load it never does, and producers simply "
         "notify); 0 marks it at the first claim",
     )
-    gate_awake_rate: float = Field(
-        500.0,
+    gate_awake_rate: int = Field(
+        500,
         ge=0,
         description="Gated notify: rows per second the relay must be claiming before it marks "
         "itself awake (and producers stop notifying); below half of it an awake relay lets "
