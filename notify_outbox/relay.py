@@ -644,7 +644,8 @@ class Relay:
     async def _drain(self, backoffs: tuple[Backoff, Backoff], cause: _Cause | None) -> None:
         """Claim batches until nothing is due (a wake-up drains the table).
 
-        With the gated notify (``gate.py``), unbroken draining marks the relay awake, and
+        With the gated notify (``gate.py``), unbroken draining at ``gate_awake_rate`` rows
+        per second or more marks the relay awake, and
         the last busy worker runs the gate's sleep protocol before it idles. Unbroken for
         the relay, not for one worker: under a steady load its notified workers take turns,
         each claim a few rows, and none of them drains for long on its own, while the relay
