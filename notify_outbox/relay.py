@@ -429,6 +429,7 @@ class Relay:
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
                 begin_round_trip=self.claim_timeout.round_trip,
+                prime=not self.behind_pooler,
             )
             if s.frozen_relay_timeout > 0 and not self.behind_pooler:
                 self.pulse = Pulse(
@@ -473,6 +474,10 @@ class Relay:
     async def _close(self, *, graceful: bool) -> None:
         if self.pulse is not None:
             await self.pulse.stop()
+        if isinstance(self._store, PgOutboxStore):
+            # Connections waiting for a next claim go back to the pool, which waits for them.
+            with anyio.move_on_after(self.settings.db_command_timeout, shield=True):
+                await self._store.close()
         if self._pool is not None:
             await settle_pool(self._pool)  # cancelled statements: their cancel requests first
         # Runs shielded from the run's cancellation; only abort() cancels _close_scope.

@@ -8,6 +8,7 @@ crashed relay's rows simply become claimable again when its connection goes away
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -208,6 +209,7 @@ class _PgBatch:
         busy: int,
         parked: bool,
         sent_at: float,
+        prime: str | None = None,
     ) -> None:
         self._conn = conn
         self._q = queries
@@ -224,6 +226,10 @@ class _PgBatch:
         self._sent_at = sent_at
         #: How long the claim may have sat idle before its latest statement was sent (s).
         self.idle_before = 0.0
+        # Sent right after the COMMIT when set: the next claim's BEGIN (PgOutboxStore.claim).
+        self._prime = prime
+        #: The COMMIT was followed by the next claim's BEGIN.
+        self.primed = False
 
     def idle(self) -> float:
         return time.monotonic() - self._sent_at
@@ -271,19 +277,25 @@ class _PgBatch:
         # in the simple protocol (which takes no parameters: the ids are rendered as an
         # integer literal; int() guards that they are nothing else). After a full claim the
         # look is skipped: the worker claims again anyway, and the claim finds out.
-        look = self._q["commit_and_look"].replace("<horizon>", self._marks.mark.literal())
         # A full claim whose every row was settled leaves more behind, very likely: skip the
         # look (the worker claims again anyway). Rows left as they were (held back behind a
         # failed row of their key) are not due: the look says whether anything else is.
         settled = len(outcome.published) + len(outcome.retry) + len(outcome.dead)
         full = self._full and settled == len(self._rows)
-        sql = "COMMIT" if full else look
+        sql = "COMMIT;"
+        if self._prime is not None:
+            # The look, if any, then runs in that new transaction: a SELECT in READ COMMITTED
+            # leaves it holding no snapshot, no transaction id and no lock.
+            sql += "\n" + self._prime + ";"
+        if not full:
+            sql += "\n" + self._q["look"].replace("<horizon>", self._marks.mark.literal())
         if outcome.published:
             query = "delete_published" if self._delete else "mark_published"
             literal = "{" + ",".join(map(str, map(int, outcome.published))) + "}"
             sql = self._q[query].replace("<ids>", literal) + "\n" + sql
         status = await self._conn.execute(sql)
         self.committed = True
+        self.primed = self._prime is not None
         self._more_due = True if full else status != "SELECT 0"
 
 
@@ -357,8 +369,30 @@ async def _rollback(conn: asyncpg.Connection) -> None:
             await terminate(conn)
 
 
+# How long a worker's connection may wait, in a transaction begun ahead of its next claim, for
+# that claim (PgOutboxStore.claim), at most (s); and at most half the claim's idle timeout,
+# which that transaction carries already.
+PRIME_TTL = 0.05
+
+
+@dataclass(slots=True)
+class _Primed:
+    conn: asyncpg.Connection
+    timeout_ms: int  # the idle_in_transaction_session_timeout its BEGIN set
+    until: float  # time.monotonic() after which it is rolled back and goes back to the pool
+
+
 class PgOutboxStore:
-    """``OutboxStore`` on an asyncpg pool (worker connections; never the listener's)."""
+    """``OutboxStore`` on an asyncpg pool (worker connections; never the listener's).
+
+    ``prime``: a claim that committed while claims keep coming sends the next claim's BEGIN in
+    its COMMIT's round trip, and keeps its connection for a moment (``PRIME_TTL``): a claim
+    that comes meanwhile starts without a round trip of its own. Measured on this project's
+    2-core VM with one event per claim every 10 ms: 0.10-0.13 ms less per claim, and about
+    100 µs less CPU (client and server). The transaction waits holding no snapshot, no
+    transaction id and no lock (READ COMMITTED, nothing written); it does show as ``idle in
+    transaction`` meanwhile. Not behind a transaction pooler, where it would hold a server
+    connection."""
 
     def __init__(
         self,
@@ -368,6 +402,7 @@ class PgOutboxStore:
         delete_on_publish: bool,
         command_timeout: float,
         begin_round_trip: Callable[[float], None] | None = None,
+        prime: bool = False,
     ) -> None:
         self._pool = pool
         # READ COMMITTED whatever the database's default: the claim needs a new snapshot per
@@ -383,6 +418,66 @@ class PgOutboxStore:
         #: Set while the relay pulses (pulse.py): another relay ends a claim of this one that
         #: sat idle this long while this process did not run.
         self.reaped_after: float | None = None
+        self._prime = prime
+        self._primed: list[_Primed] = []
+        self._expiry: asyncio.TimerHandle | None = None
+        self._unpriming: set[asyncio.Task[None]] = set()
+
+    def _take_primed(self) -> _Primed | None:
+        """The most recently primed connection still fresh, if any."""
+        now = time.monotonic()
+        while self._primed:
+            primed = self._primed.pop()
+            if primed.until > now and not primed.conn.is_closed():
+                return primed
+            self._unprime(primed.conn)
+        return None
+
+    def _keep_primed(self, conn: asyncpg.Connection, timeout_ms: int, ttl: float) -> None:
+        self._primed.append(_Primed(conn, timeout_ms, time.monotonic() + ttl))
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().call_later(ttl, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        now = time.monotonic()
+        fresh = []
+        for primed in self._primed:
+            if primed.until > now:
+                fresh.append(primed)
+            else:
+                self._unprime(primed.conn)
+        self._primed = fresh
+        if fresh:
+            soonest = min(p.until for p in fresh)
+            self._expiry = asyncio.get_running_loop().call_later(soonest - now, self._expire)
+
+    def _unprime(self, conn: asyncpg.Connection) -> None:
+        task = asyncio.get_running_loop().create_task(self._roll_back_and_release(conn))
+        self._unpriming.add(task)
+        task.add_done_callback(self._unpriming.discard)
+
+    async def _roll_back_and_release(self, conn: asyncpg.Connection) -> None:
+        try:
+            if _open_in_transaction(conn):
+                await conn.execute("ROLLBACK", timeout=self._timeout)
+        except Exception:
+            with contextlib.suppress(asyncpg.InterfaceError):
+                await terminate(conn)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn)
+
+    async def close(self) -> None:
+        """Give primed connections back to the pool (before it closes: it waits for them)."""
+        self._prime = False
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        while self._primed:
+            self._unprime(self._primed.pop().conn)
+        if self._unpriming:
+            await asyncio.gather(*self._unpriming, return_exceptions=True)
 
     @asynccontextmanager
     async def claim(
@@ -391,18 +486,25 @@ class PgOutboxStore:
         # The transaction is driven by hand rather than by asyncpg's transaction(), so that
         # the outcome, the COMMIT and the look for more share one round trip (complete()).
         begin = self._begin
+        ms = None
         if idle_timeout is not None:
             # SET LOCAL, not a session setting: it must also hold behind a transaction
             # pooler, and it rides in BEGIN's round trip (simple protocol, a number: no
             # parameters).
             ms = max(1, round(idle_timeout * 1000))
             begin += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
-        async with self._pool.acquire() as conn:
+        primed = self._take_primed() if self._prime else None
+        conn = primed.conn if primed is not None else await self._pool.acquire()
+        keep = False
+        try:
             try:
                 started = time.monotonic()
-                await conn.execute(begin)
-                if self._begin_round_trip is not None:
-                    self._begin_round_trip(time.monotonic() - started)
+                if primed is None:
+                    await conn.execute(begin)
+                    if self._begin_round_trip is not None:
+                        self._begin_round_trip(time.monotonic() - started)
+                elif ms is not None and ms != primed.timeout_ms:
+                    await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
                 start, token = self.marks.take()
                 sent_at = time.monotonic()
                 records = await conn.fetch(
@@ -420,6 +522,9 @@ class PgOutboxStore:
                 changed = bool(last[15])
                 busy = int(last[16])
                 rows = [OutboxRow(*r[:12]) for r in records[:-1]]
+                # Prime the next claim when this one got rows (more are likely soon), and its
+                # connection may wait for it well within the claim's idle timeout.
+                ttl = PRIME_TTL if idle_timeout is None else min(PRIME_TTL, idle_timeout / 2)
                 batch = _PgBatch(
                     conn,
                     self._q,
@@ -430,6 +535,7 @@ class PgOutboxStore:
                     busy=busy,
                     parked=changed,
                     sent_at=sent_at,
+                    prime=begin if self._prime and rows else None,
                 )
                 try:
                     yield batch
@@ -452,6 +558,9 @@ class PgOutboxStore:
                     raise
                 if not batch.committed:  # the caller did not complete it: rows unchanged
                     await conn.execute("COMMIT" if changed else "ROLLBACK")
+                elif batch.primed and self._prime and _open_in_transaction(conn):
+                    keep = True
+                    self._keep_primed(conn, ms if ms is not None else 0, ttl)
             except _BROKEN_OR_LOST:
                 # The connection may be left mid-protocol (the pool's release no longer runs a
                 # reset query that would have caught it): never hand it out again. (When the
@@ -466,7 +575,12 @@ class PgOutboxStore:
                     await terminate(conn)
                 if read_only(e):  # every pooled session is on that read-only server too
                     await self._pool.expire_connections()
+                    while self._primed:
+                        self._unprime(self._primed.pop().conn)
                 raise
+        finally:
+            if not keep:
+                await self._pool.release(conn)
 
     async def has_due(self) -> bool:
         mark = self.marks.mark

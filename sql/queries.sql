@@ -59,17 +59,16 @@ SELECT (SELECT count(*) FROM (SELECT 1 FROM @table@
 -- name: mark_published
 -- <ids> is an integer array literal built by the relay from the claimed ids, never from user
 -- data: this statement is sent in the simple protocol (no parameters), followed by
--- commit_and_look, so that mark, commit and look share one round trip.
+-- the COMMIT and the look, so that mark, commit and look share one round trip.
 UPDATE @table@ SET published_at = now() WHERE id = ANY('<ids>'::bigint[]);
 
 -- name: delete_published
 DELETE FROM @table@ WHERE id = ANY('<ids>'::bigint[]);
 
--- name: commit_and_look
--- The end of a claim: commit, then look, as a new statement after the commit, whether more
--- is due (the command tag "SELECT 1" or "SELECT 0" says it). <horizon> is the low-water mark
--- as literals rendered by the relay from integers (simple protocol: no parameters).
-COMMIT;
+-- name: look
+-- Sent after a claim's COMMIT (in the same round trip): whether more is due (the command tag
+-- "SELECT 1" or "SELECT 0" says it). <horizon> is the low-water mark as literals rendered by
+-- the relay from integers (simple protocol: no parameters).
 SELECT 1 WHERE @schema@.@prefix@_due(<horizon>);
 
 -- name: record_failures
