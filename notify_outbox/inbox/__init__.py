@@ -1,0 +1,56 @@
+"""The consumer side: an idempotent consumer ("inbox") for events the relay delivered.
+
+The public names of the former ``notify_outbox.inbox`` module, which lives on as this package.
+"""
+
+from .core import (
+    INBOX_TRACK,
+    OUTBOX_EVENT_ID_HEADER,
+    BadEventId,
+    BatchHandler,
+    BatchResult,
+    HandlerFailed,
+    Inbox,
+    InboxError,
+    InboxMessage,
+    InboxNames,
+    InboxNotMigrated,
+    InboxRebalanceListener,
+    InTransaction,
+    MessageHandler,
+    NotInTransaction,
+    OnError,
+    RedisSeen,
+    consume,
+    consume_batches,
+    migrate_inbox,
+    purge_inbox,
+    render_inbox_migrations,
+    verify_inbox,
+)
+
+__all__ = [
+    "INBOX_TRACK",
+    "OUTBOX_EVENT_ID_HEADER",
+    "BadEventId",
+    "BatchHandler",
+    "BatchResult",
+    "HandlerFailed",
+    "InTransaction",
+    "Inbox",
+    "InboxError",
+    "InboxMessage",
+    "InboxNames",
+    "InboxNotMigrated",
+    "InboxRebalanceListener",
+    "MessageHandler",
+    "NotInTransaction",
+    "OnError",
+    "RedisSeen",
+    "consume",
+    "consume_batches",
+    "migrate_inbox",
+    "purge_inbox",
+    "render_inbox_migrations",
+    "verify_inbox",
+]
