@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS @migrations@ (
 );
 """
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("notify_outbox.migrations")  # the name it had before the move
 
 # An attempt waits at most this long for each lock it needs (in PostgreSQL's lock_timeout
 # syntax). A migration that takes a table lock queues every producer behind its request, so a

@@ -28,7 +28,7 @@ def sql_dir() -> Path:
     packaged = resources.files("notify_outbox") / "sql"
     if packaged.is_dir():
         return Path(str(packaged))
-    source = Path(__file__).resolve().parent.parent / "sql"
+    source = Path(__file__).resolve().parents[2] / "sql"
     if source.is_dir():
         return source
     raise FileNotFoundError(  # pragma: no cover - a broken install
