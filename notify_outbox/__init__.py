@@ -19,10 +19,11 @@ from .core.errors import (
 )
 from .core.events import RelayEvents
 from .core.names import OutboxNames
+from .core.outbox import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore
 from .core.settings import DatabaseSettings, OutboxSettings, load_settings
 from .kafka.publisher import KafkaPublisher, Publisher, PublishResult
 from .pg.migrations import VerifyReport, migrate, render_migrations, verify
-from .pg.store import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore, PgOutboxStore
+from .pg.store import PgOutboxStore
 from .producer.enqueue import OutboxEvent, enqueue, enqueue_many
 from .relay.relay import Relay
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from notify_outbox.pg.store import BatchOutcome, OutboxRow
+    from .outbox import BatchOutcome, OutboxRow
 
 __all__ = ["BatchObserver", "RelayEvents"]
 

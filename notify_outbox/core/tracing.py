@@ -23,9 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from notify_outbox.pg.store import OutboxRow
-
     from .message import PublishResult
+    from .outbox import OutboxRow
 
 try:
     from opentelemetry import trace

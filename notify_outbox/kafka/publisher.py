@@ -34,10 +34,10 @@ from notify_outbox.core.message import (
     KafkaMessage,
     PublishResult,
 )
+from notify_outbox.core.outbox import OutboxRow
 from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.core.tracing import record_send_spans
 from notify_outbox.debezium.capture import debezium_headers
-from notify_outbox.pg.store import OutboxRow
 
 __all__ = [
     "KafkaMessage",

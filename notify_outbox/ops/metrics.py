@@ -37,7 +37,7 @@ from notify_outbox.pg.db import DATABASE_ERRORS, session_parameters, terminate
 from notify_outbox.pg.sqlfiles import Queries
 
 if TYPE_CHECKING:
-    from notify_outbox.pg.store import BatchOutcome, OutboxRow
+    from notify_outbox.core.outbox import BatchOutcome, OutboxRow
     from notify_outbox.relay.relay import Relay
 
 __all__ = ["OutboxStats", "Readiness", "RelayMetrics", "failure_class"]

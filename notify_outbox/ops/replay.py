@@ -24,10 +24,10 @@ import anyio
 import asyncpg
 
 from notify_outbox.core.errors import NotifyOutboxError
+from notify_outbox.core.outbox import OutboxRow
 from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.kafka.publisher import KafkaPublisher, Publisher
 from notify_outbox.pg.sqlfiles import Queries
-from notify_outbox.pg.store import OutboxRow
 from notify_outbox.relay.outage import tame_third_party_logs
 
 __all__ = ["NothingToReplay", "ReplayReport", "replay"]

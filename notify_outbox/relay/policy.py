@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from notify_outbox.core.message import PublishResult
+from notify_outbox.core.outbox import BatchOutcome, OutboxRow
 from notify_outbox.core.settings import OutboxSettings
-from notify_outbox.pg.store import BatchOutcome, OutboxRow
 
 __all__ = ["decide", "retry_delay"]
 

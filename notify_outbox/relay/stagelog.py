@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import IO
 
-from notify_outbox.pg.store import OutboxRow
+from notify_outbox.core.outbox import OutboxRow
 
 __all__ = ["STAGE_LOG_ENV", "StageLog", "open_stage_log"]
 
