@@ -1,5 +1,5 @@
 """``python -m notify_outbox``: the command-line interface."""
 
-from .cli.main import main
+from .cli import main
 
 raise SystemExit(main())
