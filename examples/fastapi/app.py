@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from notify_outbox import OutboxSettings, Relay, load_settings, migrate
-from notify_outbox.sqlalchemy import enqueue_async
+from notify_outbox.producer.sqlalchemy import enqueue_async
 
 
 class Base(DeclarativeBase):

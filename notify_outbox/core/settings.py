@@ -358,7 +358,7 @@ class OutboxSettings(DatabaseSettings):
         "native",
         description="Kafka headers: native (outbox-event-id, ...) or debezium (the 'id' header "
         "and the fields the Debezium capture put in the row's headers, as Debezium's outbox "
-        "event router; see notify_outbox/debezium.py)",
+        "event router; see notify_outbox/debezium/)",
     )
 
     # --- failures -----------------------------------------------------------------------------
