@@ -27,6 +27,7 @@ import asyncpg
 
 from notify_outbox.core.errors import ConfigurationError, MigrationError
 from notify_outbox.core.names import OutboxNames
+from notify_outbox.kafka.records import debezium_headers
 from notify_outbox.pg.sqlfiles import render, sql_dir
 
 log = logging.getLogger("notify_outbox.debezium")
@@ -374,23 +375,6 @@ def parse_connector_config(text: str) -> dict[str, str]:
         for k, v in raw.items()
         if k.startswith(prefix) and k != prefix + "type"
     }
-
-
-def debezium_headers(headers_json: str | None) -> list[tuple[str, bytes | None]]:
-    """The Kafka headers of a row the capture wrote: ``id`` first (as the router adds it),
-    then the additional header fields; a JSON null is a header with a null value (what
-    SimpleHeaderConverter makes of a NULL column). Raises ValueError for anything else."""
-    if headers_json is None:
-        raise ValueError("Debezium-style row without headers (no 'id'): not written by the capture")
-    parsed = json.loads(headers_json)
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("id"), str):
-        raise ValueError("Debezium-style row: headers must be a JSON object with an 'id' string")
-    out: list[tuple[str, bytes | None]] = [("id", parsed.pop("id").encode())]
-    for name, value in parsed.items():
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"header {name!r} must have a string value or null")
-        out.append((name, None if value is None else value.encode()))
-    return out
 
 
 # --- rendering and installing -----------------------------------------------------------------

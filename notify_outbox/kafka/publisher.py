@@ -9,7 +9,6 @@ with idempotence never expires a batch on its own and would wait forever for a d
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -25,19 +24,12 @@ from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from notify_outbox.core.backoff import Backoff
-from notify_outbox.core.message import (
-    AGGREGATE_ID_HEADER,
-    AGGREGATE_TYPE_HEADER,
-    EVENT_ID_HEADER,
-    EVENT_TYPE_HEADER,
-    RESERVED_HEADERS,
-    KafkaMessage,
-    PublishResult,
-)
+from notify_outbox.core.message import KafkaMessage, PublishResult
 from notify_outbox.core.outbox import OutboxRow
 from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.core.tracing import record_send_spans
-from notify_outbox.debezium.capture import debezium_headers
+
+from .records import RowRejected, _record, to_message
 
 __all__ = [
     "KafkaMessage",
@@ -94,71 +86,6 @@ _PROBE_TIMEOUT = 1.0
 # nothing, and delivery should resume well within a second of the broker's return.
 _RECOVERY_FIRST = 0.02
 _RECOVERY_CAP = 0.2
-
-
-class RowRejected(ValueError):
-    """The row can never become a Kafka message as stored (e.g. malformed headers). The one
-    error of mapping a row that dead-letters it: any other is a bug, not a bad row."""
-
-
-def to_message(row: OutboxRow, *, header_style: str = "native") -> KafkaMessage:
-    """Map an outbox row to a Kafka message: ``payload`` JSON (or ``payload_bytes``) becomes
-    the value, ``key`` the key, ``headers`` plus the event metadata the headers.
-
-    ``header_style="debezium"``: the headers are the row's own, ``id`` first, and nothing of
-    the relay's (what Debezium's outbox event router sends; see ``debezium.py``)."""
-    key, value, headers = _record(row, header_style == "debezium")
-    return KafkaMessage(row.topic, key, value, headers)
-
-
-Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]]
-
-
-def _record(row: OutboxRow, debezium: bool) -> Record:
-    """``to_message`` without the message object: key, value and headers, as the batch
-    builder takes them (called once per event on the relay's hot path)."""
-    value = row.payload_bytes
-    if value is None and (payload := row.payload) is not None:
-        value = payload.encode()
-    key = row.key.encode() if row.key is not None else None
-    if debezium:
-        try:
-            dbz_headers = debezium_headers(row.headers)
-        except ValueError as e:  # what the row holds, not our code: json and shape errors
-            raise RowRejected(str(e)) from e
-        # The router sends a null key with a null value too (not a tombstone to refuse).
-        return key, value, dbz_headers
-    if value is None and key is None:
-        raise RowRejected("event has neither a payload nor a key")
-    headers: list[tuple[str, bytes | None]] = (
-        [] if row.headers is None else _own_headers(row.headers)
-    )
-    headers.append((EVENT_ID_HEADER, str(row.event_id).encode()))
-    if row.event_type is not None:
-        headers.append((EVENT_TYPE_HEADER, row.event_type.encode()))
-    if row.aggregate_type is not None:
-        headers.append((AGGREGATE_TYPE_HEADER, row.aggregate_type.encode()))
-    if row.aggregate_id is not None:
-        headers.append((AGGREGATE_ID_HEADER, row.aggregate_id.encode()))
-    return key, value, headers
-
-
-def _own_headers(text: str) -> list[tuple[str, bytes | None]]:
-    """An event's own headers (a JSON object of strings) as Kafka headers."""
-    try:
-        parsed = json.loads(text)
-    except ValueError as e:
-        raise RowRejected(f"headers are not JSON: {e}") from e
-    if not isinstance(parsed, dict):
-        raise RowRejected("headers must be a JSON object")
-    headers: list[tuple[str, bytes | None]] = []
-    for name, val in parsed.items():
-        if not isinstance(val, str):
-            raise RowRejected(f"header {name!r} must have a string value")
-        if name in RESERVED_HEADERS:
-            raise RowRejected(f"header {name!r} is reserved for the relay")
-        headers.append((name, val.encode()))
-    return headers
 
 
 class Publisher(Protocol):
