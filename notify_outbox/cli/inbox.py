@@ -20,7 +20,7 @@ import asyncpg
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.settings import DatabaseSettings, load_settings_from_flags
 from notify_outbox.core.timespec import parse_duration
-from notify_outbox.inbox.core import (
+from notify_outbox.inbox import (
     InboxNames,
     migrate_inbox,
     purge_inbox,
