@@ -17,7 +17,7 @@ import asyncpg
 
 from notify_outbox.core.errors import ConfigurationError, NotifyOutboxError
 from notify_outbox.core.names import OutboxNames
-from notify_outbox.core.settings import DatabaseSettings, OutboxSettings, load_settings_from_flags
+from notify_outbox.core.settings import DatabaseSettings, OutboxSettings
 from notify_outbox.core.timespec import format_duration, parse_duration, parse_time
 from notify_outbox.ops.replay import ReplayReport, replay
 from notify_outbox.pg.deadletters import (
@@ -31,9 +31,10 @@ from notify_outbox.pg.deadletters import (
 )
 from notify_outbox.pg.sqlfiles import Queries
 
+from .flags import add_db_flags, load_settings_from_flags
+
 __all__ = [
     "add_admin_commands",
-    "add_connect_timeout_flag",
     "print_requeue",
     "print_status",
     "run_admin_command",
@@ -45,22 +46,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _COMMANDS = ("dead-letters", "replay")
 _COUNT_LIMIT = 100_000
 _ERROR_WIDTH = 60
-
-
-def add_connect_timeout_flag(p: argparse.ArgumentParser) -> None:
-    """``--connect-timeout`` on a command that connects to PostgreSQL."""
-    p.add_argument(
-        "--connect-timeout",
-        help="give up connecting after this long: seconds, or 500ms, 10s, 1m "
-        "(default 10s) [NOTIFY_OUTBOX_CONNECT_TIMEOUT]",
-    )
-
-
-def _db_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN: argv is visible)")
-    p.add_argument("--schema", dest="db_schema", help="outbox schema [NOTIFY_OUTBOX_DB_SCHEMA]")
-    p.add_argument("--table", help="outbox table [NOTIFY_OUTBOX_TABLE]")
-    add_connect_timeout_flag(p)
 
 
 def _filter_flags(p: argparse.ArgumentParser) -> None:
@@ -83,7 +68,7 @@ def add_admin_commands(
     a = actions.add_parser(
         "list", parents=[common], help="dead letters in id order, as a table or JSON lines"
     )
-    _db_flags(a)
+    add_db_flags(a, channel=False)
     _filter_flags(a)
     a.add_argument("--after-id", type=int, default=0, help="only ids after this (paging)")
     a.add_argument("--limit", type=int, default=50, help="at most this many (0: all; 50)")
@@ -92,7 +77,7 @@ def add_admin_commands(
     )
 
     a = actions.add_parser("show", parents=[common], help="one dead letter in full")
-    _db_flags(a)
+    add_db_flags(a, channel=False)
     a.add_argument("id", type=int, help="dead-letter id (as `list` shows it)")
     a.add_argument(
         "--format", choices=["text", "json"], default="text", help="json: one JSON object"
@@ -103,14 +88,14 @@ def add_admin_commands(
         parents=[common],
         help="move dead letters back into the outbox, each at the end of its key's order",
     )
-    _db_flags(a)
+    add_db_flags(a, channel=False)
     a.add_argument("ids", nargs="*", type=int, help="dead-letter ids (or use filters)")
     _filter_flags(a)
     a.add_argument("--all", action="store_true", help="every dead letter (no id or filter)")
     a.add_argument("--dry-run", action="store_true", help="print what would move, move nothing")
 
     a = actions.add_parser("purge", parents=[common], help="delete old dead letters for good")
-    _db_flags(a)
+    add_db_flags(a, channel=False)
     a.add_argument(
         "--older-than", required=True, help="dead-lettered longer ago than: 30d, 12h, P7D"
     )
@@ -122,7 +107,7 @@ def add_admin_commands(
         parents=[common],
         help="send kept published rows of a topic to Kafka again (keep_published)",
     )
-    _db_flags(p)
+    add_db_flags(p, channel=False)
     p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
     p.add_argument("--topic", required=True, help="the topic to replay")
     p.add_argument(

@@ -23,13 +23,11 @@ import asyncpg
 
 from notify_outbox import __version__
 from notify_outbox.core.errors import ConfigurationError, MigrationError
-from notify_outbox.core.logs import configure_logging, secrets_from_env
+from notify_outbox.core.logs import configure_logging, redact, secrets_from_env
 from notify_outbox.core.names import OutboxNames, validate_identifier
 from notify_outbox.core.settings import (
     DatabaseSettings,
     OutboxSettings,
-    load_settings_from_flags,
-    redact,
     warn_unknown_variables,
 )
 from notify_outbox.ops.http import HttpSettings, healthcheck_main, serve_monitoring
@@ -47,13 +45,13 @@ from notify_outbox.relay.relay import Relay
 
 from .admin import (
     add_admin_commands,
-    add_connect_timeout_flag,
     print_requeue,
     print_status,
     run_admin_command,
     wants_admin,
 )
 from .debezium import add_debezium_command, run_debezium_command, wants_debezium
+from .flags import add_db_flags, add_name_flags, load_settings_from_flags
 from .inbox import add_inbox_command, add_inbox_flag, run_inbox_command, wants_inbox
 
 __all__ = ["main"]
@@ -61,19 +59,6 @@ __all__ = ["main"]
 log = logging.getLogger("notify_outbox.cli")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_FORCED, EXIT_OUTDATED, EXIT_ABORTED = 0, 1, 2, 3, 4, 130
-
-
-def _db_flags(p: argparse.ArgumentParser, *, connects: bool = True) -> None:
-    p.add_argument("--dsn", help="PostgreSQL DSN (prefer NOTIFY_OUTBOX_DSN: argv is visible)")
-    _name_flags(p)
-    if connects:  # a command's one connection; `run` retries its own instead
-        add_connect_timeout_flag(p)
-
-
-def _name_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schema", dest="db_schema", help="outbox schema [NOTIFY_OUTBOX_DB_SCHEMA]")
-    p.add_argument("--table", help="outbox table [NOTIFY_OUTBOX_TABLE]")
-    p.add_argument("--channel", help="NOTIFY channel [NOTIFY_OUTBOX_CHANNEL]")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,18 +86,18 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "migrate", parents=[common], help="apply pending migrations (safe to run concurrently)"
     )
-    _db_flags(p)
+    add_db_flags(p)
     p.add_argument("--check", action="store_true", help="only check: exit 4 if not up to date")
     add_inbox_flag(p)
 
     p = sub.add_parser("verify", parents=[common], help="same as `migrate --check`")
-    _db_flags(p)
+    add_db_flags(p)
     add_inbox_flag(p)
 
     p = sub.add_parser(
         "sql", parents=[common], help="print the migrations' SQL for psql, Alembic or Flyway"
     )
-    _name_flags(p)
+    add_name_flags(p)
     p.add_argument("--since", type=int, default=0, help="only migrations after this version")
     p.add_argument("--grants", action="store_true", help="print least-privilege GRANTs instead")
     p.add_argument("--relay-role", default="notify_outbox_relay", help="role of the relay")
@@ -122,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run", parents=[common], help="run the relay until SIGTERM/SIGINT (twice: abort)"
     )
-    _db_flags(p, connects=False)
+    add_db_flags(p, connects=False)
     p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
     p.add_argument("--workers", type=int, help="worker coroutines [NOTIFY_OUTBOX_WORKERS]")
     p.add_argument("--batch-size", type=int, help="rows per claim [NOTIFY_OUTBOX_BATCH_SIZE]")
@@ -138,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status", parents=[common], help="print pending, retrying and dead-lettered counts (JSON)"
     )
-    _db_flags(p)
+    add_db_flags(p)
     p.add_argument(
         "--count-limit", type=int, default=100_000, help="count each up to this (bounded work)"
     )
@@ -146,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "notify-mode", parents=[common], help="show or set how producers wake the relay"
     )
-    _db_flags(p)
+    add_db_flags(p)
     p.add_argument(
         "mode",
         nargs="?",
@@ -158,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "requeue", parents=[common], help="move dead-lettered events back into the outbox"
     )
-    _db_flags(p)
+    add_db_flags(p)
     p.add_argument("ids", nargs="+", type=int, help="ids of dead-lettered rows")
 
     p = sub.add_parser(

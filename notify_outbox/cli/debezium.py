@@ -21,7 +21,7 @@ import asyncpg
 
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.names import OutboxNames
-from notify_outbox.core.settings import DatabaseSettings, load_settings_from_flags
+from notify_outbox.core.settings import DatabaseSettings
 from notify_outbox.debezium.capture import (
     DebeziumCapture,
     install_capture,
@@ -30,7 +30,7 @@ from notify_outbox.debezium.capture import (
     verify_capture,
 )
 
-from .admin import add_connect_timeout_flag
+from .flags import add_connect_timeout_flag, load_settings_from_flags
 
 __all__ = ["add_debezium_command", "run_debezium_command", "wants_debezium"]
 

@@ -18,7 +18,7 @@ from datetime import timedelta
 import asyncpg
 
 from notify_outbox.core.errors import ConfigurationError
-from notify_outbox.core.settings import DatabaseSettings, load_settings_from_flags
+from notify_outbox.core.settings import DatabaseSettings
 from notify_outbox.core.timespec import parse_duration
 from notify_outbox.inbox import (
     InboxNames,
@@ -28,7 +28,7 @@ from notify_outbox.inbox import (
     verify_inbox,
 )
 
-from .admin import add_connect_timeout_flag
+from .flags import add_connect_timeout_flag, load_settings_from_flags
 
 __all__ = ["add_inbox_command", "add_inbox_flag", "run_inbox_command", "wants_inbox"]
 

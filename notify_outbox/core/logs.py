@@ -9,7 +9,8 @@ secrets redacted in both.
 
 Fields given with ``extra=`` (row ids, topic, attempts, outage duration) become keys of their
 own. The library itself configures no handler (embedding applications own their logging);
-``JsonFormatter`` and ``Redactor`` are public so they can use them too.
+``JsonFormatter`` and ``Redactor`` are public so they can use them too. ``redact`` takes the
+secrets of a settings object out of a message that comes from a library (a connection error).
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .settings import DatabaseSettings
 
 __all__ = [
     "JsonFormatter",
     "RedactingFormatter",
     "Redactor",
     "configure_logging",
+    "redact",
     "secrets_from_env",
 ]
 
@@ -188,3 +193,27 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(numeric)
     return handler
+
+
+def redact(text: str, settings: DatabaseSettings) -> str:
+    """``text`` with every secret of ``settings`` replaced by ``***`` (defence in depth for
+    messages that come from libraries, such as connection errors)."""
+    dsns = [settings.dsn, getattr(settings, "listen_dsn", None)]
+    secrets = [
+        *dsns,
+        getattr(settings, "kafka_sasl_password", None),
+        getattr(settings, "kafka_ssl_password", None),
+    ]
+    for secret in secrets:
+        if secret is not None and secret.get_secret_value():
+            text = text.replace(secret.get_secret_value(), "***")
+    for dsn in dsns:
+        if dsn is None:
+            continue
+        try:
+            password = urlsplit(dsn.get_secret_value()).password
+        except ValueError:
+            password = None
+        if password:
+            text = text.replace(password, "***")
+    return text

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
-from urllib.parse import urlsplit
 
 from pydantic import (
     BeforeValidator,
@@ -31,8 +30,6 @@ __all__ = [
     "OutboxSettings",
     "Seconds",
     "load_settings",
-    "load_settings_from_flags",
-    "redact",
     "unknown_variables",
     "warn_unknown_variables",
 ]
@@ -470,18 +467,6 @@ def load_settings(
         raise ConfigurationError(format_validation_error(e, flags=named)) from None
 
 
-# Flags spelt otherwise than "--" + the field with dashes.
-_FLAG_NAMES = {"db_schema": "--schema"}
-
-
-def load_settings_from_flags(cls: type[_S], /, **from_flags: Any) -> _S:
-    """``load_settings`` for the command line: every override is the value of the flag named
-    after its field (``poll_interval`` from ``--poll-interval``, ``db_schema`` from
-    ``--schema``), None when the flag was not given; errors name the flags that were."""
-    flags = {f: _FLAG_NAMES.get(f, "--" + f.replace("_", "-")) for f in from_flags}
-    return load_settings(cls, flags=flags, **from_flags)
-
-
 def _var(field: str) -> str:
     return f"{field} (NOTIFY_OUTBOX_{field.upper()})"
 
@@ -507,44 +492,20 @@ def format_validation_error(
     return "invalid settings:\n  " + "\n  ".join(lines)
 
 
-def redact(text: str, settings: DatabaseSettings) -> str:
-    """``text`` with every secret of ``settings`` replaced by ``***`` (defence in depth for
-    messages that come from libraries, such as connection errors)."""
-    dsns = [settings.dsn, getattr(settings, "listen_dsn", None)]
-    secrets = [
-        *dsns,
-        getattr(settings, "kafka_sasl_password", None),
-        getattr(settings, "kafka_ssl_password", None),
-    ]
-    for secret in secrets:
-        if secret is not None and secret.get_secret_value():
-            text = text.replace(secret.get_secret_value(), "***")
-    for dsn in dsns:
-        if dsn is None:
-            continue
-        try:
-            password = urlsplit(dsn.get_secret_value()).password
-        except ValueError:
-            password = None
-        if password:
-            text = text.replace(password, "***")
-    return text
-
-
 # --- unknown variables ------------------------------------------------------------------------
 
 _PREFIX = "NOTIFY_OUTBOX_"
 # Read by name outside the settings classes (suffixes after the prefix), with what they mean:
-# the configuration reference (notify_outbox/docgen.py) lists them after the settings.
+# the configuration reference (devstack/docgen.py) lists them after the settings.
 _OTHER_VARIABLES: Mapping[str, str] = {
-    # cli.py / logs.py
+    # cli/app.py / core/logs.py
     "LOG_FORMAT": "Log format of the daemon and the commands: text (the default) or json, one "
     "JSON object per line; secrets are redacted in both",
-    # inbox_cli.py
+    # cli/inbox.py
     "INBOX_SCHEMA": "Schema of the consumer's inbox table for migrate/verify/sql --inbox and "
     "inbox purge (default public; --schema wins)",
     "INBOX_TABLE": "Name of the consumer's inbox table (default inbox; --table wins)",
-    # debezium_cli.py
+    # cli/debezium.py
     "DEBEZIUM_CONFIG": "Debezium mode: a Kafka Connect connector configuration (.properties or "
     "JSON) whose EventRouter options are read (--connector-config wins)",
     "DEBEZIUM_SCHEMA": "Debezium mode: schema of the Debezium-shaped outbox table (default "

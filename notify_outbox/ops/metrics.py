@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from notify_outbox.core.settings import redact
+from notify_outbox.core.logs import redact
 from notify_outbox.pg.db import DATABASE_ERRORS, session_parameters, terminate
 from notify_outbox.pg.sqlfiles import Queries
 

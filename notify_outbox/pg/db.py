@@ -13,7 +13,8 @@ import asyncpg
 
 from notify_outbox.core.backoff import Backoff
 from notify_outbox.core.errors import ConfigurationError
-from notify_outbox.core.settings import OutboxSettings, redact
+from notify_outbox.core.logs import redact
+from notify_outbox.core.settings import OutboxSettings
 
 __all__ = [
     "DATABASE_ERRORS",

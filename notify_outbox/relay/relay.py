@@ -41,7 +41,8 @@ from notify_outbox.core.errors import (
     PublisherUnavailable,
 )
 from notify_outbox.core.events import RelayEvents
-from notify_outbox.core.settings import OutboxSettings, redact
+from notify_outbox.core.logs import redact
+from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.kafka.publisher import KafkaPublisher, Publisher, PublishResult
 from notify_outbox.pg.db import (
     DATABASE_ERRORS,
