@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from operator import attrgetter
 
 import asyncpg
 
-from notify_outbox.core.errors import ClaimLost
+from notify_outbox.core.errors import ClaimLost, MigrationError
 from notify_outbox.core.outbox import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore
 
 from .db import read_only, terminate
@@ -189,6 +189,22 @@ class _PgBatch:
         self._more_due = True if full else status != "SELECT 0"
 
 
+# The claim's leading columns are OutboxRow's fields, in order (the SQL function's RETURNS TABLE).
+_ROW_FIELDS = tuple(f.name for f in fields(OutboxRow))
+_ROW_COLUMNS = len(_ROW_FIELDS)
+
+
+def _check_row_columns(columns: Iterable[str]) -> None:
+    """Refuse a claim whose columns are not OutboxRow's fields by name and order: rows are
+    built by position, so a drift between the SQL and the dataclass would shift values."""
+    got = tuple(columns)[:_ROW_COLUMNS]
+    if got != _ROW_FIELDS:
+        raise MigrationError(
+            f"the claim returns the columns {', '.join(got)}, where OutboxRow has "
+            f"{', '.join(_ROW_FIELDS)}: the database's claim function and this relay disagree"
+        )
+
+
 # Errors after which a claim's connection is suspect (a timed-out statement on a socket that
 # may be silently dead, a protocol left mid-operation): the claim ends the session instead of
 # rolling back on it.
@@ -285,6 +301,7 @@ class PgOutboxStore:
         #: Set while the relay pulses (pulse.py): another relay ends a claim of this one that
         #: sat idle this long while this process did not run.
         self.reaped_after: float | None = None
+        self._columns_checked = False
 
     @asynccontextmanager
     async def claim(
@@ -316,12 +333,19 @@ class PgOutboxStore:
                 )
                 # The last row carries the next mark, and whether the claim parked or promoted
                 # rows (to keep even if it claimed none); the others are rows, their columns in
-                # OutboxRow's field order.
+                # OutboxRow's field order (checked by name once: a row is built by position, the
+                # hot path).
                 last = records[-1]
-                self.marks.offer(LowWaterMark(last[12], tuple(last[13]), tuple(last[14])), token)
-                changed = bool(last[15])
-                busy = int(last[16])
-                rows = [OutboxRow(*r[:12]) for r in records[:-1]]
+                if not self._columns_checked:
+                    _check_row_columns(last.keys())
+                    self._columns_checked = True
+                mark = LowWaterMark(
+                    last["next_low"], tuple(last["next_xids"]), tuple(last["next_lows"])
+                )
+                self.marks.offer(mark, token)
+                changed = bool(last["changed"])
+                busy = int(last["busy"])
+                rows = [OutboxRow(*r[:_ROW_COLUMNS]) for r in records[:-1]]
                 batch = _PgBatch(
                     conn,
                     self._q,
