@@ -324,7 +324,7 @@ def _command_sections(path: str, parser: argparse.ArgumentParser, level: int) ->
 
 def render_cli() -> str:
     """docs/reference/cli.md, from the parser of ``notify-outbox`` (notify_outbox/cli/app.py, with
-    the commands of admin_cli.py, inbox_cli.py and debezium_cli.py it registers)."""
+    the commands of cli/admin.py, cli/inbox.py and cli/debezium.py it registers)."""
     parser = _parser()
     out = [
         _GENERATED.format(make=REGENERATE, source="the parser of notify_outbox/cli/app.py"),

@@ -1,6 +1,7 @@
 """The operators' part of the command line: ``dead-letters list|show|requeue|purge`` and
-``replay``. The work is done by ``deadletters.py`` and ``replay.py``; this module parses, prints
-and picks exit codes (those of ``cli.py``: 0 done, 1 something was not done, 2 bad usage).
+``replay``. The work is done by ``pg/deadletters.py`` and ``ops/replay.py``; this module
+parses, prints and picks exit codes (those of ``app.py``: 0 done, 1 something was not done,
+2 bad usage).
 """
 
 from __future__ import annotations

@@ -152,8 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="default: http://$NOTIFY_OUTBOX_HTTP_HOST:$..._PORT/readyz")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     add_inbox_command(sub, common)
-    add_debezium_command(sub, common)  # Debezium-compatible mode: debezium_cli.py
-    add_admin_commands(sub, common)  # dead-letters, replay: admin_cli.py
+    add_debezium_command(sub, common)  # Debezium-compatible mode: debezium.py
+    add_admin_commands(sub, common)  # dead-letters, replay: admin.py
     return parser
 
 
@@ -401,16 +401,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``notify-outbox`` command; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        # NOTIFY_OUTBOX_LOG_FORMAT=json: one JSON object a line (logs.py); secrets redacted.
+        # NOTIFY_OUTBOX_LOG_FORMAT=json: one JSON object a line (core/logs.py); secrets redacted.
         fmt = os.environ.get("NOTIFY_OUTBOX_LOG_FORMAT")
         configure_logging(args.log_level, fmt, secrets=secrets_from_env(getattr(args, "dsn", None)))
         # A mistyped variable would leave its setting at the default without a word.
         warn_unknown_variables(settings=(DatabaseSettings, OutboxSettings, HttpSettings))
-        if wants_admin(args):  # dead-letters, replay: admin_cli.py
+        if wants_admin(args):  # dead-letters, replay: admin.py
             return run_admin_command(args, _connect)
-        if wants_debezium(args):  # Debezium-compatible mode: debezium_cli.py
+        if wants_debezium(args):  # Debezium-compatible mode: debezium.py
             return run_debezium_command(args, _connect)
-        if wants_inbox(args):  # the consumer side: inbox_cli.py
+        if wants_inbox(args):  # the consumer side: inbox.py
             return run_inbox_command(args, _connect)
         if args.command == "sql":
             return _print_sql(args)

@@ -387,7 +387,7 @@ class OutboxSettings(DatabaseSettings):
         description="How long a graceful stop waits for in-flight batches (then exit code 3)",
     )
 
-    # --- monitoring (notify_outbox/http.py) ---------------------------------------------------
+    # --- monitoring (notify_outbox/ops/http.py) -----------------------------------------------
     http_host: str = Field("127.0.0.1", description="Address of /metrics, /livez and /readyz")
     http_port: int | None = Field(
         None,

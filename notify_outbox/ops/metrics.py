@@ -1,7 +1,7 @@
 """Prometheus metrics of a relay: counters fed by its events, gauges read from its state, and
 table gauges (pending, oldest pending, dead letters) from one bounded query, cached.
 
-The daemon serves them at ``/metrics`` (``notify_outbox/http.py``); an application embedding
+The daemon serves them at ``/metrics`` (``notify_outbox/ops/http.py``); an application embedding
 the relay adds them to its own registry::
 
     from prometheus_client import REGISTRY
