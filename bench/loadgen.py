@@ -142,8 +142,8 @@ class _KafkaSink:
     async def start(cls, cfg: LoadConfig) -> _KafkaSink:
         """The relay's own producer (its settings' defaults), started, with the topic's
         metadata in hand: the first send must not wait for it."""
-        from notify_outbox.publisher import KafkaPublisher
-        from notify_outbox.settings import OutboxSettings
+        from notify_outbox.core.settings import OutboxSettings
+        from notify_outbox.kafka.publisher import KafkaPublisher
 
         settings = OutboxSettings.model_validate(
             {

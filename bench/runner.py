@@ -35,8 +35,8 @@ from bench.services import (
 )
 from bench.stages import STAGE_LOG_ENV, StageLog, collect_stages
 from devstack.relayproc import child_env, create_topics
-from notify_outbox.names import OutboxNames
-from notify_outbox.sqlfiles import Queries
+from notify_outbox.core.names import OutboxNames
+from notify_outbox.pg.sqlfiles import Queries
 
 __all__ = ["Runner"]
 

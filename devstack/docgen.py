@@ -27,9 +27,9 @@ from pydantic import BeforeValidator, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from notify_outbox import settings as settings_module
-from notify_outbox.cli import _parser
-from notify_outbox.settings import DatabaseSettings, OutboxSettings
+from notify_outbox.cli.app import _parser
+from notify_outbox.core import settings as settings_module
+from notify_outbox.core.settings import DatabaseSettings, OutboxSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
@@ -186,7 +186,7 @@ def render_configuration() -> str:
     database = DatabaseSettings.model_fields
     relay = {k: v for k, v in OutboxSettings.model_fields.items() if k not in database}
     out = [
-        _GENERATED.format(make=REGENERATE, source="notify_outbox/settings.py"),
+        _GENERATED.format(make=REGENERATE, source="notify_outbox/core/settings.py"),
         "# Configuration reference\n",
         "Every setting is an environment variable with the prefix `NOTIFY_OUTBOX_`, or a "
         "keyword argument of `OutboxSettings(...)` in code (the field name is the variable "
@@ -323,11 +323,11 @@ def _command_sections(path: str, parser: argparse.ArgumentParser, level: int) ->
 
 
 def render_cli() -> str:
-    """docs/reference/cli.md, from the parser of ``notify-outbox`` (notify_outbox/cli.py, with
-    the commands of admin_cli.py, inbox_cli.py and debezium_cli.py it registers)."""
+    """docs/reference/cli.md, from the parser of ``notify-outbox`` (notify_outbox/cli/app.py, with
+    the commands of cli/admin.py, cli/inbox.py and cli/debezium.py it registers)."""
     parser = _parser()
     out = [
-        _GENERATED.format(make=REGENERATE, source="the parser of notify_outbox/cli.py"),
+        _GENERATED.format(make=REGENERATE, source="the parser of notify_outbox/cli/app.py"),
         "# CLI reference\n",
         "`notify-outbox COMMAND …`, or `python -m notify_outbox COMMAND …`. "
         + _code_words(_sentence(parser.description or ""))

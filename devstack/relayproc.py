@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-# What the relay logs once its workers run (notify_outbox/cli.py).
+# What the relay logs once its workers run (notify_outbox/cli/app.py).
 READY = "relay running"
 DSN_ENV = "NOTIFY_OUTBOX_DSN"
 BOOTSTRAP_ENV = "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"

@@ -10,21 +10,22 @@ acknowledged. A slow fallback poll catches any missed notification.
 # `notify-outbox --version` prints it.
 __version__ = "0.1.0"
 
-from .enqueue import OutboxEvent, enqueue, enqueue_many
-from .errors import (
+from .core.errors import (
     ConfigurationError,
     EventValidationError,
     MigrationError,
     NotifyOutboxError,
     PublisherUnavailable,
 )
-from .events import RelayEvents
-from .migrations import VerifyReport, migrate, render_migrations, verify
-from .names import OutboxNames
-from .publisher import KafkaPublisher, Publisher, PublishResult
-from .relay import Relay
-from .settings import DatabaseSettings, OutboxSettings, load_settings
-from .store import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore, PgOutboxStore
+from .core.events import RelayEvents
+from .core.names import OutboxNames
+from .core.outbox import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore
+from .core.settings import DatabaseSettings, OutboxSettings, load_settings
+from .kafka.publisher import KafkaPublisher, Publisher, PublishResult
+from .pg.migrations import VerifyReport, migrate, render_migrations, verify
+from .pg.store import PgOutboxStore
+from .producer.enqueue import OutboxEvent, enqueue, enqueue_many
+from .relay.relay import Relay
 
 __all__ = [
     "BatchOutcome",

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 import anyio
 
 from notify_outbox import OutboxSettings
-from notify_outbox.publisher import PublishResult
-from notify_outbox.store import BatchOutcome, ClaimedBatch, OutboxRow
+from notify_outbox.core.outbox import BatchOutcome, ClaimedBatch, OutboxRow
+from notify_outbox.kafka.publisher import PublishResult
 
 
 @dataclass

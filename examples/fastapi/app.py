@@ -1,7 +1,7 @@
 """The FastAPI order service.
 
 ``POST /orders`` writes the order (an ORM row) and its ``OrderPlaced`` event in one
-transaction of an ``AsyncSession``: ``notify_outbox.sqlalchemy.enqueue_async`` inserts the
+transaction of an ``AsyncSession``: ``notify_outbox.producer.sqlalchemy.enqueue_async`` inserts the
 event through the session's own connection, so both commit or neither does. The relay runs in
 the same process and event loop, started in the lifespan with ``start_background()``: the app
 serves requests at once, even while Kafka is down (the events wait in the outbox), and
@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from notify_outbox import OutboxSettings, Relay, load_settings, migrate
-from notify_outbox.sqlalchemy import enqueue_async
+from notify_outbox.producer.sqlalchemy import enqueue_async
 
 
 class Base(DeclarativeBase):
@@ -63,7 +63,7 @@ def sqlalchemy_url(settings: OutboxSettings) -> str:
 async def prepare_database(settings: OutboxSettings) -> None:
     """The outbox's migrations (idempotent). Here for a self-contained example; a real
     service runs them as a deploy step: ``notify-outbox migrate``, or
-    ``notify_outbox.alembic.upgrade_outbox(op)`` in an Alembic revision."""
+    ``notify_outbox.producer.alembic.upgrade_outbox(op)`` in an Alembic revision."""
     conn = await asyncpg.connect(settings.dsn.get_secret_value())
     try:
         await migrate(conn, settings.names)

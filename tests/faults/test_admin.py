@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 from devstack.relayproc import child_env, cli_argv
-from notify_outbox.cli import main as cli_main
-from notify_outbox.sqlfiles import load_migrations
+from notify_outbox.cli.app import main as cli_main
+from notify_outbox.pg.sqlfiles import load_migrations
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
 from tests.faults.harness import FaultRelay, connect, fetchval, relays, task_group

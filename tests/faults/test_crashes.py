@@ -20,8 +20,8 @@ import anyio
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
-from notify_outbox.publisher import KafkaPublisher, PublishResult
-from notify_outbox.store import OutboxRow
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.kafka.publisher import KafkaPublisher, PublishResult
 from tests.conftest import Services
 from tests.faults.checker import FIGURES, OutboxChecker
 from tests.faults.harness import (

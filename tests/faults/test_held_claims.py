@@ -36,8 +36,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames
-from notify_outbox.pulse import PULSE_APP, WORKER_APP
-from notify_outbox.sqlfiles import Queries
+from notify_outbox.pg.sqlfiles import Queries
+from notify_outbox.relay.pulse import PULSE_APP, WORKER_APP
 from tests.conftest import Services
 from tests.faults.checker import FIGURES, CheckReport, OutboxChecker
 from tests.faults.harness import (

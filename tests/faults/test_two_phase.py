@@ -23,7 +23,7 @@ import anyio
 import pytest
 
 from notify_outbox import OutboxNames, OutboxSettings, Relay
-from notify_outbox.sqlfiles import Queries
+from notify_outbox.pg.sqlfiles import Queries
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker, PreparedEvent, Producer
 from tests.faults.harness import KafkaTail, connect, eventually, fetchval, task_group

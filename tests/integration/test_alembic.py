@@ -21,8 +21,8 @@ from sqlalchemy import BigInteger, Column, Connection, MetaData, Table, Text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from notify_outbox import OutboxNames, migrate, verify
-from notify_outbox.alembic import include_object
-from notify_outbox.sqlalchemy import outbox_tables
+from notify_outbox.producer.alembic import include_object
+from notify_outbox.producer.sqlalchemy import outbox_tables
 from tests.support import ROOT
 
 ENV_PY = '''
@@ -36,8 +36,8 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 from sqlalchemy.ext.asyncio import async_engine_from_config
 
-from notify_outbox.alembic import include_object
-from notify_outbox.sqlalchemy import outbox_tables
+from notify_outbox.producer.alembic import include_object
+from notify_outbox.producer.sqlalchemy import outbox_tables
 
 config = context.config
 
@@ -94,7 +94,7 @@ REVISIONS = {
         import sqlalchemy as sa
         from alembic import op
 
-        from notify_outbox.alembic import upgrade_outbox
+        from notify_outbox.producer.alembic import upgrade_outbox
 
         revision = "0001"
         down_revision = None
@@ -112,7 +112,7 @@ REVISIONS = {
     "0002_outbox_6.py": """
         from alembic import op
 
-        from notify_outbox.alembic import upgrade_outbox
+        from notify_outbox.producer.alembic import upgrade_outbox
 
         revision = "0002"
         down_revision = "0001"
@@ -129,7 +129,7 @@ REVISIONS = {
     "0003_outbox_again.py": """
         from alembic import op
 
-        from notify_outbox.alembic import upgrade_outbox
+        from notify_outbox.producer.alembic import upgrade_outbox
 
         revision = "0003"
         down_revision = "0002"
@@ -333,7 +333,7 @@ FAILING_REVISION = {
     "0001_fails.py": """
         from alembic import op
 
-        from notify_outbox.alembic import upgrade_outbox
+        from notify_outbox.producer.alembic import upgrade_outbox
 
         revision = "0001"
         down_revision = None

@@ -11,8 +11,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames
-from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import LowWaterMark, claim_scan
+from notify_outbox.pg.sqlfiles import Queries
+from notify_outbox.pg.store import LowWaterMark, claim_scan
 
 pytestmark = pytest.mark.anyio
 

@@ -18,8 +18,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames, migrate
-from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import LowWaterMark, MarkKeeper, claim_scan
+from notify_outbox.pg.sqlfiles import Queries
+from notify_outbox.pg.store import LowWaterMark, MarkKeeper, claim_scan
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames
-from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import PRIME_TTL, BatchOutcome, PgOutboxStore
+from notify_outbox.pg.sqlfiles import Queries
+from notify_outbox.pg.store import PRIME_TTL, BatchOutcome, PgOutboxStore
 
 pytestmark = pytest.mark.anyio
 

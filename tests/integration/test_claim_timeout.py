@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from notify_outbox import Relay
-from notify_outbox.stalls import AUTO_CEILING, WARMUP
+from notify_outbox.relay.stalls import AUTO_CEILING, WARMUP
 from tests.conftest import Services
 from tests.faults.harness import eventually
 from tests.integration.test_relay import make_settings

@@ -18,8 +18,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames, OutboxSettings, Relay
-from notify_outbox.cli import main
-from notify_outbox.deadletters import DeadLetterFilter, requeue
+from notify_outbox.cli.app import main
+from notify_outbox.pg.deadletters import DeadLetterFilter, requeue
 from tests.conftest import Services
 from tests.support import ROOT, consume, create_topics, dsn_with_user, header
 

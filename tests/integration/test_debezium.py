@@ -28,8 +28,8 @@ import pytest
 from aiokafka import ConsumerRecord
 
 from notify_outbox import ConfigurationError, MigrationError, OutboxNames, OutboxSettings, Relay
-from notify_outbox.debezium import DebeziumCapture, install_capture, verify_capture
-from notify_outbox.migrations import migrate
+from notify_outbox.debezium.capture import DebeziumCapture, install_capture, verify_capture
+from notify_outbox.pg.migrations import migrate
 from tests.conftest import Services
 from tests.support import ROOT, consume, create_topics
 

@@ -14,9 +14,9 @@ import asyncpg
 import pytest
 
 from notify_outbox import Relay
-from notify_outbox.events import RelayEvents
-from notify_outbox.names import OutboxNames
-from notify_outbox.store import claim_scan
+from notify_outbox.core.events import RelayEvents
+from notify_outbox.core.names import OutboxNames
+from notify_outbox.pg.store import claim_scan
 from tests.conftest import Services
 from tests.integration.test_claim_buckets import BATCH, _claim
 from tests.integration.test_relay import make_settings

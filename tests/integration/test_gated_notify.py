@@ -15,8 +15,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames, OutboxSettings, Relay
-from notify_outbox.events import RelayEvents
-from notify_outbox.sqlfiles import Queries
+from notify_outbox.core.events import RelayEvents
+from notify_outbox.pg.sqlfiles import Queries
 from tests.conftest import Services
 from tests.faults.harness import eventually
 from tests.support import RelayProcess, consume

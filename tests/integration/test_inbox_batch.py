@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 
-from notify_outbox.errors import ConfigurationError
+from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.inbox import (
     BadEventId,
     HandlerFailed,

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from notify_outbox import OutboxNames, OutboxSettings, Relay
-from notify_outbox.metrics import RelayMetrics
-from notify_outbox.sqlfiles import Queries
-from notify_outbox.store import LowWaterMark, PgOutboxStore
+from notify_outbox.ops.metrics import RelayMetrics
+from notify_outbox.pg.sqlfiles import Queries
+from notify_outbox.pg.store import LowWaterMark, PgOutboxStore
 from tests.conftest import Services
 from tests.faults.harness import eventually
 

@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from notify_outbox import MigrationError, OutboxNames, migrate, render_migrations, verify
-from notify_outbox.sqlfiles import load_migrations
+from notify_outbox.pg.sqlfiles import load_migrations
 from tests.support import ROOT, logged
 
 pytestmark = pytest.mark.anyio

@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from notify_outbox import EventValidationError, OutboxEvent, enqueue, enqueue_many
-from notify_outbox.sqlalchemy import enqueue as sa_enqueue
-from notify_outbox.sqlalchemy import enqueue_async as sa_enqueue_async
+from notify_outbox.producer.sqlalchemy import enqueue as sa_enqueue
+from notify_outbox.producer.sqlalchemy import enqueue_async as sa_enqueue_async
 from tests.faults.harness import eventually
 
 pytestmark = pytest.mark.anyio

@@ -19,8 +19,8 @@ import anyio
 import asyncpg
 import pytest
 
-from notify_outbox import pulse as pulse_module
-from notify_outbox.pulse import Pulse, pulse_app, tagged, tolerance_for, worker_app
+from notify_outbox.relay import pulse as pulse_module
+from notify_outbox.relay.pulse import Pulse, pulse_app, tagged, tolerance_for, worker_app
 from tests.faults.harness import eventually
 
 pytestmark = pytest.mark.anyio

@@ -23,7 +23,7 @@ from devstack import PostgresServer
 from devstack.pgbundles import PG_VERSION_ENV
 from devstack.relayproc import cli_argv, relay_env
 from notify_outbox import OutboxNames
-from notify_outbox.sqlfiles import Queries
+from notify_outbox.pg.sqlfiles import Queries
 
 if TYPE_CHECKING:
     from tests.conftest import Services

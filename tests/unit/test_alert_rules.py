@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from notify_outbox import OutboxSettings, Relay
-from notify_outbox.metrics import RelayMetrics
+from notify_outbox.ops.metrics import RelayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "notify-outbox-alerts.yml"

@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from notify_outbox.cli import main
-from notify_outbox.db import dsn_address
-from notify_outbox.errors import ConfigurationError
-from notify_outbox.http import HttpSettings
-from notify_outbox.settings import (
+from notify_outbox.cli.app import main
+from notify_outbox.cli.flags import load_settings_from_flags
+from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.core.settings import (
     DatabaseSettings,
     OutboxSettings,
     load_settings,
-    load_settings_from_flags,
     unknown_variables,
 )
+from notify_outbox.ops.http import HttpSettings
+from notify_outbox.pg.db import dsn_address
 
 DSN = "postgresql://app:hunter2-secret@127.0.0.1:5432/app"
 
@@ -238,7 +238,7 @@ def test_the_relay_daemon_tunes_the_collector_and_only_it(env: pytest.MonkeyPatc
     generation every 50,000 allocations; the other commands and an embedded Relay do not."""
     import gc
 
-    from notify_outbox import cli
+    from notify_outbox.cli import app as cli
 
     before = gc.get_threshold()
     ran: list[tuple[int, int, int]] = []

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from notify_outbox.cli import _install_signal_handlers
+from notify_outbox.cli.app import _install_signal_handlers
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

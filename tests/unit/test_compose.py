@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from notify_outbox.settings import OutboxSettings
+from notify_outbox.core.settings import OutboxSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

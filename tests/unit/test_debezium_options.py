@@ -10,14 +10,14 @@ import uuid
 import pytest
 
 from notify_outbox import ConfigurationError, OutboxNames
-from notify_outbox.debezium import (
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.debezium.capture import (
     DebeziumCapture,
     HeaderField,
     parse_connector_config,
     render_capture,
 )
-from notify_outbox.publisher import to_message
-from notify_outbox.store import OutboxRow
+from notify_outbox.kafka.publisher import to_message
 
 
 def test_defaults_are_the_routers() -> None:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from devstack import docgen, k8s
-from notify_outbox.cli import _parser
-from notify_outbox.settings import _OTHER_VARIABLES, OutboxSettings
+from notify_outbox.cli.app import _parser
+from notify_outbox.core.settings import _OTHER_VARIABLES, OutboxSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from notify_outbox.events import RelayEvents
+from notify_outbox.core.events import RelayEvents
 
 pytestmark = pytest.mark.anyio
 

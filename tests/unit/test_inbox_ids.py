@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from notify_outbox.errors import ConfigurationError
+from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.inbox import BadEventId, Inbox, InboxNames
 
 

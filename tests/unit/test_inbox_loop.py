@@ -11,7 +11,8 @@ import anyio
 import pytest
 from aiokafka import TopicPartition
 
-from notify_outbox.inbox import BatchResult, HandlerFailed, _consume
+from notify_outbox.inbox import BatchResult, HandlerFailed
+from notify_outbox.inbox.loop import _consume
 
 pytestmark = pytest.mark.anyio
 

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from devstack import k8s
-from notify_outbox.cli import _parser
-from notify_outbox.http import HttpSettings
-from notify_outbox.settings import DatabaseSettings, OutboxSettings, unknown_variables
+from notify_outbox.cli.app import _parser
+from notify_outbox.core.settings import DatabaseSettings, OutboxSettings, unknown_variables
+from notify_outbox.ops.http import HttpSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "deploy" / "kubernetes"

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from notify_outbox.errors import ConfigurationError
-from notify_outbox.logs import (
+from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.core.logs import (
     JsonFormatter,
     RedactingFormatter,
     Redactor,

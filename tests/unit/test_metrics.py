@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from notify_outbox import OutboxSettings, Relay
-from notify_outbox.errors import ConfigurationError
-from notify_outbox.http import MonitoringServer, healthcheck
-from notify_outbox.metrics import OTHER_TOPIC, OutboxStats, RelayMetrics, failure_class
+from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.ops.http import MonitoringServer, healthcheck
+from notify_outbox.ops.metrics import OTHER_TOPIC, OutboxStats, RelayMetrics, failure_class
 from tests.fakes import FakePublisher, FakeStore, fake_settings
 from tests.support import ROOT
 

@@ -7,7 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from notify_outbox.sqlfiles import load_migrations, sql_dir
+from notify_outbox.pg.sqlfiles import load_migrations, sql_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,11 +8,11 @@ import uuid
 import pytest
 
 from notify_outbox import OutboxSettings
-from notify_outbox.backoff import Backoff
-from notify_outbox.outage import Outage, RateLimitFilter
-from notify_outbox.policy import decide, retry_delay
-from notify_outbox.publisher import PublishResult
-from notify_outbox.store import OutboxRow
+from notify_outbox.core.backoff import Backoff
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.kafka.publisher import PublishResult
+from notify_outbox.relay.outage import Outage, RateLimitFilter
+from notify_outbox.relay.policy import decide, retry_delay
 
 
 def settings(**kw: object) -> OutboxSettings:
@@ -95,7 +95,7 @@ def test_an_outage_logs_its_start_and_end_once(
     # A clock of the test's own: the outage lasts exactly 12.5 s, and the duration returned
     # and logged must be that (not merely some non-negative number).
     now = [1000.0]
-    monkeypatch.setattr("notify_outbox.outage.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("notify_outbox.relay.outage.time.monotonic", lambda: now[0])
     log = logging.getLogger("test.outage")
     outage = Outage("Kafka", log, remind_every=3600)
     with caplog.at_level(logging.INFO, logger="test.outage"):

@@ -17,9 +17,15 @@ from aiokafka import errors as kafka_errors
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
-from notify_outbox.message import PublishResult
-from notify_outbox.publisher import KafkaPublisher, RowRejected, _next_wave, _Partitions, to_message
-from notify_outbox.store import OutboxRow
+from notify_outbox.core.message import PublishResult
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.kafka.publisher import (
+    KafkaPublisher,
+    RowRejected,
+    _next_wave,
+    _Partitions,
+    to_message,
+)
 from tests.fakes import fake_settings
 
 pytestmark = pytest.mark.anyio
@@ -227,7 +233,7 @@ async def test_abandoning_a_producer_fails_a_batch_queued_for_retry_without_a_tr
     from aiokafka.producer.message_accumulator import MessageAccumulator
     from aiokafka.structs import TopicPartition
 
-    from notify_outbox.publisher import _abandon
+    from notify_outbox.kafka.publisher import _abandon
 
     loop = asyncio.get_running_loop()
     errors: list[dict[str, Any]] = []

@@ -3,7 +3,7 @@ stopped, from how late its pulse thread ran recently."""
 
 from __future__ import annotations
 
-from notify_outbox.pulse import (
+from notify_outbox.relay.pulse import (
     FACTOR,
     TOLERANCE_CEILING,
     Lateness,

@@ -15,8 +15,8 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
-from notify_outbox.stalls import AUTO_CEILING, AUTO_FLOOR, WARMUP
-from notify_outbox.store import ClaimedBatch, OutboxRow
+from notify_outbox.core.outbox import ClaimedBatch, OutboxRow
+from notify_outbox.relay.stalls import AUTO_CEILING, AUTO_FLOOR, WARMUP
 from tests.fakes import FakePublisher, FakeStore, fake_settings
 from tests.faults.harness import eventually
 
@@ -291,7 +291,7 @@ async def test_each_retry_is_claimed_on_its_own_schedule(
     # finds something to claim. (That a timer whose rows were claimed early is cancelled is
     # tested deterministically in test_wakeup.py; here it depends on the timers' grid.)
     jitters = iter([1.0, 0.1, 1.0, 0.5, 1.0, 0.5] + [1.0] * 100)
-    monkeypatch.setattr("notify_outbox.relay._jitter", lambda: next(jitters))
+    monkeypatch.setattr("notify_outbox.relay.relay._jitter", lambda: next(jitters))
     store = FakeStore(clock=time.monotonic)
     rows = [store.add(key=f"k{i}") for i in range(3)]
     fails = dict.fromkeys(rows, 2)

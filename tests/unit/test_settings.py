@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from notify_outbox.errors import ConfigurationError
-from notify_outbox.settings import OutboxSettings, load_settings
+from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.core.settings import OutboxSettings, load_settings
 
 DSN = "postgresql://app:hunter2-secret@127.0.0.1:5432/app"
 
@@ -42,7 +42,7 @@ def test_errors_across_fields_name_each_variable(
 
 
 def test_listen_dsn_is_checked_and_its_password_redacted() -> None:
-    from notify_outbox.settings import redact
+    from notify_outbox.core.logs import redact
 
     settings = OutboxSettings(
         dsn="postgresql://app:pooled-secret@pgbouncer:6432/app",
@@ -64,7 +64,7 @@ def test_listen_dsn_is_checked_and_its_password_redacted() -> None:
 def test_connection_errors_that_no_retry_cures_are_told_apart() -> None:
     import asyncpg
 
-    from notify_outbox.db import never_heals, statement_cache_size
+    from notify_outbox.pg.db import never_heals, statement_cache_size
 
     def error(cls: type[Exception], message: str) -> Exception:
         return cls(message)
@@ -87,7 +87,7 @@ def test_connection_errors_that_no_retry_cures_are_told_apart() -> None:
 def test_read_only_servers_are_told_apart() -> None:
     import asyncpg
 
-    from notify_outbox.db import read_only
+    from notify_outbox.pg.db import read_only
 
     standby = asyncpg.ReadOnlySQLTransactionError("cannot execute LISTEN during recovery")
     assert read_only(standby)

@@ -7,7 +7,7 @@ import time
 import anyio
 import pytest
 
-from notify_outbox.stalls import (
+from notify_outbox.relay.stalls import (
     AUTO_CEILING,
     AUTO_FLOOR,
     FACTOR,

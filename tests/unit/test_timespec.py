@@ -6,7 +6,12 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from notify_outbox.timespec import duration_seconds, format_duration, parse_duration, parse_time
+from notify_outbox.core.timespec import (
+    duration_seconds,
+    format_duration,
+    parse_duration,
+    parse_time,
+)
 
 NOW = datetime(2026, 11, 23, 7, 0, tzinfo=UTC)
 

@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from notify_outbox.enqueue import OutboxEvent, prepare_events
-from notify_outbox.publisher import PublishResult
-from notify_outbox.store import OutboxRow
-from notify_outbox.tracing import record_send_spans, with_trace_context
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.core.tracing import record_send_spans, with_trace_context
+from notify_outbox.kafka.publisher import PublishResult
+from notify_outbox.producer.enqueue import OutboxEvent, prepare_events
 from tests.support import ROOT
 
 
@@ -140,9 +140,9 @@ def test_the_library_works_without_opentelemetry() -> None:
 import sys
 sys.modules["opentelemetry"] = None  # makes every `import opentelemetry...` fail
 import notify_outbox
-from notify_outbox import tracing
-from notify_outbox.enqueue import OutboxEvent, prepare_events
-from notify_outbox.publisher import PublishResult
+from notify_outbox.core import tracing
+from notify_outbox.producer.enqueue import OutboxEvent, prepare_events
+from notify_outbox.kafka.publisher import PublishResult
 assert not tracing.AVAILABLE
 (e,) = prepare_events([OutboxEvent(topic="t", payload=1, headers={"a": "b"})])
 assert e.headers_json == '{"a": "b"}', e.headers_json

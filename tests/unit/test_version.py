@@ -9,7 +9,7 @@ from importlib.metadata import version
 import pytest
 
 import notify_outbox
-from notify_outbox.cli import main
+from notify_outbox.cli.app import main
 
 
 def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:

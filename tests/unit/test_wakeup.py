@@ -8,7 +8,7 @@ import asyncio
 import anyio
 import pytest
 
-from notify_outbox.wakeup import RetryTimers
+from notify_outbox.relay.wakeup import RetryTimers
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,1 @@
+"""Kafka: the publisher's port, its aiokafka adapter, and how a row becomes a record."""

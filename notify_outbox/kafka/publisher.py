@@ -1,0 +1,704 @@
+"""Publishing claimed rows to Kafka.
+
+``Publisher`` is the port the relay's logic talks to; ``KafkaPublisher`` implements it with an
+idempotent aiokafka producer (acks=all). A batch is pipelined: every ``send()`` is queued
+first, then all acknowledgements are awaited together under one deadline, because aiokafka
+with idempotence never expires a batch on its own and would wait forever for a dead broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import errors as kafka_errors
+from aiokafka.helpers import create_ssl_context
+from aiokafka.partitioner import murmur2
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+from notify_outbox.core.backoff import Backoff
+from notify_outbox.core.message import KafkaMessage, PublishResult
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.core.settings import OutboxSettings
+from notify_outbox.core.tracing import record_send_spans
+
+from .records import RowRejected, _record, to_message
+
+__all__ = [
+    "KafkaMessage",
+    "KafkaPublisher",
+    "PublishResult",
+    "Publisher",
+    "RowRejected",
+    "to_message",
+]
+
+log = logging.getLogger("notify_outbox.publisher")
+
+# Errors about one message that will not go away by retrying the batch at once; the row is
+# retried with backoff and dead-lettered after max_attempts.
+_ROW_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordTooLargeError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.CorruptRecordException,
+    kafka_errors.UnsupportedForMessageFormatError,
+)
+
+
+# The idempotent producer's session is broken, not a row: after a batch expired while its
+# partition had no leader (a broker restart), aiokafka has used up sequence numbers it never
+# sent, and the broker refuses every later batch of that partition. Only a new producer
+# (a new producer id) recovers; the rows stay pending and are sent again by it.
+_SESSION_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.OutOfOrderSequenceNumber,
+    kafka_errors.UnknownProducerId,
+    kafka_errors.InvalidProducerEpoch,
+    kafka_errors.ProducerFenced,
+)
+
+
+# What a broker answers for a batch over the topic's max.message.bytes.
+_TOO_LARGE: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordTooLargeError,
+)
+
+
+class _Abandoned(kafka_errors.KafkaError):  # type: ignore[misc]  # aiokafka has no type hints
+    """What the records an abandoned producer still held fail with: they were never sent."""
+
+
+# While acks are awaited (the claim's transaction is open), Kafka is asked this often whether it
+# is still there; when it is not, the batch gives up at once rather than hold its row locks and
+# an xid (which holds back vacuum cluster-wide) for the whole send deadline.
+_PROBE_EVERY = 0.5
+_PROBE_TIMEOUT = 1.0
+# How often an unavailable Kafka is asked whether it is back: a refused connection costs
+# nothing, and delivery should resume well within a second of the broker's return.
+_RECOVERY_FIRST = 0.02
+_RECOVERY_CAP = 0.2
+
+
+class Publisher(Protocol):
+    """What the relay needs from Kafka (a port, so tests can use a fake)."""
+
+    @property
+    def available(self) -> bool:
+        """False while Kafka is known to be unavailable: claim nothing until
+        ``wait_available`` returns."""
+        ...
+
+    async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
+        """Send rows in order and wait for their acks, within the send deadline."""
+        ...
+
+    async def wait_available(self) -> None:
+        """Return once Kafka answers again and no earlier send is still in flight."""
+        ...
+
+    async def check(self) -> bool:
+        """Ask Kafka whether it still answers (a relay with nothing to send would otherwise
+        learn of an outage only at its next publish). False: it counts as unavailable, as
+        after a failed publish, until ``wait_available`` returns."""
+        ...
+
+
+def _is_row_error(error: BaseException) -> bool:
+    return isinstance(error, _ROW_ERRORS)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+class KafkaPublisher:
+    """``Publisher`` on one idempotent aiokafka producer, shared by all workers of a relay."""
+
+    def __init__(self, settings: OutboxSettings) -> None:
+        self._settings = settings
+        self._producer: AIOKafkaProducer | None = None
+        # Acks of batches whose deadline passed: they may still complete when Kafka returns.
+        self._outstanding: set[asyncio.Future[Any]] = set()
+        self._broken = False  # the producer's idempotent session is unusable: replace it
+        self._down: str | None = None  # why Kafka is unavailable, while it is
+        self._recovery_lock = asyncio.Lock()
+        self._partitions = _Partitions()
+        # Per topic, the largest batch to send it, once it refused a larger one (its
+        # max.message.bytes is below kafka_batch_size): Kafka refuses a whole batch whose
+        # size is over the topic's limit, however small its records.
+        self._batch_limits: dict[str, int] = {}
+
+    @property
+    def available(self) -> bool:
+        return self._down is None and not self._broken
+
+    def _make_producer(self) -> AIOKafkaProducer:
+        s = self._settings
+        ssl_context = None
+        if s.kafka_security_protocol in ("SSL", "SASL_SSL"):
+            ssl_context = create_ssl_context(
+                cafile=str(s.kafka_ssl_cafile) if s.kafka_ssl_cafile else None,
+                certfile=str(s.kafka_ssl_certfile) if s.kafka_ssl_certfile else None,
+                keyfile=str(s.kafka_ssl_keyfile) if s.kafka_ssl_keyfile else None,
+                password=s.kafka_ssl_password.get_secret_value() if s.kafka_ssl_password else None,
+            )
+        return AIOKafkaProducer(
+            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
+            client_id=s.kafka_client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=s.kafka_linger_ms,
+            max_batch_size=min(s.kafka_batch_size, s.kafka_max_request_size),
+            max_request_size=s.kafka_max_request_size,
+            request_timeout_ms=s.kafka_request_timeout_ms,
+            compression_type=s.kafka_compression_type,
+            security_protocol=s.kafka_security_protocol,
+            sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
+            sasl_plain_username=s.kafka_sasl_username,
+            sasl_plain_password=(
+                s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
+            ),
+            ssl_context=ssl_context,
+        )
+
+    async def start(self) -> None:
+        """Connect to Kafka, retrying with backoff until it answers (a relay started before
+        its broker waits instead of crashing)."""
+        s = self._settings
+        backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
+        while True:
+            producer = self._make_producer()
+            try:
+                with anyio.fail_after(s.kafka_send_timeout):
+                    await producer.start()
+            except (kafka_errors.KafkaError, TimeoutError, OSError) as e:
+                with anyio.move_on_after(s.kafka_send_timeout, shield=True):
+                    await producer.stop()
+                delay = backoff.next_delay()
+                # A relay started before its broker waits quietly: the first failure and one
+                # in 64 as warnings, every attempt at DEBUG.
+                log.log(
+                    logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
+                    "Kafka not reachable yet (%s); retrying every %.1fs or so",
+                    _describe(e),
+                    backoff.cap,
+                )
+                await anyio.sleep(delay)
+                continue
+            self._producer = producer
+            return
+
+    async def stop(self, grace: float) -> bool:
+        """Flush and stop the producer within ``grace`` seconds; False if it was abandoned.
+
+        Cancelling the caller (an abort during a graceful stop) abandons it at once."""
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return True
+        stopped = False
+        try:
+            with anyio.move_on_after(grace):
+                await producer.stop()
+                stopped = True
+        finally:
+            if not stopped:
+                _abandon(producer)
+        if not stopped:
+            log.error("Kafka producer did not stop within %.1fs; abandoning it", grace)
+        return stopped
+
+    @property
+    def producer(self) -> AIOKafkaProducer:
+        """The running producer."""
+        if self._producer is None:
+            raise RuntimeError("KafkaPublisher is not started")
+        return self._producer
+
+    async def _missing_topics(self, topics: set[str]) -> set[str]:
+        """Topics Kafka says do not exist. Raises TimeoutError or KafkaError when Kafka cannot
+        be asked, so that a broker outage is never mistaken for a missing topic."""
+        client = self.producer.client
+        unknown = {t for t in topics if client.cluster.partitions_for_topic(t) is None}
+        if not unknown:
+            return set()
+        for topic in unknown:
+            client.add_topic(topic)
+        # aiokafka hands back the metadata request already in flight, if there is one, and it
+        # may have gone out before these topics were added: what its answer lacks is asked
+        # for once more before it counts as missing (seen: a new topic's rows failed once).
+        for _ in range(2):
+            if not await client.force_metadata_update():
+                raise kafka_errors.KafkaConnectionError("metadata request failed")
+            unknown = {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
+            if not unknown:
+                break
+        return unknown
+
+    async def _reachable(self, topics: Iterable[str] = ()) -> bool:
+        """Whether Kafka answers a metadata request within ``_PROBE_TIMEOUT`` and every
+        partition of ``topics`` (those that exist) has a leader to take writes."""
+        client = self.producer.client
+        with anyio.move_on_after(_PROBE_TIMEOUT):
+            try:
+                if not await client.force_metadata_update():
+                    return False
+            except (kafka_errors.KafkaError, OSError):
+                return False
+            for topic in topics:
+                for partition in client.cluster.partitions_for_topic(topic) or ():
+                    leader = client.cluster.leader_for_partition(TopicPartition(topic, partition))
+                    if leader is None or leader < 0:
+                        return False
+            return True
+        return False
+
+    async def _await_acks(self, futures: Iterable[asyncio.Future[Any]], topics: set[str]) -> bool:
+        """Wait for ``futures``; False as soon as a probe finds Kafka unavailable."""
+        pending = {f for f in futures if not f.done()}
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=_PROBE_EVERY)
+            if pending and not await self._reachable(topics):
+                return False
+        return True
+
+    async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
+        started = time.time_ns()
+        result = await self._publish(rows)
+        record_send_spans(rows, result, started)  # OpenTelemetry, if on (tracing.py)
+        return result
+
+    async def _publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
+        """Send ``rows`` in waves and classify the acks. A wave holds at most one topic per
+        key: Kafka keeps order only within a partition, so a key's row for another topic
+        waits for the next wave, sent once the acks of this one are in (and not at all if
+        the key's earlier row failed). Almost every batch is one wave."""
+        result = PublishResult()
+        if not self.available:
+            result.unavailable = self._down or "the Kafka producer must be replaced"
+            return result
+        # One producer for the whole claim: records of one key must not be split between an
+        # abandoned producer (which sends nothing more) and its replacement.
+        producer = self.producer
+        on_ack = self._watch(producer)
+        self._partitions.next_publish()
+        blocked: set[str] = set()  # keys with a failed row: their later rows wait
+        topics = {r.topic for r in rows}
+        unsettled: list[_Sent] = []  # sent, acks not classified yet
+        with anyio.move_on_after(self._settings.kafka_send_timeout) as scope:
+            try:
+                missing = await self._missing_topics(topics)
+            except (kafka_errors.KafkaError, OSError) as e:
+                result.unavailable = f"Kafka metadata unavailable: {_describe(e)}"
+            todo: Sequence[OutboxRow] = rows
+            while todo and result.unavailable is None:
+                # One topic, the common case: the whole claim is one wave (blocked keys are
+                # skipped while the wave is built).
+                wave, todo = (todo, ()) if len(topics) == 1 else _next_wave(todo, blocked)
+                # Filled as batches are handed over: a timeout that cuts the wave short
+                # must still find every batch sent, to park its ack (_classify).
+                unsettled = []
+                await self._send_wave(producer, on_ack, wave, missing, blocked, result, unsettled)
+                if unsettled:
+                    result.handed_at = time.monotonic_ns()
+                if result.unavailable is None and not await self._await_acks(
+                    [b.future for b in unsettled], topics
+                ):
+                    result.unavailable = "Kafka stopped answering"
+                if result.unavailable is None:
+                    self._classify(unsettled, result, blocked)
+                    unsettled = []
+        if scope.cancelled_caught and result.unavailable is None:
+            result.unavailable = (
+                f"Kafka did not acknowledge within {self._settings.kafka_send_timeout}s"
+            )
+        self._classify(unsettled, result, blocked)
+        if result.unavailable is not None and self._down is None:
+            self._down = result.unavailable
+        return result
+
+    async def _send_wave(
+        self,
+        producer: AIOKafkaProducer,
+        on_ack: Callable[[asyncio.Future[Any]], None],
+        wave: Sequence[OutboxRow],
+        missing: set[str],
+        blocked: set[str],
+        result: PublishResult,
+        sent: list[_Sent],
+    ) -> None:
+        """Map a wave's rows to records, append them to batches per partition (in row
+        order, so a key's rows keep theirs), and hand the batches to the producer, adding
+        each to ``sent``. A row that cannot be sent fails here and holds back its key's
+        later rows."""
+        debezium = self._settings.header_style == "debezium"
+        max_request = self._settings.kafka_max_request_size
+        # Below this many bytes of key, value and header text, a record cannot exceed the
+        # request size: the exact estimate is only worth its cost above it.
+        surely_fits = max_request // 2 - 1024
+        choose = self._partitions.choose
+        batches: dict[tuple[str, int], list[_Batch]] = {}
+        # Per topic, each key's partition's batches: one dict look-up per row once the key
+        # was seen (a claim holds many rows of few keys, or of one topic).
+        chains: dict[str, dict[bytes | None, list[_Batch]]] = {}
+        last_topic: str | None = None
+        chain_of: dict[bytes | None, list[_Batch]] = {}
+        limit: int | None = None
+        for row in wave:
+            key = row.key
+            if key is not None and key in blocked:
+                continue
+            try:
+                kb, value, headers = _record(row, debezium)
+            except RowRejected as e:
+                # Before the topic's check: a row that can never be sent goes at its first
+                # attempt, whatever its topic.
+                _fail(result, blocked, row, f"malformed event: {e}", permanent=True)
+                continue
+            topic = row.topic
+            if topic in missing:
+                _fail(result, blocked, row, f"topic {topic!r} does not exist in Kafka")
+                continue
+            # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
+            bound = (len(value) if value is not None else 0) + (len(kb) if kb is not None else 0)
+            for text in (row.headers, row.event_type, row.aggregate_type, row.aggregate_id):
+                if text is not None:
+                    bound += 4 * len(text)
+            if bound >= surely_fits:
+                size = DefaultRecordBatchBuilder.estimate_size_in_bytes(kb, value, headers)
+                if size > max_request:
+                    error = kafka_errors.MessageSizeTooLargeError(
+                        f"The message is {size} bytes when serialized which is larger than "
+                        "the maximum request size you have configured with the "
+                        "max_request_size configuration"
+                    )
+                    _fail(result, blocked, row, _describe(error))
+                    continue
+            if topic != last_topic:
+                last_topic, chain_of = topic, chains.setdefault(topic, {})
+                limit = self._batch_limits.get(topic)
+            chain = chain_of.get(kb)
+            if chain is None:
+                tp = (topic, choose(producer, topic, kb))
+                chain = batches.get(tp)
+                if chain is None:
+                    chain = batches[tp] = [_Batch(producer.create_batch())]
+                chain_of[kb] = chain
+            batch = chain[-1]
+            if (
+                limit is not None
+                and batch.rows
+                and batch.builder.size()
+                + DefaultRecordBatchBuilder.estimate_size_in_bytes(kb, value, headers)
+                > limit
+            ):
+                batch = _Batch(producer.create_batch())
+                chain.append(batch)
+            if batch.builder.append(timestamp=None, key=kb, value=value, headers=headers) is None:
+                # Full: the row starts the partition's next batch (an empty batch takes
+                # any record; the size was checked above).
+                batch = _Batch(producer.create_batch())
+                chain.append(batch)
+                batch.builder.append(timestamp=None, key=kb, value=value, headers=headers)
+            batch.rows.append(row)
+        errors: list[kafka_errors.KafkaError] = []
+
+        async def submit(tp: tuple[str, int], chain: list[_Batch]) -> None:
+            # A partition's next batch waits until the producer took the one before (and,
+            # idempotent, until its ack came): the partitions go side by side.
+            for batch in chain:
+                while not errors:
+                    try:
+                        sent.append(await _submit(producer, batch, tp, on_ack))
+                        break
+                    except kafka_errors.KafkaTimeoutError as e:
+                        # aiokafka's send_batch gives up early while other claims queue
+                        # batches for the same partition (aiokafka 0.14 takes the time
+                        # waited so far off its timeout again at every turn): a false
+                        # timeout, unless Kafka stopped answering.
+                        if not await self._reachable([tp[0]]):
+                            errors.append(e)
+                    except kafka_errors.KafkaError as e:
+                        errors.append(e)
+
+        if len(batches) == 1:
+            await submit(*next(iter(batches.items())))
+        elif batches:
+            await asyncio.gather(*(submit(tp, chain) for tp, chain in batches.items()))
+        # Whatever was not handed over stays pending; an abandoned producer's records go
+        # with the next one.
+        if errors and not isinstance(errors[0], _Abandoned):
+            result.unavailable = _describe(errors[0])
+
+    def _classify(self, sent: Sequence[_Sent], result: PublishResult, blocked: set[str]) -> None:
+        """Sort the rows of sent batches by their batch's ack: delivered, failed (retry with
+        backoff), or Kafka unavailable. A batch whose ack is still out is parked: nobody
+        waits for it any more, but it may still complete when Kafka returns."""
+        for batch in sent:
+            fut = batch.future
+            if not fut.done():
+                self._outstanding.add(fut)
+                fut.add_done_callback(self._outstanding.discard)
+                # Read its error when it comes, or asyncio logs "exception was never
+                # retrieved" for it.
+                fut.add_done_callback(_retrieve)
+                continue
+            error = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+            if error is None:
+                result.delivered.extend([r.id for r in batch.rows])
+            elif isinstance(error, _Abandoned):
+                pass  # never sent: stays pending, no attempt counted
+            elif isinstance(error, _SESSION_ERRORS):
+                self._broken = True
+                if result.unavailable is None:
+                    result.unavailable = f"Kafka producer session broken: {_describe(error)}"
+            elif isinstance(error, _TOO_LARGE) and len(batch.rows) > 1:
+                # The batch was too large for the topic, not its rows: they stay pending,
+                # with no attempt counted, and go again in smaller batches.
+                self._lower_batch_limit(batch, error)
+            elif _is_row_error(error) or (
+                isinstance(error, kafka_errors.KafkaError) and not error.retriable
+            ):
+                for row in batch.rows:
+                    _fail(result, blocked, row, _describe(error))
+            elif result.unavailable is None:
+                result.unavailable = _describe(error)
+
+    def _lower_batch_limit(self, batch: _Sent, error: BaseException) -> None:
+        """Halve the batches sent to a topic that refused one of ``batch.size`` bytes; a
+        record over the limit goes alone, and the topic's refusal of it is its row's."""
+        limit = max(1, min(self._batch_limits.get(batch.topic, batch.size), batch.size) // 2)
+        self._batch_limits[batch.topic] = limit
+        log.warning(
+            "topic %r refused a batch of %d records (%d bytes) as too large (%s); sending it "
+            "batches of at most %d bytes from now on. Set NOTIFY_OUTBOX_KAFKA_BATCH_SIZE below "
+            "the topic's max.message.bytes to spare these retries",
+            batch.topic,
+            len(batch.rows),
+            batch.size,
+            _describe(error),
+            limit,
+        )
+
+    def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any]], None]:
+        """A done-callback for ``producer``'s acks: the first record that fails abandons it.
+
+        aiokafka numbers a partition's record batches when it sends them and never takes a
+        number back, so a batch the broker refused (a record over the topic's
+        ``max.message.bytes``, say) leaves a gap, and aiokafka still sends the partition's next
+        batch. The broker refuses that one (OutOfOrderSequenceNumber) only if it holds state
+        for this producer on the partition; if the refused batch was the producer's first
+        there, it appends it, and a key's later rows are in Kafka before its failed row. This
+        callback is scheduled when the record's future fails, before aiokafka's sender is woken
+        to send the next batch, so abandoning the producer here stops it in time: its unsent
+        records fail with ``_Abandoned`` and stay pending for the next producer.
+        """
+
+        def on_ack(fut: asyncio.Future[Any]) -> None:
+            error = None if fut.cancelled() else fut.exception()
+            if error is None or isinstance(error, _Abandoned):
+                return
+            if producer is self._producer and not self._broken:
+                self._broken = True
+                log.warning(
+                    "a record failed at Kafka (%s); replacing the producer so that nothing "
+                    "queued behind it is sent out of order",
+                    _describe(error),
+                )
+            _abandon(producer)
+
+        return on_ack
+
+    async def _replace(self) -> None:
+        """Start a new producer and abandon the old one without waiting for its sends.
+
+        Its unacknowledged sends belong to claims that were given back: their rows are sent
+        again by the new producer (at-least-once). A new producer id also leaves behind an
+        idempotent session that a broker restart may have broken (sequence numbers the
+        broker no longer expects), instead of discovering that through a failed send.
+        """
+        old = self._producer
+        await self.start()
+        self._broken = False
+        self._outstanding.clear()
+        if old is not None:
+            # Without its sender task, stop() does not wait to flush what it still holds.
+            _abandon(old)
+            with anyio.move_on_after(_PROBE_TIMEOUT, shield=True):
+                await old.stop()
+
+    async def check(self) -> bool:
+        if not self.available:
+            return False
+        if await self._reachable():
+            return True
+        self._down = self._down or "Kafka stopped answering"
+        return False
+
+    async def wait_available(self) -> None:
+        async with self._recovery_lock:  # one prober for all workers
+            if self.available:
+                return
+            backoff = Backoff(_RECOVERY_FIRST, _RECOVERY_CAP)
+            while not await self._reachable():
+                await backoff.sleep()
+            if self._broken or any(not f.done() for f in self._outstanding):
+                await self._replace()
+            self._down = None
+
+
+def _abandon(producer: AIOKafkaProducer) -> None:
+    """Cancel a producer's sender task, so nothing it still holds is sent; once the task has
+    ended (after the requests already sent), fail what it still holds with ``_Abandoned``,
+    so that nobody waits for those acks."""
+    sender_task = getattr(getattr(producer, "_sender", None), "sender_task", None)
+    if sender_task is not None and not sender_task.done() and not sender_task.cancelling():
+        sender_task.cancel()
+        accumulator = getattr(producer, "_message_accumulator", None)
+        if accumulator is None:
+            return
+
+        def fail_unsent(_: object) -> None:
+            queued = [batch for batches in accumulator._batches.values() for batch in batches]
+            # A batch sent once and queued again for a retry (a Kafka restart) has left the
+            # accumulator's pending set, but the callback aiokafka added when it first sent it
+            # removes it from that set once it is done: without it there, failing it below
+            # made that callback raise KeyError, logged by the event loop with a traceback.
+            pending = getattr(accumulator, "_pending_batches", None)
+            if isinstance(pending, set):
+                pending.update(batch for batch in queued if batch.retry_count > 0)
+            # Later send() calls raise it too, and a send() waiting for room in a full batch
+            # returns at once instead of after request_timeout_ms.
+            accumulator.fail_all(_Abandoned("the Kafka producer was abandoned"))
+            for batch in queued:
+                _retrieve(batch._drain_waiter)  # or asyncio logs it as never retrieved
+
+        sender_task.add_done_callback(fail_unsent)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A record batch being filled: aiokafka's BatchBuilder and the rows in it, in order."""
+
+    builder: Any
+    rows: list[OutboxRow] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A record batch handed to the producer: its rows and its ack."""
+
+    rows: list[OutboxRow]
+    future: asyncio.Future[Any]
+    topic: str
+    size: int  # bytes, as built
+
+
+async def _submit(
+    producer: AIOKafkaProducer,
+    batch: _Batch,
+    tp: tuple[str, int],
+    on_ack: Callable[[asyncio.Future[Any]], None],
+) -> _Sent:
+    """Hand a batch to the producer, and watch its ack at once: the next batch of its
+    partition may wait for this one to be taken, and ``on_ack`` must see a failure before
+    the producer sends anything after it (see ``KafkaPublisher._watch``)."""
+    future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
+    future.add_done_callback(on_ack)
+    return _Sent(batch.rows, future, tp[0], batch.builder.size())
+
+
+def _fail(
+    result: PublishResult,
+    blocked: set[str],
+    row: OutboxRow,
+    reason: str,
+    *,
+    permanent: bool = False,
+) -> None:
+    """Record a row's failure; its key's later rows must not overtake it."""
+    (result.rejected if permanent else result.failed).append((row.id, reason))
+    if row.key is not None:
+        blocked.add(row.key)
+
+
+def _next_wave(
+    rows: Sequence[OutboxRow], blocked: set[str]
+) -> tuple[list[OutboxRow], list[OutboxRow]]:
+    """Split off the rows that may go at once: for each key, its rows up to the first one
+    for a topic other than its first row's. The rest (from that row on, per key) waits for
+    the acks. Rows of blocked keys are left out: they stay pending."""
+    wave: list[OutboxRow] = []
+    later: list[OutboxRow] = []
+    topic_of: dict[str, str] = {}
+    deferred: set[str] = set()
+    for row in rows:
+        key = row.key
+        if key is None:
+            wave.append(row)
+            continue
+        if key in blocked:
+            continue
+        if key in deferred:
+            later.append(row)
+            continue
+        first = topic_of.setdefault(key, row.topic)
+        if first == row.topic:
+            wave.append(row)
+        else:
+            deferred.add(key)
+            later.append(row)
+    return wave, later
+
+
+class _Partitions:
+    """The partition of each record: Kafka's default rule for keyed records (murmur2 of the
+    key, positive, modulo the topic's partition count; what the Java client and aiokafka's
+    default partitioner do), hashed once per distinct key; keyless records of one publish
+    stick to one partition chosen at random among those with a leader (Kafka's sticky
+    partitioner), so they fill one batch."""
+
+    _MAX_KEYS = 100_000
+
+    def __init__(self) -> None:
+        self._hashes: dict[bytes, int] = {}
+        self._sticky: dict[str, int] = {}
+        self._counts: dict[str, int] = {}  # partitions per topic, read once per publish
+
+    def choose(self, producer: AIOKafkaProducer, topic: str, key: bytes | None) -> int:
+        if key is None:
+            partition = self._sticky.get(topic)
+            if partition is None:
+                cluster = producer.client.cluster
+                available = cluster.available_partitions_for_topic(topic)
+                partition = random.choice(sorted(available or cluster.partitions_for_topic(topic)))
+                self._sticky[topic] = partition
+            return partition
+        h = self._hashes.get(key)
+        if h is None:
+            if len(self._hashes) >= self._MAX_KEYS:
+                self._hashes.clear()
+            h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
+        count = self._counts.get(topic)
+        if count is None:
+            count = self._counts[topic] = len(producer.client.cluster.partitions_for_topic(topic))
+        return h % count
+
+    def next_publish(self) -> None:
+        """A new publish reads the partition counts again, and picks new sticky partitions
+        for keyless records."""
+        self._sticky.clear()
+        self._counts.clear()

@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, the monitoring HTTP server, and replay."""

@@ -1,0 +1,1 @@
+"""PostgreSQL: connections, the SQL files, migrations, the outbox store and the dead letters."""
