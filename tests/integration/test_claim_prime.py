@@ -45,13 +45,20 @@ async def pool_and_log(db_dsn: str) -> AsyncIterator[tuple[asyncpg.Pool, Stateme
             await pool.close()
 
 
-def _store(pool: asyncpg.Pool, *, prime: bool = True) -> PgOutboxStore:
+def _store(pool: asyncpg.Pool, *, prime: bool = True, prime_ttl: float = 60.0) -> PgOutboxStore:
+    # A long wait by default (a claim's idle timeout bounds it: half of _claim_and_publish's),
+    # so that a loaded host's delays cannot end it before a test looks at it.
     return PgOutboxStore(
-        pool, Queries(OutboxNames()), delete_on_publish=False, command_timeout=10, prime=prime
+        pool,
+        Queries(OutboxNames()),
+        delete_on_publish=False,
+        command_timeout=10,
+        prime=prime,
+        prime_ttl=prime_ttl,
     )
 
 
-async def _claim_and_publish(store: PgOutboxStore, idle_timeout: float = 5.0) -> list[int]:
+async def _claim_and_publish(store: PgOutboxStore, idle_timeout: float = 120.0) -> list[int]:
     async with store.claim(100, idle_timeout) as batch:
         ids = [r.id for r in batch.rows]
         await batch.complete(BatchOutcome(published=ids))
@@ -104,7 +111,7 @@ async def test_a_primed_transaction_is_rolled_back_and_its_connection_returned_s
     db_dsn: str, pool_and_log: tuple[asyncpg.Pool, Statements]
 ) -> None:
     pool, _ = pool_and_log
-    store = _store(pool)
+    store = _store(pool, prime_ttl=PRIME_TTL)
     admin = await asyncpg.connect(db_dsn)
     try:
         await admin.fetchval(INSERT, "a")
