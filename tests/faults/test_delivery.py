@@ -7,7 +7,11 @@ rows in one transaction.
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 import anyio
+import asyncpg
 import pytest
 
 from devstack._common import free_ports
@@ -83,7 +87,11 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
        arrives after its LISTEN to claim the backlog instead. The relay must still deliver
        all of it, and its own counters show no wake-up but its start.
     2. Writers insert all through the next relay's start-up: nothing may be missed, which
-       needs the LISTEN committed before that claim."""
+       needs the LISTEN committed before that claim. Writers that keep committing would
+       hide a row the claim missed (the next notification's claim sweeps it up), so the
+       order itself is checked: the relay stops itself at its first claim
+       (``NOTIFY_OUTBOX_TEST_STOP_AT``), and pg_stat_activity shows its listener's LISTEN
+       completed, outside any transaction, before that claim's transaction began."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "4 backlog").setup()
     env = {"NOTIFY_OUTBOX_POLL_INTERVAL": "600"}
     async with checker.producer() as p:
@@ -123,7 +131,19 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
         await eventually(
             lambda: _at_least(load.produced, 30), within=30, what="writers are running"
         )
-        async with relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,):
+        stop_at = {**env, "NOTIFY_OUTBOX_TEST_STOP_AT": "after_claim"}
+        async with (
+            relays(FaultRelay(db_dsn, services.bootstrap, env=stop_at)) as (relay,),
+            connect(db_dsn) as watch,
+        ):
+            await eventually(
+                lambda: _frozen(relay.proc.pid), within=60, what="the relay stopped in a claim"
+            )
+            order = await _listen_before_claim(watch)
+            relay.signal(signal.SIGCONT)
+            print(f"LISTEN, then the first claim: {order}")
+            assert order["listen_state"] == "idle", order  # committed: no transaction open
+            assert order["listened_first"], order
             await relay.ready()
             at_ready = load.produced
             await eventually(
@@ -149,6 +169,44 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
 
 async def _at_least(value: int, target: int) -> bool:
     return value >= target
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def _frozen(pid: int) -> bool:
+    return _stopped(pid)
+
+
+# The relay's listener and its workers' open claims, the relay being stopped in one: when the
+# listener's LISTEN completed (its last statement then; or its health probe's NOTIFY, run after
+# the LISTEN, whose start bounds it) against when the earliest claim's transaction began.
+_LISTEN_BEFORE_CLAIM = """
+SELECT l.query AS listen_query, l.state AS listen_state,
+       CASE WHEN l.query ILIKE 'LISTEN %' THEN l.state_change ELSE l.query_start END
+           <= min(w.xact_start) AS listened_first,
+       CASE WHEN l.query ILIKE 'LISTEN %' THEN l.state_change ELSE l.query_start END
+           AS listened, min(w.xact_start) AS first_claim_began, count(w.pid) AS claims
+FROM pg_stat_activity l
+JOIN pg_stat_activity w ON w.datname = l.datname AND w.xact_start IS NOT NULL
+     AND w.application_name LIKE 'notify-outbox-worker%'
+WHERE l.datname = current_database() AND l.application_name = 'notify-outbox-listener'
+GROUP BY l.pid, l.query, l.state, l.state_change, l.query_start
+"""
+
+
+async def _listen_before_claim(watch: asyncpg.Connection) -> dict[str, object]:
+    rows = await watch.fetch(_LISTEN_BEFORE_CLAIM)
+    assert len(rows) == 1, f"one listener beside the claims: {[dict(r) for r in rows]}"
+    (row,) = rows
+    query = str(row["listen_query"])
+    assert query.upper().startswith("LISTEN ") or "pg_notify" in query, (
+        f"the listener's last statement is neither its LISTEN nor its probe after it: {query!r}"
+    )
+    return dict(row)
 
 
 async def test_16_late_commit_is_not_skipped(db_dsn: str, services: Services, topic: str) -> None:
