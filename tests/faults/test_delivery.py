@@ -2,7 +2,7 @@
 
 Scenarios (reliability.md): 1 rollback after the trigger fired, 2 notifications never arrive
 (trigger disabled; poll-only), 4 backlog at start while writers insert, 16 late commit, 17 many
-rows in one transaction.
+rows in one transaction, 35 a key's rows on two topics.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.faults.harness import (
     relays,
     task_group,
 )
-from tests.support import metric
+from tests.support import create_topics, metric
 
 pytestmark = pytest.mark.anyio
 
@@ -49,6 +49,34 @@ async def test_01_rolled_back_events_are_never_published(
         await relay.stop_ok()
     print(report.text())
     assert checker.ledger.count("rolled_back") > 100, "the scenario rolled back too little"
+    assert report.duplicates == 0
+    report.assert_ok()
+
+
+async def test_35_a_keys_rows_on_two_topics_arrive_in_commit_order(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Writers send each key's events to two topics at random, some rolled back: every
+    committed event arrives once, in commit order per key within each topic, and across the
+    two (a key's row for the other topic is sent only once the row before it was
+    acknowledged: the checker compares the records' CreateTime). Every key has rows on both
+    topics, so the check across topics runs on what the relay sent."""
+    other = f"{topic}-other"
+    await create_topics(services.bootstrap, [other], partitions=3)
+    checker = await OutboxChecker(
+        db_dsn, services.bootstrap, [topic, other], "35 two topics"
+    ).setup()
+    keys = 10
+    load = checker.writers(
+        writers=3, keys=keys, rollback_ratio=0.1, max_events=200, other_topic=other
+    )
+    async with relays(FaultRelay(db_dsn, services.bootstrap)) as (relay,):
+        await relay.ready()
+        await load.run()
+        report = await checker.drain_and_check(within=60)
+        await relay.stop_ok()
+    print(report.text())
+    assert report.keys_across_topics == keys, "not every key had rows on both topics"
     assert report.duplicates == 0
     report.assert_ok()
 
