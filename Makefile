@@ -59,9 +59,11 @@ docs: $(STAMP)
 	$(PY) -m devstack.docgen --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean -d site
 
-# docs/reference/configuration.md and cli.md, from OutboxSettings and the command line's parser.
+# docs/reference/configuration.md and cli.md, from OutboxSettings and the command line's parser;
+# the headline figures of README.md and docs/benchmarks.md, from bench/results/.
 docs-reference: $(STAMP)
 	$(PY) -m devstack.docgen
+	$(PY) -m bench.figures
 
 # sql/schema.sql and sql/inbox_schema.sql from the migrations (a throwaway local PostgreSQL, or
 # NOTIFY_OUTBOX_TEST_DSN's); tests/integration/test_schema.py proves them equal.
