@@ -24,6 +24,7 @@ from .drain import summarize_drain
 from .failing_head import summarize_failing_head
 from .held_snapshot import summarize_held_snapshot
 from .report import _find, summarize
+from .stalled_relay import summarize_stalled_relay
 
 __all__ = ["BEGIN", "END", "PAGES", "check", "main", "render", "update"]
 
@@ -39,6 +40,7 @@ LATENCY_RUN = "20261128T022802Z"  # run --quick --repeat 3 --loads 100 1000, flo
 DRAIN_RUN = "drain-20261128T023718Z"
 HELD_RUN = "held-snapshot-20261127T061409Z"  # 10 min hold, medians of 3
 FAILING_RUN = "failing-head-20261127T131719Z"  # medians of 3
+STALLED_RUN = "stalled-relay-20261127T104422Z"  # medians of 3, as shipped
 
 
 @cache
@@ -136,6 +138,21 @@ def _failing_row() -> list[str]:
     ]
 
 
+def _stalled_row() -> list[str]:
+    rows = summarize_stalled_relay(_result(STALLED_RUN))["rows"]
+    by_keys = {r["keys"]: r for r in rows if r["notify_mode"] == "gated"}
+    few, many = by_keys[min(by_keys)], by_keys[max(by_keys)]
+    return [
+        f"two relays at {_result(STALLED_RUN)['config']['rate']:,.0f} ev/s, one frozen with "
+        f"SIGSTOP, medians of {few['rounds']}",
+        f"events committed during the freezes p99 {_num(few['freeze_p99'])} ms "
+        f"({few['keys']:,} keys), {_num(many['freeze_p99'])} ms ({many['keys']:,} keys)",
+        "the other relay's pulse ends the frozen relay's claim after 0.15 s "
+        "(the claim idle timeout alone: 2 s)",
+        f"`{STALLED_RUN}`",
+    ]
+
+
 ROWS: tuple[Callable[[], list[str]], ...] = (
     lambda: _latency_row(100),
     lambda: _latency_row(1000),
@@ -143,6 +160,7 @@ ROWS: tuple[Callable[[], list[str]], ...] = (
     _drain_row,
     _held_row,
     _failing_row,
+    _stalled_row,
 )
 
 
