@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: install test test-faults unit lint docs docs-reference dist-check k8s-check demo example bench bench-smoke stack-up stack-down clean
+.PHONY: install test test-faults unit lint docs docs-reference schema dist-check k8s-check demo example bench bench-smoke stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,9 +59,16 @@ docs: $(STAMP)
 	$(PY) -m devstack.docgen --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean -d site
 
-# docs/reference/configuration.md and cli.md, from OutboxSettings and the command line's parser.
+# docs/reference/configuration.md and cli.md, from OutboxSettings and the command line's parser;
+# the headline figures of README.md and docs/benchmarks.md, from bench/results/.
 docs-reference: $(STAMP)
 	$(PY) -m devstack.docgen
+	$(PY) -m bench.figures
+
+# sql/schema.sql and sql/inbox_schema.sql from the migrations (a throwaway local PostgreSQL, or
+# NOTIFY_OUTBOX_TEST_DSN's); tests/integration/test_schema.py proves them equal.
+schema: $(STAMP)
+	$(PY) -m devstack.schema
 
 # The release artefacts as a user gets them: the sdist and the wheel built by `python -m build`
 # (the wheel from the sdist, so a file missing from the sdist fails here), their metadata

@@ -166,6 +166,9 @@ class LoggedProcess:
             with self._cond:
                 self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
+        # At the end of the log, by the one thread that reads it: left open, the pipe is
+        # closed by the garbage collector, with a ResourceWarning.
+        self.proc.stderr.close()
         with self._cond:
             self._eof = True
             self._cond.notify_all()

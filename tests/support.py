@@ -28,6 +28,7 @@ __all__ = [
     "header",
     "logged",
     "metric",
+    "topic_total",
 ]
 
 
@@ -54,8 +55,10 @@ async def consume(
 ) -> tuple[list[ConsumerRecord[bytes, bytes]], int]:
     """Read ``topic`` from the beginning until ``expect`` messages arrived (or fail after
     ``within`` seconds). Returns the messages (per partition in offset order) and the total number
-    of messages the topic holds right now, from its end offsets: a check that nothing extra
-    was published, with no waiting."""
+    of messages the topic holds right now, from its end offsets. That total proves nothing extra
+    was published only once nothing can publish to the topic any more: while a relay still
+    runs, a late duplicate may come after it was read. Tests that check for duplicates count
+    with ``topic_total`` after the relay stopped."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
     )
@@ -76,6 +79,23 @@ async def consume(
                     records.extend(tp_records)
         ends = await consumer.end_offsets(tps)
         return records, sum(ends.values())
+    finally:
+        await consumer.stop()
+
+
+async def topic_total(bootstrap: str, topic: str) -> int:
+    """The number of messages ``topic`` holds, from its end offsets (re-read on each call).
+    Called once whatever publishes to the topic has stopped (a relay stopped, its process
+    exited), it counts every copy that was sent, late duplicates included."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if partitions is None:
+            await consumer._client.force_metadata_update()
+            partitions = consumer.partitions_for_topic(topic) or set()
+        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
+        return sum(ends.values())
     finally:
         await consumer.stop()
 

@@ -199,6 +199,12 @@ class KafkaPublisher:
                 )
                 await anyio.sleep(delay)
                 continue
+            except BaseException:
+                # Cancelled while connecting (the relay stopped before Kafka answered): close
+                # what the attempt opened, or the producer is collected unclosed.
+                with anyio.move_on_after(s.kafka_send_timeout, shield=True):
+                    await producer.stop()
+                raise
             self._producer = producer
             return
 

@@ -121,7 +121,15 @@ def test_held_snapshot_runs_both_modes(services: Services, tmp_path: Path) -> No
         assert c["events"]["received"] == c["events"]["acked"], c["events"]
         assert [w["phase"] for w in c["windows"]] == ["baseline", "hold", "recovery"], c
         assert all(w["committed"] > 0 for w in c["windows"]), c["windows"]
-        assert c["snapshot_count"] >= 0
+        # The snapshot's first statement counted this cell's fresh outbox: never more rows than
+        # were written, and for the poller (which marks rows and never deletes them) at least every
+        # row acknowledged before the hold began. The relay deletes what it sent, so its count is
+        # the backlog of that instant and has no lower bound.
+        baseline = sum(w["committed"] for w in c["windows"] if w["phase"] == "baseline")
+        low = baseline if c["mode"] == "poller" else 0
+        assert low <= c["snapshot_count"] <= c["events"]["acked"], (c["snapshot_count"], baseline)
+        if c["mode"] == "poller":
+            assert c["snapshot_count"] > 0, c["snapshot_count"]
         assert c["windows"][-1]["dead_tuples"] is not None, c["windows"]
     assert path.with_suffix(".md").is_file()
     assert path.with_suffix(".png").is_file()

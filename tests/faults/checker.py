@@ -404,6 +404,10 @@ class WriterLoad:
     seed: int = 0
     stamp: bool = True
     max_events: int | None = None  # per writer
+    # A second topic, and the share of events sent there: a key's rows then go to both topics
+    # (the checker's order across topics).
+    other_topic: str | None = None
+    other_topic_ratio: float = 0.5
     stop: anyio.Event = field(default_factory=anyio.Event)
     finished: anyio.Event = field(default_factory=anyio.Event)
     produced: int = 0
@@ -437,10 +441,15 @@ class WriterLoad:
                         key = None
                         if rng.random() >= self.keyless_ratio:
                             key = f"key-{rng.randrange(self.keys)}"
+                        topic = None  # the load's topic
+                        # Drawn only with a second topic: other loads keep their sequences.
+                        if self.other_topic is not None and rng.random() < self.other_topic_ratio:
+                            topic = self.other_topic
                         await p.produce(
                             key,
                             rollback=rng.random() < self.rollback_ratio,
                             doomed_savepoint=rng.random() < self.savepoint_ratio,
+                            topic=topic,
                         )
                         done += 1
                         self.produced += 1

@@ -425,6 +425,9 @@ class _Link:
     silent: bool = False
     armed: bool = False  # go silent right after the server's first ReadyForQuery
     startup: bytes = b""
+    # When the first byte from the client was swallowed (epoch seconds): when the client
+    # began a statement that can never be answered.
+    swallowed_at: float | None = None
 
 
 class SilentProxy:
@@ -486,6 +489,20 @@ class SilentProxy:
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
 
+    def first_swallowed(self, upstream_ports: Iterable[int]) -> float | None:
+        """When the proxy first swallowed a byte that the client sent on one of these silenced
+        connections (epoch seconds; None: the client sent nothing since)."""
+
+        async def run() -> float | None:
+            times = [
+                link.swallowed_at
+                for port in upstream_ports
+                if (link := self._links.get(port)) is not None and link.swallowed_at is not None
+            ]
+            return min(times, default=None)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
     def silence_next(self, match: bytes) -> None:
         """Make the next connection whose start-up packet contains ``match`` (such as an
         ``application_name``) go silent as soon as its start-up completes: the client's
@@ -518,6 +535,8 @@ class SilentProxy:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
                 if link.silent:
+                    if upstream and link.swallowed_at is None:
+                        link.swallowed_at = time.time()
                     continue  # swallowed: the peer never hears of it
                 if upstream and self._arm_match is not None and len(link.startup) < 4096:
                     link.startup += data

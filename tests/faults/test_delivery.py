@@ -2,12 +2,16 @@
 
 Scenarios (reliability.md): 1 rollback after the trigger fired, 2 notifications never arrive
 (trigger disabled; poll-only), 4 backlog at start while writers insert, 16 late commit, 17 many
-rows in one transaction.
+rows in one transaction, 35 a key's rows on two topics.
 """
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 import anyio
+import asyncpg
 import pytest
 
 from devstack._common import free_ports
@@ -23,7 +27,7 @@ from tests.faults.harness import (
     relays,
     task_group,
 )
-from tests.support import metric
+from tests.support import create_topics, metric
 
 pytestmark = pytest.mark.anyio
 
@@ -45,6 +49,34 @@ async def test_01_rolled_back_events_are_never_published(
         await relay.stop_ok()
     print(report.text())
     assert checker.ledger.count("rolled_back") > 100, "the scenario rolled back too little"
+    assert report.duplicates == 0
+    report.assert_ok()
+
+
+async def test_35_a_keys_rows_on_two_topics_arrive_in_commit_order(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Writers send each key's events to two topics at random, some rolled back: every
+    committed event arrives once, in commit order per key within each topic, and across the
+    two (a key's row for the other topic is sent only once the row before it was
+    acknowledged: the checker compares the records' CreateTime). Every key has rows on both
+    topics, so the check across topics runs on what the relay sent."""
+    other = f"{topic}-other"
+    await create_topics(services.bootstrap, [other], partitions=3)
+    checker = await OutboxChecker(
+        db_dsn, services.bootstrap, [topic, other], "35 two topics"
+    ).setup()
+    keys = 10
+    load = checker.writers(
+        writers=3, keys=keys, rollback_ratio=0.1, max_events=200, other_topic=other
+    )
+    async with relays(FaultRelay(db_dsn, services.bootstrap)) as (relay,):
+        await relay.ready()
+        await load.run()
+        report = await checker.drain_and_check(within=60)
+        await relay.stop_ok()
+    print(report.text())
+    assert report.keys_across_topics == keys, "not every key had rows on both topics"
     assert report.duplicates == 0
     report.assert_ok()
 
@@ -83,7 +115,11 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
        arrives after its LISTEN to claim the backlog instead. The relay must still deliver
        all of it, and its own counters show no wake-up but its start.
     2. Writers insert all through the next relay's start-up: nothing may be missed, which
-       needs the LISTEN committed before that claim."""
+       needs the LISTEN committed before that claim. Writers that keep committing would
+       hide a row the claim missed (the next notification's claim sweeps it up), so the
+       order itself is checked: the relay stops itself at its first claim
+       (``NOTIFY_OUTBOX_TEST_STOP_AT``), and pg_stat_activity shows its listener's LISTEN
+       completed, outside any transaction, before that claim's transaction began."""
     checker = await OutboxChecker(db_dsn, services.bootstrap, [topic], "4 backlog").setup()
     env = {"NOTIFY_OUTBOX_POLL_INTERVAL": "600"}
     async with checker.producer() as p:
@@ -123,7 +159,19 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
         await eventually(
             lambda: _at_least(load.produced, 30), within=30, what="writers are running"
         )
-        async with relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,):
+        stop_at = {**env, "NOTIFY_OUTBOX_TEST_STOP_AT": "after_claim"}
+        async with (
+            relays(FaultRelay(db_dsn, services.bootstrap, env=stop_at)) as (relay,),
+            connect(db_dsn) as watch,
+        ):
+            await eventually(
+                lambda: _frozen(relay.proc.pid), within=60, what="the relay stopped in a claim"
+            )
+            order = await _listen_before_claim(watch)
+            relay.signal(signal.SIGCONT)
+            print(f"LISTEN, then the first claim: {order}")
+            assert order["listen_state"] == "idle", order  # committed: no transaction open
+            assert order["listened_first"], order
             await relay.ready()
             at_ready = load.produced
             await eventually(
@@ -149,6 +197,44 @@ async def test_04_backlog_at_start_while_writers_keep_inserting(
 
 async def _at_least(value: int, target: int) -> bool:
     return value >= target
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def _frozen(pid: int) -> bool:
+    return _stopped(pid)
+
+
+# The relay's listener and its workers' open claims, the relay being stopped in one: when the
+# listener's LISTEN completed (its last statement then; or its health probe's NOTIFY, run after
+# the LISTEN, whose start bounds it) against when the earliest claim's transaction began.
+_LISTEN_BEFORE_CLAIM = """
+SELECT l.query AS listen_query, l.state AS listen_state,
+       CASE WHEN l.query ILIKE 'LISTEN %' THEN l.state_change ELSE l.query_start END
+           <= min(w.xact_start) AS listened_first,
+       CASE WHEN l.query ILIKE 'LISTEN %' THEN l.state_change ELSE l.query_start END
+           AS listened, min(w.xact_start) AS first_claim_began, count(w.pid) AS claims
+FROM pg_stat_activity l
+JOIN pg_stat_activity w ON w.datname = l.datname AND w.xact_start IS NOT NULL
+     AND w.application_name LIKE 'notify-outbox-worker%'
+WHERE l.datname = current_database() AND l.application_name = 'notify-outbox-listener'
+GROUP BY l.pid, l.query, l.state, l.state_change, l.query_start
+"""
+
+
+async def _listen_before_claim(watch: asyncpg.Connection) -> dict[str, object]:
+    rows = await watch.fetch(_LISTEN_BEFORE_CLAIM)
+    assert len(rows) == 1, f"one listener beside the claims: {[dict(r) for r in rows]}"
+    (row,) = rows
+    query = str(row["listen_query"])
+    assert query.upper().startswith("LISTEN ") or "pg_notify" in query, (
+        f"the listener's last statement is neither its LISTEN nor its probe after it: {query!r}"
+    )
+    return dict(row)
 
 
 async def test_16_late_commit_is_not_skipped(db_dsn: str, services: Services, topic: str) -> None:

@@ -101,24 +101,16 @@ async def _frozen(relay: FaultRelay) -> bool:
     return _stopped(relay.proc.pid)
 
 
-async def _frozen_claim(
-    watch: asyncpg.Connection, proxy: SilentProxy, within: float = CLAIM_IDLE / 2
-) -> Claim:
-    """Relay A's one claim, A being stopped in it: its session idle in its transaction."""
-    rows: list[asyncpg.Record] = []
-
-    async def settled() -> bool:
-        nonlocal rows
-        rows = await watch.fetch(_CLAIMS, proxy.upstream_ports())
-        return bool(rows) and all(r["state"] == "idle in transaction" for r in rows)
-
-    await eventually(
-        settled,
-        within=within,
-        what="relay A's session is idle inside its claim (if PostgreSQL already ended it, the "
-        "host is too slow for this test's claim_idle_timeout)",
-        details=lambda: str([dict(r) for r in rows]),
+async def _frozen_claim(watch: asyncpg.Connection, proxy: SilentProxy) -> Claim:
+    """Relay A's one claim, A being stopped in it (seen stopped: A stops itself once its
+    claim returned rows, so its session is idle in that transaction from then on, until
+    PostgreSQL or relay B ends it): one look, no window to guess."""
+    rows = await watch.fetch(_CLAIMS, proxy.upstream_ports())
+    assert rows, (
+        "relay A is stopped in its claim, but no session of A's is in a transaction: it was "
+        "ended before the test looked (the host took longer than the claim's timeout)"
     )
+    assert all(r["state"] == "idle in transaction" for r in rows), [dict(r) for r in rows]
     assert len(rows) == 1, f"one worker, one claim: {[dict(r) for r in rows]}"
     (row,) = rows
     assert row["held"], "relay A stopped after a claim that locked no row"
@@ -220,7 +212,6 @@ async def _a_stopped_in_a_claim(
     topic: str,
     load: Any,
     env: dict[str, str],
-    within: float = CLAIM_IDLE / 2,
 ) -> AsyncIterator[Scene]:
     """Relays A (through ``proxy``, stopping itself at its first claim) and B start; a burst
     of 200 rows over 10 keys, then ``load`` runs; yields once A is stopped inside its claim
@@ -239,7 +230,7 @@ async def _a_stopped_in_a_claim(
         await p.bulk([f"key-{i % 10}" for i in range(200)])
         tg.start_soon(load.run)
         await eventually(lambda: _frozen(a), within=60, what="relay A stopped in a claim")
-        claim = await _frozen_claim(watch, proxy, within)
+        claim = await _frozen_claim(watch, proxy)
         yield Scene(a, b, tail, tg, p, watch, claim)
 
 
@@ -321,22 +312,28 @@ async def test_32_a_relay_cut_off_from_postgresql_mid_claim(
             silenced = proxy.upstream_ports()
             for port in silenced:
                 proxy.silence(port)
-            cut = time.time()
             a.signal(signal.SIGCONT)
             # A resumes and sends its batch to Kafka at once; what it sends to PostgreSQL to
             # mark it never arrives. The server's timeout still ends the claim, and B settles
             # the rows (sending them again).
             await _released(watch, claim, "32 relay cut off")
             # Promised: a statement on the silent socket times out after db_command_timeout,
-            # and ending the connection waits at most 1 s for asyncpg's cancel request. The
-            # slack is for a loaded host, below the second timeout a ROLLBACK on the dead
-            # socket would add.
+            # and ending the connection waits at most 1 s for asyncpg's cancel request. Timed
+            # from when A sent that statement (the proxy saw its first byte), not from the
+            # SIGCONT: how long a loaded host takes to resume A is not the relay's. The slack
+            # (for a loaded host) stays below the second timeout a ROLLBACK on the dead socket
+            # would add.
             bound = command_timeout + 1 + 3
             line = await a.line("PostgreSQL unavailable", within=bound + MARGIN)
-            detected = log_time(line) - cut
+            sent = proxy.first_swallowed(silenced)
+            assert sent is not None, "relay A gave its connection up without sending on it"
+            detected = log_time(line) - sent
             FIGURES.recovery("32 relay cut off: dead socket given up", detected)
             print(f"32: relay A gave its silent claim connection up after {detected:.2f}s: {line}")
             assert detected <= bound, f"relay A gave the dead socket up after {detected:.1f}s"
+            # And not before its deadline: the timeout, not something else, ended the wait.
+            # (The log's timestamps have millisecond resolution.)
+            assert detected >= command_timeout - 0.002, f"given up after {detected:.3f}s"
             await a.line("PostgreSQL available again", within=30)
             # No session of A's is left holding rows (the idle ones stay, unreachable).
             assert not await watch.fetch(_CLAIMS, silenced)
@@ -356,7 +353,8 @@ async def test_33_a_frozen_relays_claim_is_ended_by_the_other_relays_pulse(
     pulse was silent as long (not before), and delivers its rows, A still frozen. Resumed, A
     asks before sending, finds its claim gone, says who ended it, and claims again. No event
     is sent twice."""
-    frozen_after = 1.0  # long enough for the watch to see A's claim before B ends it
+    # Long enough for the watch to see A's claim before B ends it, on a loaded host too.
+    frozen_after = 2.0
     idle_timeout = 30.0
     env = {
         **ENV,
@@ -367,9 +365,15 @@ async def test_33_a_frozen_relays_claim_is_ended_by_the_other_relays_pulse(
     load = checker.writers(writers=2, keys=10, pause=0.01)
     with _proxy(db_dsn) as proxy:
         # The writers go on: B keeps claiming, meets A's keys held, and its pulse beats.
-        async with _a_stopped_in_a_claim(
-            checker, proxy, services, db_dsn, topic, load, env, within=frozen_after / 2
-        ) as (a, b, tail, _, p, watch, claim):
+        async with _a_stopped_in_a_claim(checker, proxy, services, db_dsn, topic, load, env) as (
+            a,
+            b,
+            tail,
+            _,
+            p,
+            watch,
+            claim,
+        ):
             ended = await _released(
                 watch,
                 claim,

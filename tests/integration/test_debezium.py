@@ -31,7 +31,7 @@ from notify_outbox import ConfigurationError, MigrationError, OutboxNames, Outbo
 from notify_outbox.debezium.capture import DebeziumCapture, install_capture, verify_capture
 from notify_outbox.pg.migrations import migrate
 from tests.conftest import Services
-from tests.support import ROOT, consume, create_topics
+from tests.support import ROOT, consume, create_topics, topic_total
 
 pytestmark = pytest.mark.anyio
 
@@ -105,6 +105,15 @@ async def consume_all(
     return out
 
 
+async def assert_nothing_extra(
+    services: Services, got: dict[str, list[ConsumerRecord[bytes, bytes]]]
+) -> None:
+    """Once the relay stopped, each topic holds what ``consume_all`` read, and no late copy."""
+    for topic, records in got.items():
+        total = await topic_total(services.bootstrap, topic)
+        assert total == len(records), f"{topic}: {total} messages once the relay stopped"
+
+
 async def test_router_defaults_message_by_message(
     conn: asyncpg.Connection, empty_db_dsn: str, services: Services
 ) -> None:
@@ -145,6 +154,7 @@ async def test_router_defaults_message_by_message(
         got = await consume_all(
             services, {f"outbox.event.{order}": 3, f"outbox.event.{customer}": 1}
         )
+    await assert_nothing_extra(services, got)
     # The value is the jsonb column's text as PostgreSQL prints it (what the connector reads).
     texts = [
         None if p is None else await conn.fetchval("SELECT $1::jsonb::text", p) for (*_, p) in rows
@@ -240,6 +250,7 @@ async def test_options_users_change_most_from_a_connector_config(
             agg,
         )
         got = await consume_all(services, {f"{agg}.events": 3})
+    await assert_nothing_extra(services, got)
     by_id = {dict(r.headers)["id"]: as_tuple(r) for r in got[f"{agg}.events"]}
 
     def headers(i: uuid.UUID, event_type: str, tenant: str) -> list[tuple[str, bytes]]:
@@ -356,6 +367,7 @@ async def test_a_null_header_column_is_a_null_header_and_a_null_id_is_refused(
     async with Relay(relay_settings(empty_db_dsn, services)):
         await conn.execute("INSERT INTO outbox VALUES ($1, $2, '1', NULL, '{}')", event_id, agg)
         got = await consume_all(services, {f"outbox.event.{agg}": 1})
+    await assert_nothing_extra(services, got)
     assert [as_tuple(r) for r in got[f"outbox.event.{agg}"]] == [
         Expected(
             f"outbox.event.{agg}",

@@ -20,7 +20,7 @@ from notify_outbox.pg.store import claim_scan
 from tests.conftest import Services
 from tests.integration.test_claim_buckets import BATCH, _claim
 from tests.integration.test_relay import make_settings
-from tests.support import consume, create_topics, header
+from tests.support import consume, create_topics, header, topic_total
 
 pytestmark = pytest.mark.anyio
 
@@ -99,6 +99,9 @@ async def test_healthy_keys_flow_past_thousands_of_failing_rows(
             # empty while the failing rows waited (a loop would make thousands).
             assert events.counts["retried"] < FAILING_KEYS * 12
             assert events.counts["claimed_none"] < 50, dict(events.counts)
+        # Counted again once the relay stopped: no late copy of either topic's rows.
+        assert await topic_total(services.bootstrap, topic) == 300
+        assert await topic_total(services.bootstrap, missing) == 5000
     finally:
         await conn.close()
 
@@ -154,7 +157,8 @@ async def test_the_fallback_poll_releases_a_key_whose_failed_row_was_deleted(
                     await relay.events.wait_for("poll", relay.events.counts["poll"] + 1)
             await create_topics(services.bootstrap, [missing], partitions=3)
             await conn.execute("DELETE FROM outbox WHERE next_attempt_at < 'infinity'")
-            records, total = await consume(services.bootstrap, missing, expect=49, within=30)
+            records, _ = await consume(services.bootstrap, missing, expect=49, within=30)
+        total = await topic_total(services.bootstrap, missing)  # the relay stopped
     finally:
         await conn.close()
     assert total == 49
@@ -307,8 +311,9 @@ async def test_a_published_retry_lets_its_parked_key_go_on(
                 await relay.events.wait_for("retried", 1)
                 await _parked(conn, relay.events, at_least=19)
             await create_topics(services.bootstrap, [missing], partitions=3)
-            records, total = await consume(services.bootstrap, missing, expect=20, within=10)
+            records, _ = await consume(services.bootstrap, missing, expect=20, within=10)
         assert relay.events.counts["wake:poll"] == 0
+        total = await topic_total(services.bootstrap, missing)  # the relay stopped
     finally:
         await conn.close()
     assert total == 20

@@ -19,7 +19,7 @@ from notify_outbox.core.events import RelayEvents
 from notify_outbox.pg.sqlfiles import Queries
 from tests.conftest import Services
 from tests.faults.harness import eventually
-from tests.support import RelayProcess, consume
+from tests.support import RelayProcess, consume, topic_total
 
 pytestmark = pytest.mark.anyio
 
@@ -240,8 +240,9 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
                     f"awake {relay.gate.awake}, "
                     f"counts {dict(events.counts)}"
                 )
-        records, total = await consume(services.bootstrap, topic, expect=committed, within=60)
+        records, _ = await consume(services.bootstrap, topic, expect=committed, within=60)
         counts = events.counts.copy()
+    total = await topic_total(services.bootstrap, topic)  # the relay stopped
     assert total == committed
     assert len(records) == committed
     assert counts["wake:poll"] == 0
@@ -308,24 +309,55 @@ async def test_a_steady_stream_shared_by_several_workers_marks_the_relay_awake(
         dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=4, gate_awake_rate=100
     )
     insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
-    async with connections(db_dsn, 2) as conns, Relay(settings) as relay:
+    async with connections(db_dsn, 4) as conns, Relay(settings) as relay:
+        producers, (listen_conn, other) = conns[:2], conns[2:]
+        heard = Notifications(listen_conn)
+        await heard.start()
         events = relay.events
         sent = 0
+        stop = anyio.Event()
+        # Set once ``sent`` reaches ``target[0]``.
+        target: tuple[int, anyio.Event] = (0, anyio.Event())
 
         async def produce(conn: asyncpg.Connection, first: int) -> None:
             nonlocal sent
             n = first
-            while not events.counts["gate_awake"]:
+            while not stop.is_set():
                 await conn.execute(insert, topic, f"k{n % 40}")
                 sent += 1
+                if sent >= target[0]:
+                    target[1].set()
                 n += 2
                 await anyio.sleep(0.004)
 
-        with anyio.fail_after(20):
+        async def notified_while_awake() -> bool:
+            """Whether the stream's commits notified between two sentinels while the relay
+            stayed awake (the first sentinel passes the NOTIFYs of the commits before the
+            marker was taken, and of those in flight when it was)."""
+            for _ in range(5):
+                sleeps = events.counts["gate_sleep"]
+                await heard.notified_before_sentinel(other)
+                nonlocal target
+                target = (sent + 50, anyio.Event())  # 50 commits of the stream, then look
+                await target[1].wait()
+                notified = await heard.notified_before_sentinel(other)
+                if events.counts["gate_sleep"] == sleeps and events.counts["gate_awake"]:
+                    return notified
+                await events.wait_for("gate_awake", events.counts["gate_awake"] + 1)
+            raise AssertionError(
+                f"the relay went to sleep again in each of 5 rounds: {events.counts}"
+            )
+
+        with anyio.fail_after(40):
             async with anyio.create_task_group() as tg:
-                for i, conn in enumerate(conns):
+                for i, conn in enumerate(producers):
                     tg.start_soon(produce, conn, i)
-        assert events.counts["gate_awake"] >= 1
+                await events.wait_for("gate_awake")
+                # Marked awake, it stays awake while the stream goes on: producers stopped
+                # notifying.
+                notified = await notified_while_awake()
+                stop.set()
+        assert not notified, "the relay was marked awake, but the stream's commits notified"
         with anyio.fail_after(30):
             await events.wait_for("published", sent)
 

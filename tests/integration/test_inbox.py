@@ -365,8 +365,11 @@ async def test_consume_applies_each_event_once_and_commits_offsets(
 
 async def test_consume_refuses_auto_commit(inbox_db: str, services: Services) -> None:
     consumer = AIOKafkaConsumer(bootstrap_servers=services.bootstrap, group_id="x")
-    with pytest.raises(ConfigurationError, match="enable_auto_commit=False"):
-        await consume(consumer, inbox_db, lambda c, m: asyncio.sleep(0), inbox=Inbox())
+    try:
+        with pytest.raises(ConfigurationError, match="enable_auto_commit=False"):
+            await consume(consumer, inbox_db, lambda c, m: asyncio.sleep(0), inbox=Inbox())
+    finally:
+        await consumer.stop()  # never started; left unclosed, its __del__ warns
 
 
 # --- SQLAlchemy -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from notify_outbox import OutboxSettings, Relay, enqueue
 from tests.conftest import Services
 from tests.faults.harness import eventually
-from tests.support import consume, create_topics, header
+from tests.support import consume, create_topics, header, topic_total
 
 pytestmark = pytest.mark.anyio
 
@@ -49,9 +49,11 @@ async def test_plain_sql_rows_become_kafka_messages(
                 INSERT INTO outbox (topic, key) VALUES ('{topic}', 'order-42');  -- a tombstone
                 """
             )
-            records, total = await consume(services.bootstrap, topic, expect=3, within=30)
+            records, _ = await consume(services.bootstrap, topic, expect=3, within=30)
         assert relay.events.counts["wake:notification"] >= 1
         assert relay.events.counts["wake:poll"] == 0
+        # Counted once the relay stopped: a late copy cannot come after the count.
+        total = await topic_total(services.bootstrap, topic)
     finally:
         await conn.close()
     assert total == 3
@@ -128,22 +130,35 @@ async def test_poison_rows_are_dead_lettered_while_other_keys_flow(
         poll_interval=0.2,  # retries become due between notifications
         kafka_max_request_size=10_000,
     )
+    # Every committed claim in commit order: (row ids published, retried, dead-lettered).
+    batches: list[tuple[set[int], set[int], set[int]]] = []
     conn = await asyncpg.connect(db_dsn)
     try:
         async with Relay(settings) as relay:
-            await conn.execute(
-                f"""
-                INSERT INTO outbox (topic, key, payload) VALUES ('no-such-topic', 'p1', '{{}}');
-                INSERT INTO outbox (topic, key, payload) VALUES ('{topic}', 'p1', '{{"after": 1}}');
-                INSERT INTO outbox (topic, key, payload)
-                    VALUES ('{topic}', 'p2', jsonb_build_object('big', repeat('x', 20000)));
-                INSERT INTO outbox (topic, key, payload, headers)
-                    VALUES ('{topic}', 'p3', '{{}}', '{{"n": 1}}');
-                INSERT INTO outbox (topic, key, payload) VALUES ('{topic}', 'ok', '{{"fine": 1}}');
-                """
+            relay.events.add_batch_observer(
+                lambda _rows, outcome, _unavailable: batches.append(
+                    (
+                        set(outcome.published),
+                        {i for i, _, _ in outcome.retry},
+                        {i for i, _ in outcome.dead},
+                    )
+                )
             )
+            insert = "INSERT INTO outbox (topic, key, payload, headers) VALUES ($1, $2, $3, $4)"
+            async with conn.transaction():  # one commit: the first claim sees every row
+                ids = {
+                    name: await conn.fetchval(f"{insert} RETURNING id", *values)
+                    for name, values in {
+                        "p1": ("no-such-topic", "p1", "{}", None),
+                        "after": (topic, "p1", '{"after": 1}', None),
+                        "p2": (topic, "p2", json.dumps({"big": "x" * 20000}), None),
+                        "p3": (topic, "p3", "{}", '{"n": 1}'),
+                        "ok": (topic, "ok", '{"fine": 1}', None),
+                    }.items()
+                }
             await relay.events.wait_for("dead_lettered", 3)
-            records, total = await consume(services.bootstrap, topic, expect=2, within=30)
+            records, _ = await consume(services.bootstrap, topic, expect=2, within=30)
+        total = await topic_total(services.bootstrap, topic)  # the relay stopped
         dead = {
             r["key"]: r
             for r in await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
@@ -161,6 +176,20 @@ async def test_poison_rows_are_dead_lettered_while_other_keys_flow(
     assert sorted(r.value or b"" for r in records) == [b'{"after": 1}', b'{"fine": 1}']
     assert total == 2
     assert pending == 0
+    # The timeline of the claims: p1 failed, was retried, then dead-lettered...
+    (p1_dead,) = [n for n, (_, _, d) in enumerate(batches) if ids["p1"] in d]
+    p1_retries = [n for n, (_, r, _) in enumerate(batches) if ids["p1"] in r]
+    assert len(p1_retries) == 2, batches
+    assert max(p1_retries) < p1_dead, batches
+    # ...while another key flowed: "ok" was published before p1's last attempt...
+    (ok_sent,) = [n for n, (p, _, _) in enumerate(batches) if ids["ok"] in p]
+    assert ok_sent < p1_dead, (ok_sent, p1_dead, batches)
+    # ...and p1's later row was held back: nothing was decided for it (it stayed pending, as it
+    # was) until p1 was dead-lettered, and it was published once, after that.
+    decided = [n for n, batch in enumerate(batches) if any(ids["after"] in s for s in batch)]
+    assert decided == [n for n, (p, _, _) in enumerate(batches) if ids["after"] in p], batches
+    (after_sent,) = decided
+    assert after_sent > p1_dead, (after_sent, p1_dead, batches)
 
 
 async def test_listener_reconnects_after_its_backend_is_terminated(
@@ -310,7 +339,8 @@ async def test_claims_read_committed_whatever_the_database_default(
         settings = make_settings(db_dsn, services, workers=4, batch_size=50)
         async with Relay(settings) as relay:
             isolation = await relay_isolation(db_dsn)
-            records, total = await consume(services.bootstrap, topic, expect=3000, within=60)
+            records, _ = await consume(services.bootstrap, topic, expect=3000, within=60)
+        total = await topic_total(services.bootstrap, topic)  # the relay stopped
     finally:
         await conn.close()
     assert isolation == "serializable"  # the relay's sessions did get the default
