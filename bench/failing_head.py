@@ -30,6 +30,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.arrays import load_arrays
 from bench.config import Mode, writers_for
+from bench.fmt import ms, opt
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
@@ -247,10 +248,11 @@ class _FailingHead:
         h, q = cell["healthy"], cell["quiet"]
         run.progress.line(
             f"{label:<34} healthy rows: {h['within_1s']}/{h['acked']} within 1 s, "
-            f"{h['within_timeout']} within {cfg.healthy_timeout:g} s, p50 {_ms(h['p50'])}, "
-            f"p99 {_ms(h['p99'])}, max {_ms(h['max'])} | quiet: "
-            f"{q['commits_per_s']:.1f} commits/s, {_rate(q['statements_per_s'])} statements/s, "
-            f"{_rate(q['claims_per_s'])} claims/s, mode CPU {q['mode_cpu_percent']:.1f}%",
+            f"{h['within_timeout']} within {cfg.healthy_timeout:g} s, p50 {ms(h['p50'])}, "
+            f"p99 {ms(h['p99'])}, max {ms(h['max'])} | quiet: "
+            f"{q['commits_per_s']:.1f} commits/s, {opt(q['statements_per_s'], '.1f')} "
+            f"statements/s, {opt(q['claims_per_s'], '.1f')} claims/s, mode CPU "
+            f"{q['mode_cpu_percent']:.1f}%",
             cell=True,
         )
         return cell
@@ -443,10 +445,6 @@ async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]
     return {**dict(row), "dead_letters": int(dead)}
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
-
-
 def _empty_claims(quiet: dict[str, Any]) -> int | None:
     """Claims of a quiet window that returned no row (see summarize_failing_head)."""
     rate, rows, seconds = quiet.get("claims_per_s"), quiet.get("claimed_rows"), quiet["seconds"]
@@ -454,10 +452,6 @@ def _empty_claims(quiet: dict[str, Any]) -> int | None:
         return None
     calls = round(float(rate) * float(seconds))
     return max(0, calls - (int(rows) - calls))
-
-
-def _rate(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
 
 
 def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
@@ -529,8 +523,8 @@ def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
                 targets.append(
                     {
                         "target": f"{mode}, {size:,} failing rows: every healthy row within 1 s",
-                        "measured": f"{within:.0f} of {n:.0f} (p99 {_ms(row['p99'])}, max "
-                        f"{_ms(row['max'])})",
+                        "measured": f"{within:.0f} of {n:.0f} (p99 {ms(row['p99'])}, max "
+                        f"{ms(row['max'])})",
                         "verdict": "met" if within >= n else "MISSED",
                     }
                 )
@@ -541,8 +535,8 @@ def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
                         "target": f"{mode}, {size:,} failing rows waiting for retries: no empty "
                         "claims (every claim in the quiet window got a row: a retry due)",
                         "measured": f"{empty} empty in the worst round; "
-                        f"{_rate(row['claims_per_s'])} claims/s, "
-                        f"{_rate(row['statements_per_s'])} statements/s, "
+                        f"{opt(row['claims_per_s'], '.1f')} claims/s, "
+                        f"{opt(row['statements_per_s'], '.1f')} statements/s, "
                         f"{row['commits_per_s']:.1f} commits/s",
                         "verdict": "met" if empty == 0 else "MISSED",
                     }

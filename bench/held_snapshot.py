@@ -26,6 +26,7 @@ import asyncpg
 from bench import envinfo
 from bench.arrays import load_arrays
 from bench.config import Mode
+from bench.fmt import ms, opt, table
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg
 from bench.procs import BenchError, Child
@@ -321,7 +322,7 @@ class _HeldSnapshot:
         base = cell["phases"]["baseline"]["p99"]
         lost = cell["events"]["acked"] - cell["events"]["received"]
         run.progress.line(
-            f"{label:<22} baseline p99 {_ms(base)}, worst hold window p99 {_ms(worst)}, "
+            f"{label:<22} baseline p99 {ms(base)}, worst hold window p99 {ms(worst)}, "
             f"lowest hold rate share {100 * share:.0f}%, dead tuples at release "
             f"{cell.get('dead_tuples_at_release')}, {lost} missing",
             cell=True,
@@ -438,10 +439,6 @@ class _HeldSnapshot:
                 f"{label}: {phase} {offset:.0f}s of {seconds:g}s: dead tuples "
                 f"{s.dead if s else '-'}, outbox {mb}"
             )
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
 
 
 def summarize_held_snapshot(result: dict[str, Any]) -> dict[str, Any]:
@@ -581,10 +578,6 @@ def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _v(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 def window_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
     """A markdown table of windows (rows) x modes (p50/p99 ms, rate share, mode and database
     CPU µs per event, dead tuples), from per-round windows or medians."""
@@ -604,15 +597,14 @@ def window_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
             w = ws[k]
             lat = w.get("ack_to_recv", w)
             row += [
-                f"{_v(lat['p50'], '.1f')} / {_v(lat['p99'], '.1f')}",
-                _v(100 * w["rate_share"] if w["rate_share"] is not None else None, ".0f"),
-                _v(w["mode_cpu_us_per_event"], ".0f"),
-                _v(w["db_cpu_us_per_event"], ".0f"),
-                _v(w["dead_tuples"], ".0f"),
+                f"{opt(lat['p50'], '.1f')} / {opt(lat['p99'], '.1f')}",
+                opt(100 * w["rate_share"] if w["rate_share"] is not None else None, ".0f"),
+                opt(w["mode_cpu_us_per_event"], ".0f"),
+                opt(w["db_cpu_us_per_event"], ".0f"),
+                opt(w["dead_tuples"], ".0f"),
             ]
         rows.append(row)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+    return table(head, rows)
 
 
 def held_snapshot_problems(result: dict[str, Any]) -> list[str]:

@@ -11,16 +11,25 @@ from typing import Any
 
 from bench.drain import drain_problems, summarize_drain
 from bench.failing_head import failing_head_problems, summarize_failing_head
+from bench.fmt import (
+    environment_lines,
+    finish,
+    mode_bullets,
+    modes_section,
+    num,
+    percent,
+    profile_lines,
+    share,
+    table,
+    tables_under,
+    targets_section,
+    whole,
+)
 from bench.held_snapshot import held_snapshot_problems, summarize_held_snapshot, window_table
 from bench.recovery import recovery_problems, summarize_recovery
-from bench.report import _f, _table, environment_lines, mode_bullets, profile_lines
 from bench.stalled_relay import stalled_relay_problems, summarize_stalled_relay
 
 __all__ = ["compact_table", "write_phase_report"]
-
-
-def _rate(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.0f}"
 
 
 def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
@@ -42,24 +51,24 @@ def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     ]
     modes = list(cfg["modes"])
     by = {(r["mix"], r["mode"]): r for r in summary["rows"]}
-    lines += _table(
+    lines += table(
         ["key mix", *modes],
         [
             [
                 mix,
-                *(_rate(by[(mix, m)]["rate_first_last"]) if (mix, m) in by else "-" for m in modes),
+                *(whole(by[(mix, m)]["rate_first_last"]) if (mix, m) in by else "-" for m in modes),
             ]
             for mix in cfg["mixes"]
         ],
     )
     if summary["targets"]:
         lines += ["", "## Targets (issue 10; ratios within this run)", ""]
-        lines += _table(
+        lines += table(
             ["target", "ratio", "verdict"],
             [[t["target"], f"{t['ratio']:.2f}x", t["verdict"]] for t in summary["targets"]],
         )
     lines += ["", "## Every mix and mode", ""]
-    lines += _table(
+    lines += table(
         [
             "mix",
             "mode",
@@ -80,16 +89,16 @@ def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
                 r["mix"],
                 r["mode"],
                 f"{r['complete']}/{r['rounds']}",
-                _rate(r["rate_first_last"]),
-                _rate(r["rate_from_start"]),
-                _f(r["first_after_start_s"]),
+                whole(r["rate_first_last"]),
+                whole(r["rate_from_start"]),
+                num(r["first_after_start_s"]),
                 str(r["lost"]),
                 str(r["duplicates"]),
                 str(r["order_violations"]),
                 str(r["pending_after"]),
-                _f(r["mode_cpu_us_per_event"], 0),
-                _f(r.get("mode_cpu_drain_us_per_event"), 1),
-                " ".join(_rate(v) for v in r["rates"]),
+                num(r["mode_cpu_us_per_event"], 0),
+                num(r.get("mode_cpu_drain_us_per_event"), 1),
+                " ".join(whole(v) for v in r["rates"]),
             ]
             for r in summary["rows"]
         ],
@@ -98,7 +107,7 @@ def _drain_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     lines += ["", "## Key mixes and modes", ""]
     lines += [f"- `{m}`: {d}" for m, d in result.get("mixes", {}).items()]
     lines += mode_bullets(result)
-    return _finish(lines, result, plots, drain_problems(result))
+    return finish(lines, result, plots, drain_problems(result))
 
 
 def _profile_lines(result: dict[str, Any]) -> list[str]:
@@ -139,7 +148,7 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
         "## Per service (medians over restarts)",
         "",
     ]
-    lines += _table(
+    lines += table(
         [
             "service",
             "restarts",
@@ -154,19 +163,19 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
             [
                 s,
                 str(r["restarts"]),
-                _f(r["up_after_stop_median_s"]),
-                _f(r["recovery_median_s"]),
-                _f(r["recovery_max_s"]),
-                _f(r["max_latency_ms"], 0),
-                _f(r["log_lines_per_s_median"], 1),
-                _f(r["log_lines_per_s_max"], 1),
+                num(r["up_after_stop_median_s"]),
+                num(r["recovery_median_s"]),
+                num(r["recovery_max_s"]),
+                num(r["max_latency_ms"], 0),
+                num(r["log_lines_per_s_median"], 1),
+                num(r["log_lines_per_s_max"], 1),
             ]
             for s, r in summary["services"].items()
         ],
     )
-    lines += _targets(summary, "issue 10")
+    lines += targets_section(summary, "issue 10")
     lines += ["", "## Every restart", ""]
-    lines += _table(
+    lines += table(
         [
             "service",
             "#",
@@ -183,14 +192,14 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
             [
                 r["service"],
                 str(r["n"]),
-                _f(r["stop_s"]),
-                _f(r["up_after_stop_s"]),
-                _f(r.get("first_delivery_after_up_s")),
-                _f(r.get("first_delivery_after_stop_s")),
-                _f(r.get("max_latency_ms"), 0),
+                num(r["stop_s"]),
+                num(r["up_after_stop_s"]),
+                num(r.get("first_delivery_after_up_s")),
+                num(r.get("first_delivery_after_stop_s")),
+                num(r.get("max_latency_ms"), 0),
                 str(r.get("missing_in_slot", "-")),
                 str(r.get("log_lines", "-")),
-                _f(r.get("log_lines_per_s"), 1),
+                num(r.get("log_lines_per_s"), 1),
             ]
             for r in result.get("restarts", [])
         ],
@@ -204,7 +213,7 @@ def _recovery_markdown(result: dict[str, Any], summary: dict[str, Any], plots: l
     if kinds:
         lines += ["", "Most frequent relay log lines during each outage (digits as N):", ""]
         lines += [f"- {s} #{n}: {c} x `{text}`" for s, n, (text, c) in kinds]
-    return _finish(lines, result, plots, recovery_problems(result))
+    return finish(lines, result, plots, recovery_problems(result))
 
 
 def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
@@ -232,14 +241,14 @@ def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
         if x is not None:
             left = x["never_clear"]
             lines.append(
-                f"- {service}: oldest while down max {_f(x['max_age_down_s'])} s, longest "
-                f"{_f(x['longest_outage_xact_s'])} s, an xid held in {x['xid_restarts']} of "
-                f"{row['restarts']} outages; none open {_f(x['clear_after_stop_median_s'])} s "
-                f"after the stop (median; max {_f(x['clear_after_stop_max_s'])} s)"
+                f"- {service}: oldest while down max {num(x['max_age_down_s'])} s, longest "
+                f"{num(x['longest_outage_xact_s'])} s, an xid held in {x['xid_restarts']} of "
+                f"{row['restarts']} outages; none open {num(x['clear_after_stop_median_s'])} s "
+                f"after the stop (median; max {num(x['clear_after_stop_max_s'])} s)"
                 + (f"; one still open at the end of the looks in {left}" if left else "")
             )
     lines.append("")
-    lines += _table(
+    lines += table(
         [
             "service",
             "#",
@@ -256,13 +265,13 @@ def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
             [
                 r["service"],
                 str(r["n"]),
-                f"{x['open_at_stop']} ({_f(x['oldest_at_stop_s'])})",
-                _f(x["max_age_down_s"]),
+                f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
+                num(x["max_age_down_s"]),
                 "yes" if x["xid_down"] else "no",
-                _f(100 * x["open_share_down"] if x["open_share_down"] is not None else None, 0),
-                _f(x["longest_outage_xact_s"]),
-                _f(x["clear_after_stop_s"]),
-                _f(x["clear_after_up_s"]),
+                num(percent(x["open_share_down"]), 0),
+                num(x["longest_outage_xact_s"]),
+                num(x["clear_after_stop_s"]),
+                num(x["clear_after_up_s"]),
                 str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
             ]
             for r in rs
@@ -270,25 +279,6 @@ def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
         ],
     )
     return lines
-
-
-def _targets(summary: dict[str, Any], source: str) -> list[str]:
-    """The targets section (target, measured, verdict), if there are any."""
-    if not summary["targets"]:
-        return []
-    return [
-        "",
-        f"## Targets ({source})",
-        "",
-        *_table(
-            ["target", "measured", "verdict"],
-            [[t["target"], t["measured"], t["verdict"]] for t in summary["targets"]],
-        ),
-    ]
-
-
-def _modes_lines(result: dict[str, Any]) -> list[str]:
-    return ["", "## Modes", "", *mode_bullets(result)]
 
 
 def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
@@ -315,9 +305,9 @@ def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[
         "window; **db µs/ev** the CPU of every process of the PostgreSQL cluster per event "
         "committed in the window; **dead tuples** the outbox's `n_dead_tup` at the window's end.",
     ]
-    lines += _targets(summary, "design/benchmarks.md")
+    lines += targets_section(summary, "design/benchmarks.md")
     lines += ["", "## Per phase (all events of a phase pooled; medians over rounds)", ""]
-    lines += _table(
+    lines += table(
         [
             "mode",
             "baseline p50 / p99 / max (ms)",
@@ -332,12 +322,12 @@ def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[
             [
                 mode,
                 *(
-                    " / ".join(_f(m["phases"][p][k], 1) for k in ("p50", "p99", "max"))
+                    " / ".join(num(m["phases"][p][k], 1) for k in ("p50", "p99", "max"))
                     for p in ("baseline", "hold", "recovery")
                 ),
-                _f(m["worst_hold_p99"], 1),
-                _f(100 * m["lowest_hold_share"] if m["lowest_hold_share"] is not None else None, 1),
-                _rate(m["dead_tuples_at_release"]),
+                num(m["worst_hold_p99"], 1),
+                num(percent(m["lowest_hold_share"]), 1),
+                whole(m["dead_tuples_at_release"]),
                 str(m["missing"]),
             ]
             for mode, m in summary["modes"].items()
@@ -352,24 +342,24 @@ def _held_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[
             "and database CPU %, outbox size with its indexes (MB).",
             "",
         ]
-        lines += _table(
+        lines += table(
             ["window", "mode", "committed ev/s", "e2e p99", "mode CPU %", "db CPU %", "outbox MB"],
             [
                 [
                     f"{w['start_s']:.0f} s ({w['phase']})",
                     mode,
-                    _rate(w["rate"]),
-                    _f(w["e2e_p99"], 1),
-                    _f(w["mode_cpu_percent"], 1),
-                    _f(w["db_cpu_percent"], 1),
-                    _f(w["total_bytes"] / 2**20 if w["total_bytes"] is not None else None, 1),
+                    whole(w["rate"]),
+                    num(w["e2e_p99"], 1),
+                    num(w["mode_cpu_percent"], 1),
+                    num(w["db_cpu_percent"], 1),
+                    num(w["total_bytes"] / 2**20 if w["total_bytes"] is not None else None, 1),
                 ]
                 for mode, m in summary["modes"].items()
                 for w in m["windows"]
             ],
         )
-    lines += _modes_lines(result)
-    return _finish(lines, result, plots, held_snapshot_problems(result))
+    lines += modes_section(result)
+    return finish(lines, result, plots, held_snapshot_problems(result))
 
 
 def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
@@ -387,10 +377,10 @@ def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         f"{cfg['healthy_timeout']:g} s); then a {cfg['quiet']:g} s quiet window with no new "
         f"rows; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
     ]
-    lines += _targets(summary, "design/benchmarks.md")
+    lines += targets_section(summary, "design/benchmarks.md")
     t = f"{cfg['healthy_timeout']:g}"
     lines += ["", "## Healthy rows behind the failing head (medians over rounds)", ""]
-    lines += _table(
+    lines += table(
         [
             "failing rows",
             "mode",
@@ -406,19 +396,19 @@ def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
             [
                 f"{r['failing_rows']:,}",
                 r["mode"],
-                f"{_rate(r['within_1s'])} of {_rate(r['healthy_rows'])}",
-                f"{_rate(r['within_timeout'])} of {_rate(r['healthy_rows'])}",
-                _f(r["p50"], 1),
-                _f(r["p99"], 1),
-                _f(r["max"], 1),
-                _f(r["all_arrived_after_last_commit_s"])
+                f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}",
+                f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}",
+                num(r["p50"], 1),
+                num(r["p99"], 1),
+                num(r["max"], 1),
+                num(r["all_arrived_after_last_commit_s"])
                 + (
                     ""
                     if r["all_arrived_rounds"] == r["rounds"]
                     else f" (not all within {t} s in {r['rounds'] - r['all_arrived_rounds']} "
                     "round(s))"
                 ),
-                _f(r["tried_after_ready_s"])
+                num(r["tried_after_ready_s"])
                 + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)"),
             ]
             for r in summary["rows"]
@@ -436,7 +426,7 @@ def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         "process and of the whole PostgreSQL cluster.",
         "",
     ]
-    lines += _table(
+    lines += table(
         [
             "failing rows",
             "mode",
@@ -452,13 +442,13 @@ def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
             [
                 f"{r['failing_rows']:,}",
                 r["mode"],
-                _f(r["commits_per_s"], 1),
-                _f(r["xacts_per_s"], 1),
-                _f(r["statements_per_s"], 1),
-                _f(r["claims_per_s"], 1),
-                _f(r["mode_cpu_percent"], 1),
-                _f(r["db_cpu_percent"], 1),
-                _rate(r["mode_log_lines"]),
+                num(r["commits_per_s"], 1),
+                num(r["xacts_per_s"], 1),
+                num(r["statements_per_s"], 1),
+                num(r["claims_per_s"], 1),
+                num(r["mode_cpu_percent"], 1),
+                num(r["db_cpu_percent"], 1),
+                whole(r["mode_log_lines"]),
             ]
             for r in summary["rows"]
         ],
@@ -472,12 +462,8 @@ def _failing_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
                 f"  - {s['calls']} x, {s['rows']} rows: `{s['query']}`"
                 for s in c["quiet"]["top_statements"][:3]
             ]
-    lines += _modes_lines(result)
-    return _finish(lines, result, plots, failing_head_problems(result))
-
-
-def _share(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}"
+    lines += modes_section(result)
+    return finish(lines, result, plots, failing_head_problems(result))
 
 
 def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
@@ -511,9 +497,9 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         "**keys free** are the others. **Rate %** is the producers' commits as a share of the "
         "offered rate.",
     ]
-    lines += _targets(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
+    lines += targets_section(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
     lines += ["", "## Latency per phase (medians over rounds)", ""]
-    lines += _table(
+    lines += table(
         [
             "notify mode",
             "keys",
@@ -532,14 +518,14 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
                 r["notify_mode"],
                 f"{r['keys']:,}",
                 str(r["rounds"]),
-                " / ".join(_f(r[f"baseline_{k}"], 1) for k in ("p50", "p99", "max")),
-                " / ".join(_f(r[f"freeze_{k}"], 1) for k in ("p50", "p99", "max")),
-                f"{_f(r['freeze_free_p99'], 1)} / {_f(r['freeze_free_max'], 1)}",
-                f"{_f(r['freeze_held_p99'], 1)} ({_f(_pc(r['freeze_held_share']), 1)})",
-                _f(r["between_p99"], 1),
-                _f(r["recovery_p99"], 1),
+                " / ".join(num(r[f"baseline_{k}"], 1) for k in ("p50", "p99", "max")),
+                " / ".join(num(r[f"freeze_{k}"], 1) for k in ("p50", "p99", "max")),
+                f"{num(r['freeze_free_p99'], 1)} / {num(r['freeze_free_max'], 1)}",
+                f"{num(r['freeze_held_p99'], 1)} ({num(percent(r['freeze_held_share']), 1)})",
+                num(r["between_p99"], 1),
+                num(r["recovery_p99"], 1),
                 " / ".join(
-                    _share(r[k]) for k in ("baseline_rate_share", "freeze_rate_share", "rate_share")
+                    share(r[k]) for k in ("baseline_rate_share", "freeze_rate_share", "rate_share")
                 ),
                 str(r["lost"]),
             ]
@@ -559,7 +545,7 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
         "the writers' keys in the claim buckets it held.",
         "",
     ]
-    lines += _table(
+    lines += table(
         [
             "notify mode",
             "keys",
@@ -575,11 +561,11 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
                 r["notify_mode"],
                 f"{r['keys']:,}",
                 ", ".join(f"{k} x{v}" for k, v in r["picked_by"].items()),
-                " / ".join(_share(r[f"marker_{k}"]) for k in ("frozen", "other", "nobody")),
-                f"{_f(r['marker_kept_max_s'])}, {r['marker_kept_freezes']} of {r['freezes']}",
-                _share(r["baseline_awake"]),
+                " / ".join(share(r[f"marker_{k}"]) for k in ("frozen", "other", "nobody")),
+                f"{num(r['marker_kept_max_s'])}, {r['marker_kept_freezes']} of {r['freezes']}",
+                share(r["baseline_awake"]),
                 f"{r['claim_open']} of {r['freezes']}",
-                _f(r["held_keys_median"], 0),
+                num(r["held_keys_median"], 0),
             ]
             for r in summary["rows"]
         ],
@@ -587,7 +573,7 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
     freezes = [(c, f) for c in result.get("cells", []) if "phases" in c for f in c["freezes"]]
     if freezes:
         lines += ["", "## Every freeze", ""]
-        lines += _table(
+        lines += table(
             [
                 "mode",
                 "keys",
@@ -611,24 +597,20 @@ def _stalled_markdown(result: dict[str, Any], summary: dict[str, Any], plots: li
                     str(f["n"]),
                     str(f["relay"] + 1),
                     f["picked_by"],
-                    " / ".join(_f(f["latency"][k], 1) for k in ("p50", "p99", "max")),
-                    _f(f["free_keys_latency"]["p99"], 1),
+                    " / ".join(num(f["latency"][k], 1) for k in ("p50", "p99", "max")),
+                    num(f["free_keys_latency"]["p99"], 1),
                     f"{len(f['frozen'].get('held_keys', []))} ({f['held_keys_latency']['count']})",
-                    _share(f["rate_share"]),
+                    share(f["rate_share"]),
                     f"{f['frozen'].get('in_transaction', '-')} "
-                    f"({_f(f['frozen'].get('oldest_xact_s'))})",
+                    f"({num(f['frozen'].get('oldest_xact_s'))})",
                     str(len(f["frozen"].get("claim_buckets", []))),
-                    _f(f["marker"].get("frozen_held_until_s"), 3),
+                    num(f["marker"].get("frozen_held_until_s"), 3),
                 ]
                 for c, f in freezes
             ],
         )
-    lines += _modes_lines(result)
-    return _finish(lines, result, plots, stalled_relay_problems(result))
-
-
-def _pc(v: float | None) -> float | None:
-    return None if v is None else 100 * v
+    lines += modes_section(result)
+    return finish(lines, result, plots, stalled_relay_problems(result))
 
 
 def compact_table(result: dict[str, Any]) -> list[str]:
@@ -647,33 +629,7 @@ def compact_table(result: dict[str, Any]) -> list[str]:
         summary = summarize_failing_head(result)
         text = _failing_markdown(result, summary, [])
         first = "## Healthy rows"
-    lines = text.splitlines()
-    out: list[str] = []
-    for head in ("## Targets", first, "## Quiet window"):
-        start = next((i for i, line in enumerate(lines) if line.startswith(head)), None)
-        if start is None:
-            continue
-        table = start + 2
-        while table < len(lines) and not lines[table].startswith("|"):
-            table += 1
-        end = table
-        while end < len(lines) and lines[end].startswith("|"):
-            end += 1
-        out += [lines[start], *lines[table:end], ""]
-    return out
-
-
-def _finish(lines: list[str], result: dict[str, Any], plots: list[str], problems: list[str]) -> str:
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    notes = (
-        list(result.get("notes", []))
-        + [f"CHECK FAILED: {p}" for p in problems]
-        + [f"ERROR: {e}" for e in result.get("errors", [])]
-    )
-    if notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    return tables_under(text, ("## Targets", first, "## Quiet window"))
 
 
 def _plot_drain(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:

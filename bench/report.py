@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.revs import revision_text
+from bench.fmt import environment_lines, modes_section, num, pct, profile_lines, signed, table
 from bench.stages import STAGES
 
-__all__ = ["environment_lines", "floor_lines", "mode_bullets", "summarize", "write_report"]
+__all__ = ["floor_lines", "summarize", "write_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -287,14 +287,14 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ratio = r["vs_no-trigger"]
         others = ", ".join(
-            f"{_pct(r[f'vs_{ref}'])} of {ref}"
+            f"{pct(r[f'vs_{ref}'])} of {ref}"
             for ref in _PRODUCER_REFS[1:]
             if not math.isnan(r[f"vs_{ref}"])
         )
         add(
             f"producer commits/s, {variant} vs no-trigger, {writers} writer(s): >= 90% "
             "(stretch 97%)",
-            f"{_pct(ratio)} of no-trigger" + (f" ({others})" if others else ""),
+            f"{pct(ratio)} of no-trigger" + (f" ({others})" if others else ""),
             None if math.isnan(ratio) else ratio >= 0.9,
             None if math.isnan(ratio) else ratio >= 0.97,
         )
@@ -324,100 +324,6 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
 # --- markdown ---------------------------------------------------------------------------------
 
 
-def _f(v: Any, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float):
-        if abs(v) >= 100:
-            return f"{v:.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
-
-
-def profile_lines(title: str, prof: dict[str, Any]) -> list[str]:
-    """A profiled cell's functions with the most own time (``bench.profile.top_self``)."""
-    if not prof.get("samples"):
-        return []
-    lines = ["", f"## Profile: {title} (py-spy, {prof['samples']:,} samples, `{prof['file']}`)", ""]
-    return lines + _table(
-        ["function (own time)", "share"],
-        [[f"`{t['function']}`", f"{100 * t['share']:.1f}%"] for t in prof["top"]],
-    )
-
-
-def environment_lines(result: dict[str, Any]) -> list[str]:
-    """The markdown bullets describing the machine, services, revision and noise of a run."""
-    env = result.get("environment", {})
-    host = env.get("host", {})
-    pg = env.get("postgres", {}).get("settings", {})
-    git = env.get("git", {})
-    fs = env.get("fdatasync_probe", {})
-    ptf = env.get("pg_test_fsync", {})
-    pgb = env.get("pgbouncer", {})
-    pooler = (
-        [
-            f"- PgBouncer (pooled modes): {pgb.get('version')}, {pgb.get('pool_mode')} pooling, "
-            f"default_pool_size {pgb.get('settings', {}).get('default_pool_size')}"
-            + ("; it was NOT running at the end" if pgb.get("running_at_end") is False else "")
-        ]
-        if pgb.get("ran")
-        else []
-    )
-    return [
-        f"- machine: {host.get('cpu_model')} x{host.get('cores')} cores, "
-        f"{host.get('memory_gib')} GiB, kernel {host.get('kernel')}, Python {host.get('python')}",
-        f"- fsync: fdatasync probe median {fs.get('median_us')} µs"
-        + (
-            f"; pg_test_fsync fdatasync {ptf.get('fdatasync_us_per_op')} µs/op"
-            if ptf.get("fdatasync_us_per_op")
-            else ""
-        ),
-        f"- PostgreSQL {pg.get('server_version')}: "
-        f"synchronous_commit={pg.get('synchronous_commit')}, fsync={pg.get('fsync')}, "
-        f"shared_buffers={pg.get('shared_buffers')}, "
-        f"wal_sync_method={pg.get('wal_sync_method')}; Kafka "
-        f"{env.get('kafka', {}).get('version')} (one broker, acks=all, idempotent producers)",
-        *pooler,
-        f"- git {str(git.get('revision'))[:12]} on {git.get('branch')}"
-        + (" (uncommitted changes)" if git.get("dirty") else ""),
-        *_compare_lines(result),
-        f"- noise: load average {result.get('load_average_start')} at start, "
-        f"{result.get('load_average_end')} at end; host CPU busy "
-        f"{_f(100 * (result.get('host_cpu_busy') or math.nan), 0)}% over "
-        f"{_f(result.get('wall_seconds'), 0)} s",
-    ]
-
-
-def _compare_lines(result: dict[str, Any]) -> list[str]:
-    """With ``--compare-rev``: which revision ran where."""
-    alt = result.get("config", {}).get("alt_revision")
-    if not alt:
-        return []
-    git = result.get("environment", {}).get("git", {})
-    return [
-        f"- **compared** (`--compare-rev {alt['ref']}`): the `-alt` modes (recovery and "
-        f"stalled-relay: the relay itself) ran {revision_text(alt)}; the others this checkout, "
-        f"{revision_text(git)}"
-    ]
-
-
-def mode_bullets(result: dict[str, Any]) -> list[str]:
-    """One bullet per mode: its description, and with ``--compare-rev`` its revision."""
-    return [
-        f"- `{n}`: {m['description']}"
-        + (f"; {revision_text(m['revision'])}" if m.get("revision") else "")
-        for n, m in result.get("modes", {}).items()
-    ]
-
-
 def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
     """The human-readable report of one run."""
     cfg = result["config"]
@@ -443,7 +349,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "## Targets",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["target", "measured", "verdict", "stretch"],
         [[t["target"], t["measured"], t["verdict"], t["stretch"]] for t in summary["targets"]],
     )
@@ -462,16 +368,16 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             [
                 _row_label(r),
                 f"{r['load']:g}",
-                _f(r["commit_rate"]),
-                _f(r["delivered_rate"]),
-                *(_f(e[p]) for p in _PCTS),
-                _f(a["p50"]),
-                _f(a["p99"]),
-                _f(a["p99.9"]),
+                num(r["commit_rate"]),
+                num(r["delivered_rate"]),
+                *(num(e[p]) for p in _PCTS),
+                num(a["p50"]),
+                num(a["p99"]),
+                num(a["p99.9"]),
                 verdict,
             ]
         )
-    lines += _table(
+    lines += table(
         [
             "mode",
             "offered ev/s",
@@ -500,15 +406,15 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     ]
     lines += _over_floor_section(summary)
     lines += ["", "## Maximum throughput per mode", ""]
-    lines += _table(
+    lines += table(
         ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
         [
             [
                 m,
-                _f(t["max_sustained"]),
-                _f(t["max_keeping_up"]),
-                _f(t["highest_tried"]),
-                _f(t["first_failing"])
+                num(t["max_sustained"]),
+                num(t["max_keeping_up"]),
+                num(t["highest_tried"]),
+                num(t["first_failing"])
                 + (f" ({t['first_failing_limit']})" if t.get("first_failing_limit") else ""),
             ]
             for m, t in summary["throughput"].items()
@@ -524,12 +430,12 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         srows.append(
             [
                 r["mode"],
-                *(f"{_f(s[k]['p50'])} / {_f(s[k]['p99'])}" for k in s),
-                _f(r["mode_cpu_us_per_event"], 0),
-                _f(100 * r["host_cpu_busy"], 0),
+                *(f"{num(s[k]['p50'])} / {num(s[k]['p99'])}" for k in s),
+                num(r["mode_cpu_us_per_event"], 0),
+                num(100 * r["host_cpu_busy"], 0),
             ]
         )
-    lines += _table(
+    lines += table(
         [
             "mode",
             "schedule -> send (generator lag)",
@@ -551,7 +457,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         if c.get("profile"):
             lines += profile_lines(
                 f"{c['mode']} at {c['load']:g} ev/s, {c['arrival']}/{c['producer']} "
-                f"(relay CPU {_f(c.get('mode_cpu_us_per_event'), 0)} µs per event)",
+                f"(relay CPU {num(c.get('mode_cpu_us_per_event'), 0)} µs per event)",
                 c["profile"],
             )
     lines += [
@@ -559,7 +465,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "## Producer overhead (single-row INSERT transactions, as fast as possible)",
         "",
     ]
-    lines += _table(
+    lines += table(
         [
             "variant",
             "writers",
@@ -574,12 +480,12 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             [
                 r["variant"],
                 str(r["writers"]),
-                _f(r["commits_per_s"]),
-                _f(r["p50"], 3),
-                _f(r["p99"], 3),
-                _pct(r["vs_no-trigger"]),
-                _pct(r["vs_no-trigger+relay"]),
-                _pct(r["vs_no-trigger+fast-relay"]),
+                num(r["commits_per_s"]),
+                num(r["p50"], 3),
+                num(r["p99"], 3),
+                pct(r["vs_no-trigger"]),
+                pct(r["vs_no-trigger+relay"]),
+                pct(r["vs_no-trigger+fast-relay"]),
             ]
             for r in summary["producer"]
         ],
@@ -594,14 +500,14 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "database)",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["mode", "queries/s (pg_stat_statements)", "commits/s (pg_stat_database)", "process CPU %"],
         [
-            [m, _f(i["queries_per_s"]), _f(i["commits_per_s"]), _f(i["cpu_percent"])]
+            [m, num(i["queries_per_s"]), num(i["commits_per_s"]), num(i["cpu_percent"])]
             for m, i in summary["idle"].items()
         ],
     )
-    lines += ["", "## Modes", "", *mode_bullets(result)]
+    lines += modes_section(result)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p}]({p})" for p in plots]
@@ -643,7 +549,7 @@ def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
         if s["status"] != "ok":
             out.append([_row_label(r), f"{r['load']:g}", s["status"], *("-" for _ in STAGES), "-"])
             continue
-        sources = ", ".join(f"{k} {_pct(v)}" for k, v in s["sources"].items())
+        sources = ", ".join(f"{k} {pct(v)}" for k, v in s["sources"].items())
         out.append(
             [
                 _row_label(r),
@@ -658,18 +564,18 @@ def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
                 ),
             ]
         )
-    return lines + _table(
+    return lines + table(
         ["mode", "offered ev/s", "claims: wake sources", *STAGES.values(), "events without a line"],
         out,
     )
 
 
 def _stage_cell(st: dict[str, Any]) -> str:
-    text = f"{_f(st['p50'])} / {_f(st['p99'])}"
+    text = f"{num(st['p50'])} / {num(st['p99'])}"
     neg = st.get("negative")
     if neg is None or math.isnan(neg) or neg < 0.005:  # shown from 1 % (rounded)
         return text
-    return f"{text} ({_pct(neg)} <0)"
+    return f"{text} ({pct(neg)} <0)"
 
 
 def _over_floor_section(summary: dict[str, Any]) -> list[str]:
@@ -686,18 +592,18 @@ def _over_floor_section(summary: dict[str, Any]) -> list[str]:
         "median over rounds of the mode's value minus the floor's in the same round.",
         "",
     ]
-    return lines + _table(
+    return lines + table(
         ["offered ev/s", "mode", "p50", "floor p50", "over p50", "p99", "floor p99", "over p99"],
         [
             [
                 f"{r['load']:g}",
                 r["mode"],
-                _f(r["p50"]),
-                _f(r["floor_p50"]),
-                _signed(r["over_p50"]),
-                _f(r["p99"]),
-                _f(r["floor_p99"]),
-                _signed(r["over_p99"]),
+                num(r["p50"]),
+                num(r["floor_p50"]),
+                signed(r["over_p50"]),
+                num(r["p99"]),
+                num(r["floor_p99"]),
+                signed(r["over_p99"]),
             ]
             for r in rows
         ],
@@ -710,15 +616,6 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
     if not _floor_modes(result):
         return []
     return [line for line in _over_floor_section(summarize(result)) if line.startswith("|")]
-
-
-def _signed(v: float | None) -> str:
-    text = _f(v)
-    return text if text == "-" or text.startswith("-") else f"+{text}"
-
-
-def _pct(v: float) -> str:
-    return "-" if v is None or math.isnan(v) else f"{100 * v:.0f}%"
 
 
 def write_report(json_path: Path, *, plots: bool = True) -> Path:

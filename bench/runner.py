@@ -20,6 +20,7 @@ from bench import envinfo
 from bench.analysis import analyse_cell
 from bench.arrays import load_arrays
 from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, writers_for
+from bench.fmt import ms_aligned, opt
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun, loadavg, slug, utc
@@ -182,7 +183,8 @@ class Runner:
                 }
                 self.result["idle"].append(record)
                 self.progress.line(
-                    f"idle {name:<12} {_fmt(calls)} queries/s, {_fmt(xacts)} commits/s, "
+                    f"idle {name:<12} {opt(calls, '.2f', 'n/a')} queries/s, "
+                    f"{opt(xacts, '.2f', 'n/a')} commits/s, "
                     f"CPU {record['cpu_percent']:.2f}%"
                 )
         finally:
@@ -426,9 +428,9 @@ class Runner:
         ack = cell["latency"]["ack_to_recv"]
         verdict = "sustained" if cell["sustained"] else "keeps up" if cell["keeps_up"] else "NO"
         self.progress.line(
-            f"{label:<42} commit {cell['commit_rate']:8.0f}/s  e2e p50 {_ms(lat['p50'])} "
-            f"p99 {_ms(lat['p99'])} max {_ms(lat['max'])} | ack->recv p50 {_ms(ack['p50'])} "
-            f"p99 {_ms(ack['p99'])} | {verdict}"
+            f"{label:<42} commit {cell['commit_rate']:8.0f}/s  e2e p50 {ms_aligned(lat['p50'])} "
+            f"p99 {ms_aligned(lat['p99'])} max {ms_aligned(lat['max'])} | ack->recv p50 "
+            f"{ms_aligned(ack['p50'])} p99 {ms_aligned(ack['p99'])} | {verdict}"
             + (f" missing {cell['missing']}" if cell["missing"] else "")
             + (f" | {_stages_note(stages)}" if stages is not None else ""),
             cell=True,
@@ -542,7 +544,7 @@ class Runner:
                 lat = cell["latency"]
                 self.progress.line(
                     f"{label:<46} {cell['commits_per_s']:8.0f} commits/s  "
-                    f"latency p50 {_ms(lat['p50'])} p99 {_ms(lat['p99'])}",
+                    f"latency p50 {ms_aligned(lat['p50'])} p99 {ms_aligned(lat['p99'])}",
                     cell=True,
                 )
         finally:
@@ -676,12 +678,6 @@ def _db_name(dsn: str) -> str:
     return urlsplit(dsn).path.lstrip("/")
 
 
-def _ms(v: float) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "   -   "
-    return f"{v:7.1f}" if v >= 10 else f"{v:7.2f}"
-
-
 def _stages_note(stages: dict[str, Any]) -> str:
     if stages["status"] != "ok":
         return str(stages["status"])
@@ -689,10 +685,6 @@ def _stages_note(stages: dict[str, Any]) -> str:
         f"stage log: {stages['claims']} claims, {stages['missing_lines']} of "
         f"{stages['events']} events without a line"
     )
-
-
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}"
 
 
 async def _hold_awake(dsn: str) -> asyncio.Task[None]:

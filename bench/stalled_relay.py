@@ -39,6 +39,7 @@ import asyncpg
 from bench import envinfo
 from bench.arrays import load_arrays
 from bench.config import Mode
+from bench.fmt import ms, pct
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, wait_mode_ready
 from bench.procs import BenchError, Child, python_argv, tcp_ports
@@ -469,11 +470,11 @@ class _StalledRelay:
         )
         ph = cell["phases"]
         run.progress.line(
-            f"{label:<26} baseline p50/p99 {_ms(ph['baseline']['p50'])} / "
-            f"{_ms(ph['baseline']['p99'])}; during freezes {_ms(ph['freeze']['p50'])} / "
-            f"{_ms(ph['freeze']['p99'])} (max {_ms(ph['freeze']['max'])}; keys not held by "
-            f"the frozen relay p99 {_ms(cell['freeze_free_keys']['p99'])}); producers "
-            f"{_pct(ph['freeze']['rate_share'])} of the rate during freezes; "
+            f"{label:<26} baseline p50/p99 {ms(ph['baseline']['p50'])} / "
+            f"{ms(ph['baseline']['p99'])}; during freezes {ms(ph['freeze']['p50'])} / "
+            f"{ms(ph['freeze']['p99'])} (max {ms(ph['freeze']['max'])}; keys not held by "
+            f"the frozen relay p99 {ms(cell['freeze_free_keys']['p99'])}); producers "
+            f"{pct(ph['freeze']['rate_share'])} of the rate during freezes; "
             f"{cell['events']['missing']} missing",
             cell=True,
         )
@@ -678,14 +679,6 @@ async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
         await conn.close(timeout=5)
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
 def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
     """Per notify mode and key mix: medians over rounds of every phase's latency and rate,
     the freezes' split by held keys, the marker's holders; the issue's target (p99 of the
@@ -744,8 +737,8 @@ def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
                     {
                         "target": f"{nm}, {keys:,} keys: p99 of the events committed during the "
                         "freezes <= 100 ms",
-                        "measured": f"{p99:.1f} ms (baseline {_ms(row['baseline_p99'])}; "
-                        f"keys the frozen relay did not hold {_ms(row['freeze_free_p99'])})",
+                        "measured": f"{p99:.1f} ms (baseline {ms(row['baseline_p99'])}; "
+                        f"keys the frozen relay did not hold {ms(row['freeze_free_p99'])})",
                         "verdict": "met" if p99 <= 100.0 else "MISSED",
                     }
                 )
