@@ -13,7 +13,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -331,26 +331,24 @@ def _run_phase(args: argparse.Namespace) -> int:
     """``drain``, ``recovery``, ``held-snapshot``, ``failing-head`` or ``stalled-relay``: run,
     write the report; exit 1 when a check failed (lost events, order violations, a timed-out
     cell, a cell that broke), not when the relay was merely slow."""
+    from bench.catalog import REGIMES
     from bench.drain import (
         DEFAULT_MIXES,
         DEFAULT_MODES,
         MIXES,
         DrainConfig,
         alt_drain_mode,
-        drain_problems,
         parse_mode,
         parse_relay_env,
         run_drain,
     )
     from bench.procs import run_async
-    from bench.recovery import RecoveryConfig, recovery_problems, run_recovery
-    from bench.report import write_report
+    from bench.recovery import RecoveryConfig, run_recovery
 
     relay_env = parse_relay_env(args.relay_env)
     alt = _alt_tree(args.alt_relay)
     out: Path = args.out
     coro: Coroutine[Any, Any, Path]
-    check: Callable[[dict[str, Any]], list[str]]
     if args.command == "drain":
         mixes = list(dict.fromkeys(args.mixes or DEFAULT_MIXES))
         unknown = [m for m in mixes if m not in MIXES]
@@ -376,12 +374,10 @@ def _run_phase(args: argparse.Namespace) -> int:
             profile=args.profile,
         )
         coro = run_drain(dcfg, out, keep=args.keep_work_dir)
-        check = drain_problems
-        stem = "drain"
     elif args.command in ("held-snapshot", "failing-head"):
-        coro, check, stem = _regime(args, relay_env, alt)
+        coro = _regime(args, relay_env, alt)
     elif args.command == "stalled-relay":
-        coro, check, stem = _stalled(args, relay_env, alt)
+        coro = _stalled(args, relay_env, alt)
     else:
         rcfg = RecoveryConfig(
             services=list(dict.fromkeys(args.services)),
@@ -397,8 +393,8 @@ def _run_phase(args: argparse.Namespace) -> int:
             fsync_test_seconds=args.fsync_seconds,
         )
         coro = run_recovery(rcfg, out, keep=args.keep_work_dir)
-        check = recovery_problems
-        stem = "recovery"
+    regime = REGIMES[args.command]
+    stem = regime.name
     started = time.time()
     try:
         run_async(coro)
@@ -409,13 +405,11 @@ def _run_phase(args: argparse.Namespace) -> int:
             key=lambda p: p.stat().st_mtime,
         )
         if written:
-            md = write_report(written[-1], plots=not args.no_plots)
+            md = regime.write_report(written[-1], plots=not args.no_plots)
             print(f"result: {written[-1]}\nreport: {md}", file=sys.stderr)
-    problems = check(json.loads(written[-1].read_text())) if written else ["no result"]
-    if written and stem in ("held-snapshot", "failing-head", "stalled-relay"):
-        from bench.phase_report import compact_table
-
-        for line in compact_table(json.loads(written[-1].read_text())):
+    problems = regime.problems(json.loads(written[-1].read_text())) if written else ["no result"]
+    if written:
+        for line in regime.terminal_lines(json.loads(written[-1].read_text())):
             print(line, file=sys.stderr)
     for p in problems:
         print(f"bench {stem}: {p}", file=sys.stderr)
@@ -424,10 +418,10 @@ def _run_phase(args: argparse.Namespace) -> int:
 
 def _regime(
     args: argparse.Namespace, relay_env: dict[str, str], alt: str | None
-) -> tuple[Coroutine[Any, Any, Path], Callable[[dict[str, Any]], list[str]], str]:
-    """The run, the check and the file stem of ``held-snapshot`` or ``failing-head``."""
-    from bench.failing_head import FailingHeadConfig, failing_head_problems, run_failing_head
-    from bench.held_snapshot import HeldSnapshotConfig, held_snapshot_problems, run_held_snapshot
+) -> Coroutine[Any, Any, Path]:
+    """The run of ``held-snapshot`` or ``failing-head``."""
+    from bench.failing_head import FailingHeadConfig, run_failing_head
+    from bench.held_snapshot import HeldSnapshotConfig, run_held_snapshot
     from bench.regimes import regime_mode
 
     modes = list(dict.fromkeys(args.modes))
@@ -461,11 +455,7 @@ def _regime(
             drain_timeout=args.drain_timeout,
             **common,
         )
-        return (
-            run_held_snapshot(hcfg, args.out, keep=args.keep_work_dir),
-            held_snapshot_problems,
-            "held-snapshot",
-        )
+        return run_held_snapshot(hcfg, args.out, keep=args.keep_work_dir)
     if min(args.failing_rows) < 1 or args.healthy_rows < 1 or args.healthy_rate <= 0:
         raise BenchError("--failing-rows, --healthy-rows and --healthy-rate must be positive")
     fcfg = FailingHeadConfig(
@@ -480,18 +470,14 @@ def _regime(
         tried_timeout=args.tried_timeout,
         **common,
     )
-    return (
-        run_failing_head(fcfg, args.out, keep=args.keep_work_dir),
-        failing_head_problems,
-        "failing-head",
-    )
+    return run_failing_head(fcfg, args.out, keep=args.keep_work_dir)
 
 
 def _stalled(
     args: argparse.Namespace, relay_env: dict[str, str], alt: str | None
-) -> tuple[Coroutine[Any, Any, Path], Callable[[dict[str, Any]], list[str]], str]:
-    """The run, the check and the file stem of ``stalled-relay``."""
-    from bench.stalled_relay import StalledRelayConfig, run_stalled_relay, stalled_relay_problems
+) -> Coroutine[Any, Any, Path]:
+    """The run of ``stalled-relay``."""
+    from bench.stalled_relay import StalledRelayConfig, run_stalled_relay
 
     if args.repeat < 1 or args.freezes < 1 or args.relays < 2 or min(args.keys) < 1:
         raise BenchError("--repeat, --freezes and --keys must be at least 1, --relays at least 2")
@@ -518,25 +504,14 @@ def _stalled(
         alt_revision=args.alt_revision,
         fsync_test_seconds=args.fsync_seconds,
     )
-    return (
-        run_stalled_relay(scfg, args.out, keep=args.keep_work_dir),
-        stalled_relay_problems,
-        "stalled-relay",
-    )
+    return run_stalled_relay(scfg, args.out, keep=args.keep_work_dir)
 
 
 def _run_inbox(args: argparse.Namespace) -> int:
     """``inbox``: run, write the report; exit 1 when a cell applied a message twice or
     missed one."""
-    from bench.inbox import (
-        MODES as INBOX_MODES,
-    )
-    from bench.inbox import (
-        InboxBenchConfig,
-        inbox_problems,
-        run_inbox_bench,
-        write_inbox_report,
-    )
+    from bench.inbox import MODES as INBOX_MODES
+    from bench.inbox import REGIME, InboxBenchConfig, run_inbox_bench
     from bench.procs import run_async
 
     if args.messages < 1 or args.repeat < 1 or args.partitions < 1 or args.max_records < 1:
@@ -549,9 +524,9 @@ def _run_inbox(args: argparse.Namespace) -> int:
         max_records=args.max_records,
     )
     path = run_async(run_inbox_bench(cfg, args.out, keep=args.keep_work_dir))
-    md = write_inbox_report(path, plots=not args.no_plots)
+    md = REGIME.write_report(path, plots=not args.no_plots)
     print(f"result: {path}\nreport: {md}", file=sys.stderr)
-    problems = inbox_problems(json.loads(path.read_text()))
+    problems = REGIME.problems(json.loads(path.read_text()))
     for p in problems:
         print(f"bench inbox: {p}", file=sys.stderr)
     return 1 if problems else 0
@@ -608,7 +583,7 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
 
 
 def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
-    from bench.report import floor_lines, write_report
+    from bench.report import floor_lines, write_run_report
     from bench.runner import Runner
 
     runner = Runner(cfg, out, keep_work_dir=keep)
@@ -617,7 +592,7 @@ def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
     finally:
         written = out / f"{runner.run_id}.json"
         if written.exists():
-            md = write_report(written, plots=plots)
+            md = write_run_report(written, plots=plots)
             for line in floor_lines(json.loads(written.read_text())):
                 print(line, file=sys.stderr)
             print(f"result: {written}\nreport: {md}", file=sys.stderr)
@@ -675,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "report":
-            from bench.report import write_report
+            from bench.catalog import write_report
 
             print(write_report(args.json, plots=not args.no_plots))
             return 0

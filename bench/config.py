@@ -4,13 +4,14 @@ and the presets (full run, ``--quick``, smoke)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 __all__ = [
     "DEFAULT_MODES",
     "DEFAULT_VARIANTS",
     "MODES",
+    "POLLER",
     "VARIANTS",
     "Mode",
     "RunConfig",
@@ -53,6 +54,16 @@ class Mode:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description."""
         return asdict(self)
+
+    def from_tree(self, tree: str, name: str | None = None) -> Mode:
+        """This mode run from another source tree (``--alt-relay``), named ``name`` (default:
+        ``<name>-alt``)."""
+        return replace(
+            self,
+            name=name or f"{self.name}-alt",
+            description=f"{self.description}; relay code from {tree}",
+            cwd=tree,
+        )
 
 
 MODES: dict[str, Mode] = {
@@ -140,6 +151,17 @@ MODES: dict[str, Mode] = {
     )
 }
 DEFAULT_MODES = ("notify", "notify-always", "relay-poll", "poll-100ms", "poll-1s")
+# The plain poller of the drain phase and the production-condition regimes (``poller``).
+POLLER = Mode(
+    "poller",
+    "poller",
+    "plain poller of the outbox literature: one connection, SELECT ... WHERE "
+    "published_at IS NULL ORDER BY id LIMIT 200 FOR UPDATE SKIP LOCKED, pipelined "
+    "idempotent acks=all sends, UPDATE ... SET published_at = now(), commit; claims "
+    "again at once while batches come back full (NOTIFY trigger disabled)",
+    args=("--interval", "0.1", "--batch", "200", "--mark", "update"),
+    notify="disabled",
+)
 
 
 def add_alt_modes(tree: str) -> list[str]:
@@ -148,18 +170,7 @@ def add_alt_modes(tree: str) -> list[str]:
     in the same run as the original. Returns the new names."""
     added = []
     for mode in [m for m in MODES.values() if m.kind == "relay" and m.cwd is None]:
-        alt = Mode(
-            f"{mode.name}-alt",
-            "relay",
-            f"{mode.description}; relay code from {tree}",
-            args=mode.args,
-            env=mode.env,
-            notify=mode.notify,
-            interval=mode.interval,
-            cwd=tree,
-            pgbouncer=mode.pgbouncer,
-            listen_direct=mode.listen_direct,
-        )
+        alt = mode.from_tree(tree)
         MODES[alt.name] = alt
         added.append(alt.name)
     return added

@@ -22,11 +22,13 @@ from typing import Any
 import asyncpg
 
 from bench import envinfo
-from bench.config import Mode
+from bench.config import POLLER, Mode
+from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
+from bench.regimes import Regime
 from bench.services import Services, open_services, prepare_mode
 from devstack.relayproc import child_env
 
@@ -56,7 +58,6 @@ MIXES: dict[str, tuple[str, str]] = {
 }
 DEFAULT_MIXES = ("keys-1000", "keys-100000", "hot", "null")
 DEFAULT_MODES = ("relay-1", "relay-2", "relay-4", "poller")
-POLLER_ARGS = ("--interval", "0.1", "--batch", "200", "--mark", "update")
 
 # The ordering trigger takes one advisory lock per distinct key and transaction: 100,000 keys
 # in one transaction would overflow the shared lock table (max_locks_per_transaction x
@@ -90,17 +91,7 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
     transaction-pooling PgBouncer, the listening connection direct) or ``poller`` (the outbox
     literature's plain poller)."""
     if name == "poller":
-        mode = Mode(
-            name,
-            "poller",
-            "plain poller of the outbox literature: one connection, SELECT ... WHERE "
-            "published_at IS NULL ORDER BY id LIMIT 200 FOR UPDATE SKIP LOCKED, pipelined "
-            "idempotent acks=all sends, UPDATE ... SET published_at = now(), commit; claims "
-            "again at once while batches come back full (NOTIFY trigger disabled)",
-            args=POLLER_ARGS,
-            notify="disabled",
-        )
-        return DrainMode(name, mode, 1)
+        return DrainMode(name, POLLER, 1)
     m = _MODE_RE.match(name)
     if m is None or int(m.group(1)) < 1:
         raise BenchError(
@@ -431,7 +422,7 @@ class _Drain:
         )
 
 
-def drain_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a drain result wrong (not slow): a cell that timed out, lost events, broke
     per-key order or left rows pending."""
     problems = []
@@ -450,7 +441,7 @@ def drain_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds per (mix, mode), and the targets of issue 10 where they apply."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for c in result.get("cells", []):
@@ -514,6 +505,112 @@ def _target(what: str, ratio: float, need: float) -> dict[str, Any]:
     return {"target": what, "ratio": ratio, "verdict": "met" if ratio >= need else "MISSED"}
 
 
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox backlog drain {result['run_id']}", ""]
+    lines += environment_lines(result)
+    env_bits = ", ".join(f"{k}={v}" for k, v in cfg.get("relay_env", {}).items())
+    lines += [
+        f"- {cfg['rows']:,} committed rows per cell (~200-byte JSON payloads), inserted with "
+        "the mode stopped, then `VACUUM ANALYZE`; a fresh database and a 3-partition topic per "
+        f"cell; {cfg['repeat']} round(s), modes interleaved per round, medians over rounds"
+        + (f"; relay settings: {env_bits}" if env_bits else ""),
+        "",
+        "Events/s from the consumer's first arrival to its last (the drain rate), from the "
+        "mode's start, and seconds from the start to the first arrival.",
+        "",
+        "## Drain rate (events/s, first -> last arrival, median)",
+        "",
+    ]
+    modes = list(cfg["modes"])
+    by = {(r["mix"], r["mode"]): r for r in summary["rows"]}
+    lines += table(
+        ["key mix", *modes],
+        [
+            [
+                mix,
+                *(whole(by[(mix, m)]["rate_first_last"]) if (mix, m) in by else "-" for m in modes),
+            ]
+            for mix in cfg["mixes"]
+        ],
+    )
+    if summary["targets"]:
+        lines += ["", "## Targets (issue 10; ratios within this run)", ""]
+        lines += table(
+            ["target", "ratio", "verdict"],
+            [[t["target"], f"{t['ratio']:.2f}x", t["verdict"]] for t in summary["targets"]],
+        )
+    lines += ["", "## Every mix and mode", ""]
+    lines += table(
+        [
+            "mix",
+            "mode",
+            "rounds complete",
+            "ev/s first->last",
+            "ev/s from start",
+            "first arrival after start (s)",
+            "lost",
+            "duplicates",
+            "order violations",
+            "pending after",
+            "mode CPU µs/event",
+            "of it while draining",
+            "per round (ev/s)",
+        ],
+        [
+            [
+                r["mix"],
+                r["mode"],
+                f"{r['complete']}/{r['rounds']}",
+                whole(r["rate_first_last"]),
+                whole(r["rate_from_start"]),
+                num(r["first_after_start_s"]),
+                str(r["lost"]),
+                str(r["duplicates"]),
+                str(r["order_violations"]),
+                str(r["pending_after"]),
+                num(r["mode_cpu_us_per_event"], 0),
+                num(r.get("mode_cpu_drain_us_per_event"), 1),
+                " ".join(whole(v) for v in r["rates"]),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    lines += _profile_lines(result)
+    lines += ["", "## Key mixes and modes", ""]
+    lines += [f"- `{m}`: {d}" for m, d in result.get("mixes", {}).items()]
+    lines += mode_bullets(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def _profile_lines(result: dict[str, Any]) -> list[str]:
+    """Per profiled cell (``--profile``), the functions with the most own time."""
+    lines: list[str] = []
+    for c in result.get("cells", []):
+        if c.get("profile"):
+            lines += profile_lines(f"{c['mix']}, {c['mode']}", c["profile"])
+    return lines
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
+
+    mixes, modes = list(result["config"]["mixes"]), list(result["config"]["modes"])
+    by = {(r["mix"], r["mode"]): r["rate_first_last"] for r in summary["rows"]}
+    if not any(v for v in by.values()):
+        return False
+    fig, ax = bar_figure(max(6.0, 1.6 * len(mixes) * max(1, len(modes)) / 3))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(mixes))]
+        ax.bar(xs, [by.get((mix, mode)) or 0 for mix in mixes], width, label=mode)
+    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(mixes))])
+    ax.set_xticklabels(mixes)
+    ax.set_ylabel("events/s, first -> last arrival (median)")
+    ax.set_title(f"Backlog drain of {result['config']['rows']:,} rows")
+    return save_bar_chart(fig, ax, path)
+
+
 async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
     """Run the drain phase; returns the result JSON's path (written even on failure)."""
     run = PhaseRun("drain", cfg.to_json(), out_dir, keep=keep)
@@ -528,3 +625,6 @@ async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
         fsync_seconds=cfg.fsync_test_seconds,
         pgbouncer=needs_pgbouncer(m.mode for m in drain.modes),
     )
+
+
+REGIME = Regime("drain", summarize, problems, markdown, plot)

@@ -30,7 +30,17 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.arrays import load_arrays
 from bench.config import Mode, writers_for
-from bench.fmt import ms, opt
+from bench.fmt import (
+    environment_lines,
+    finish,
+    modes_section,
+    ms,
+    num,
+    opt,
+    table,
+    targets_section,
+    whole,
+)
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
@@ -38,6 +48,7 @@ from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
     CpuMeter,
+    Regime,
     add_cell,
     cell_record,
     database_postmaster,
@@ -57,9 +68,9 @@ from bench.services import (
 
 __all__ = [
     "FailingHeadConfig",
-    "failing_head_problems",
+    "problems",
     "run_failing_head",
-    "summarize_failing_head",
+    "summarize",
 ]
 
 _QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
@@ -446,7 +457,7 @@ async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]
 
 
 def _empty_claims(quiet: dict[str, Any]) -> int | None:
-    """Claims of a quiet window that returned no row (see summarize_failing_head)."""
+    """Claims of a quiet window that returned no row (see summarize)."""
     rate, rows, seconds = quiet.get("claims_per_s"), quiet.get("claimed_rows"), quiet["seconds"]
     if rate is None or rows is None:
         return None
@@ -454,7 +465,7 @@ def _empty_claims(quiet: dict[str, Any]) -> int | None:
     return max(0, calls - (int(rows) - calls))
 
 
-def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds per (size, mode), and the targets for the relay modes (issue 17,
     design/benchmarks.md): healthy rows arrive within 1 s; no empty claims while the failing
     rows wait. The failing keys' retries come due on their schedule in the quiet window, and
@@ -544,7 +555,7 @@ def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "targets": targets}
 
 
-def failing_head_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a failing-head result wrong (not slow): a cell that failed, a failing topic
     that came to exist (the broker created it). Healthy rows the plain poller never delivers
     are its result, not a problem."""
@@ -559,6 +570,168 @@ def failing_head_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox failing head {result['run_id']}", ""]
+    lines += environment_lines(result)
+    auto = result.get("environment", {}).get("kafka", {}).get("broker_configs", {})
+    lines += [
+        f"- {' and '.join(f'{n:,}' for n in cfg['failing_rows'])} rows of "
+        f"{cfg['failing_keys']} keys to a topic that does not exist (broker "
+        f"auto.create.topics.enable={auto.get('auto.create.topics.enable', 'unknown')}), "
+        "inserted with the mode stopped; the mode starts and tries them; then "
+        f"{cfg['healthy_rows']} rows of {cfg['healthy_keys']} other keys to a healthy topic at "
+        f"{cfg['healthy_rate']:g} ev/s, each timed from its commit ack to the consumer (up to "
+        f"{cfg['healthy_timeout']:g} s); then a {cfg['quiet']:g} s quiet window with no new "
+        f"rows; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
+    ]
+    lines += targets_section(summary, "design/benchmarks.md")
+    t = f"{cfg['healthy_timeout']:g}"
+    lines += ["", "## Healthy rows behind the failing head (medians over rounds)", ""]
+    lines += table(
+        [
+            "failing rows",
+            "mode",
+            "within 1 s",
+            f"within {t} s",
+            "p50 (ms)",
+            "p99 (ms)",
+            "max (ms)",
+            "all arrived, s after the last commit",
+            "mode tried the failing rows, s after ready",
+        ],
+        [
+            [
+                f"{r['failing_rows']:,}",
+                r["mode"],
+                f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}",
+                f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}",
+                num(r["p50"], 1),
+                num(r["p99"], 1),
+                num(r["max"], 1),
+                num(r["all_arrived_after_last_commit_s"])
+                + (
+                    ""
+                    if r["all_arrived_rounds"] == r["rounds"]
+                    else f" (not all within {t} s in {r['rounds'] - r['all_arrived_rounds']} "
+                    "round(s))"
+                ),
+                num(r["tried_after_ready_s"])
+                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)"),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    lines += [
+        "",
+        f"## Quiet window ({cfg['quiet']:g} s, no new rows, the failing rows waiting)",
+        "",
+        "Commits/s from `pg_stat_database` (PostgreSQL 15 reports a backend's counts up to a "
+        "second late, or ten for a backend that went idle: the window starts "
+        f"{cfg.get('quiet_settle', 0):g} s after the healthy rows arrived or timed out), "
+        "statements/s and claims/s (calls of the mode's claim statement) from "
+        "`pg_stat_statements` (counted at once), of the mode's own database; CPU of the mode's "
+        "process and of the whole PostgreSQL cluster.",
+        "",
+    ]
+    lines += table(
+        [
+            "failing rows",
+            "mode",
+            "commits/s",
+            "transactions/s (with rollbacks)",
+            "statements/s",
+            "claims/s",
+            "mode CPU %",
+            "db CPU %",
+            "mode log lines",
+        ],
+        [
+            [
+                f"{r['failing_rows']:,}",
+                r["mode"],
+                num(r["commits_per_s"], 1),
+                num(r["xacts_per_s"], 1),
+                num(r["statements_per_s"], 1),
+                num(r["claims_per_s"], 1),
+                num(r["mode_cpu_percent"], 1),
+                num(r["db_cpu_percent"], 1),
+                whole(r["mode_log_lines"]),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    tops = [c for c in result.get("cells", []) if c.get("round") == 0 and "quiet" in c]
+    if tops:
+        lines += ["", "Statements run most in the quiet window (first round; calls, rows):", ""]
+        for c in tops:
+            lines.append(f"- {c['failing_rows']:,} failing, {c['mode']}:")
+            lines += [
+                f"  - {s['calls']} x, {s['rows']} rows: `{s['query']}`"
+                for s in c["quiet"]["top_statements"][:3]
+            ]
+    lines += modes_section(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    """Per failing-head size and mode: healthy rows that arrived within 1 s and within the
+    timeout, and the quiet window's commits/s and statements/s (log scale)."""
+    from bench.plots import mode_colors, plt  # matplotlib only when plotting
+
+    rows, cfg = summary["rows"], result["config"]
+    if not rows:
+        return False
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    sizes = list(dict.fromkeys(r["failing_rows"] for r in rows))
+    by = {(r["failing_rows"], r["mode"]): r for r in rows}
+    colors = mode_colors(modes)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(sizes))]
+        got = [by.get((s, mode), {}) for s in sizes]
+        axes[0].bar(
+            xs,
+            [g.get("within_timeout") or 0 for g in got],
+            width,
+            color=colors[mode],
+            alpha=0.35,
+            label=f"{mode}: within {cfg['healthy_timeout']:g} s",
+        )
+        axes[0].bar(
+            xs,
+            [g.get("within_1s") or 0 for g in got],
+            width,
+            color=colors[mode],
+            label=f"{mode}: within 1 s",
+        )
+        for k, (key, hatch) in enumerate((("commits_per_s", ""), ("statements_per_s", "//"))):
+            axes[1].bar(
+                [x + k * width / 2 for x in xs],
+                [max(g.get(key) or 0.0, 0.01) for g in got],
+                width / 2,
+                color=colors[mode],
+                hatch=hatch,
+                edgecolor="white",
+                label=f"{mode}: {key.replace('_per_s', '/s')}",
+            )
+    for ax in axes:
+        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(sizes))])
+        ax.set_xticklabels([f"{s:,} failing rows" for s in sizes])
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].axhline(cfg["healthy_rows"], color="grey", linewidth=0.8)
+    axes[0].set_ylabel(f"healthy rows arrived (of {cfg['healthy_rows']})")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel(f"per second, {cfg['quiet']:g} s quiet window")
+    fig.suptitle("Failing head: healthy rows behind it, and the database's work meanwhile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 async def run_failing_head(cfg: FailingHeadConfig, out_dir: Path, *, keep: bool) -> Path:
     """Run the failing-head regime; returns the result JSON's path (written even on
     failure)."""
@@ -571,3 +744,13 @@ async def run_failing_head(cfg: FailingHeadConfig, out_dir: Path, *, keep: bool)
         f"{cfg.quiet:g}s quiet window"
     )
     return await run.run(open_services, head.body, fsync_seconds=cfg.fsync_test_seconds)
+
+
+REGIME = Regime(
+    "failing-head",
+    summarize,
+    problems,
+    markdown,
+    plot,
+    terminal=("## Targets", "## Healthy rows", "## Quiet window"),
+)

@@ -26,7 +26,18 @@ import asyncpg
 from bench import envinfo
 from bench.arrays import load_arrays
 from bench.config import Mode
-from bench.fmt import ms, opt, table
+from bench.fmt import (
+    environment_lines,
+    finish,
+    modes_section,
+    ms,
+    num,
+    opt,
+    percent,
+    table,
+    targets_section,
+    whole,
+)
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg
 from bench.procs import BenchError, Child
@@ -34,6 +45,7 @@ from bench.regimes import (
     DEFAULT_REGIME_MODES,
     CpuMeter,
     Looker,
+    Regime,
     acked_events,
     add_cell,
     cell_record,
@@ -51,9 +63,9 @@ from bench.services import Services, open_services
 
 __all__ = [
     "HeldSnapshotConfig",
-    "held_snapshot_problems",
+    "problems",
     "run_held_snapshot",
-    "summarize_held_snapshot",
+    "summarize",
 ]
 
 PHASES = ("baseline", "hold", "recovery")
@@ -441,7 +453,7 @@ class _HeldSnapshot:
             )
 
 
-def summarize_held_snapshot(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds per mode and window, per-phase figures and the targets
     (design/benchmarks.md: p99 within max(2x, +10 ms) of the baseline; producers keep >= 90 %
     of their rate)."""
@@ -607,7 +619,7 @@ def window_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
     return table(head, rows)
 
 
-def held_snapshot_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a held-snapshot result wrong (not slow): a cell that failed, events that
     never arrived."""
     problems = []
@@ -622,6 +634,135 @@ def held_snapshot_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox held snapshot {result['run_id']}", ""]
+    lines += environment_lines(result)
+    lines += [
+        f"- writers: {cfg['rate']:g} ev/s, open loop, single-row transactions, {cfg['keys']} "
+        f"keys; {cfg['baseline']:g} s baseline, then a REPEATABLE READ transaction (`SELECT "
+        f"count(*) FROM outbox`) held open for {cfg['hold']:g} s, then {cfg['recovery']:g} s "
+        f"of recovery; {cfg['repeat']} round(s), modes one after the other per round on fresh "
+        "databases and topics, medians over rounds",
+        "- warm-up: "
+        + (
+            f"{cfg['warmup']:g} s at the same rate through the relay before the first cell, not "
+            "measured (a fresh stack is slow for its first minute under load)"
+            if cfg.get("warmup")
+            else "none: the first cell met a cold stack"
+        ),
+        "",
+        "Events go into windows by their commit ack. **p50/p99** is commit ack -> consumer "
+        "receipt (ms); **rate %** the commits in the window as a share of the offered rate; "
+        "**mode µs/ev** the mode process's CPU (user + system) per event delivered in the "
+        "window; **db µs/ev** the CPU of every process of the PostgreSQL cluster per event "
+        "committed in the window; **dead tuples** the outbox's `n_dead_tup` at the window's end.",
+    ]
+    lines += targets_section(summary, "design/benchmarks.md")
+    lines += ["", "## Per phase (all events of a phase pooled; medians over rounds)", ""]
+    lines += table(
+        [
+            "mode",
+            "baseline p50 / p99 / max (ms)",
+            "hold",
+            "recovery",
+            "worst hold window p99",
+            "lowest hold rate %",
+            "dead tuples at release",
+            "missing",
+        ],
+        [
+            [
+                mode,
+                *(
+                    " / ".join(num(m["phases"][p][k], 1) for k in ("p50", "p99", "max"))
+                    for p in ("baseline", "hold", "recovery")
+                ),
+                num(m["worst_hold_p99"], 1),
+                num(percent(m["lowest_hold_share"]), 1),
+                whole(m["dead_tuples_at_release"]),
+                str(m["missing"]),
+            ]
+            for mode, m in summary["modes"].items()
+        ],
+    )
+    if summary["modes"]:
+        lines += ["", "## Per window (medians over rounds)", ""]
+        lines += window_table({mode: m["windows"] for mode, m in summary["modes"].items()})
+        lines += [
+            "",
+            "More per window: committed ev/s, e2e p99 (from the schedule, ms), mode "
+            "and database CPU %, outbox size with its indexes (MB).",
+            "",
+        ]
+        lines += table(
+            ["window", "mode", "committed ev/s", "e2e p99", "mode CPU %", "db CPU %", "outbox MB"],
+            [
+                [
+                    f"{w['start_s']:.0f} s ({w['phase']})",
+                    mode,
+                    whole(w["rate"]),
+                    num(w["e2e_p99"], 1),
+                    num(w["mode_cpu_percent"], 1),
+                    num(w["db_cpu_percent"], 1),
+                    num(w["total_bytes"] / 2**20 if w["total_bytes"] is not None else None, 1),
+                ]
+                for mode, m in summary["modes"].items()
+                for w in m["windows"]
+            ],
+        )
+    lines += modes_section(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    """Per window of the held-snapshot regime, one line per mode: ack -> receive p99 (log
+    scale), the producers' achieved share of the offered rate, and the outbox's dead tuples;
+    the hold is shaded."""
+    from bench.plots import mode_colors, plt  # matplotlib only when plotting
+
+    modes, cfg = summary["modes"], result["config"]
+    if not modes:
+        return False
+    colors = mode_colors(list(modes))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
+    for mode, m in modes.items():
+        ws = m["windows"]
+        mid = [(w["start_s"] + w["seconds"] / 2) / 60 for w in ws]
+        for ax, key, scale in (
+            (axes[0], "p99", 1.0),
+            (axes[1], "rate_share", 100.0),
+            (axes[2], "dead_tuples", 1e-3),
+        ):
+            pts = [(x, w[key] * scale) for x, w in zip(mid, ws, strict=True) if w[key] is not None]
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                markersize=3,
+                color=colors[mode],
+                label=mode,
+            )
+    start = cfg["baseline"] / 60
+    for ax in axes:
+        ax.axvspan(start, start + cfg["hold"] / 60, color="grey", alpha=0.15, lw=0)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("commit ack -> receive p99 (ms)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("producers' rate, % of offered")
+    axes[1].axhline(90, color="grey", linewidth=0.8, alpha=0.6)
+    axes[2].set_ylabel("outbox dead tuples (thousands)")
+    axes[2].set_xlabel("minutes since the load started (grey: snapshot held)")
+    fig.suptitle(
+        f"Held snapshot: {cfg['rate']:g} ev/s, {cfg['window']:g} s windows, medians over rounds"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 async def run_held_snapshot(cfg: HeldSnapshotConfig, out_dir: Path, *, keep: bool) -> Path:
     """Run the held-snapshot regime; returns the result JSON's path (written even on
     failure)."""
@@ -633,3 +774,8 @@ async def run_held_snapshot(cfg: HeldSnapshotConfig, out_dir: Path, *, keep: boo
         f"{cfg.recovery:g}s, windows of {cfg.window:g}s"
     )
     return await run.run(open_services, held.body, fsync_seconds=cfg.fsync_test_seconds)
+
+
+REGIME = Regime(
+    "held-snapshot", summarize, problems, markdown, plot, terminal=("## Targets", "## Per window")
+)

@@ -43,11 +43,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
+from bench.regimes import Regime
 from bench.services import close_services, dsn_for, make_work_dir, open_services, remove_work_dir
 from devstack.relayproc import create_topics
 from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
 
-__all__ = ["MODES", "InboxBenchConfig", "inbox_problems", "run_inbox_bench", "write_inbox_report"]
+__all__ = ["MODES", "REGIME", "InboxBenchConfig", "problems", "run_inbox_bench", "summarize"]
 
 MODES = ("apply", "consume", "consume_batches", "consume_batches_parallel", "baseline")
 APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
@@ -354,7 +355,12 @@ def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def inbox_problems(result: dict[str, Any]) -> list[str]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: the median msg/s over rounds, and its ratio to the baseline's."""
+    return _summary(result["cells"])
+
+
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a run fail: a message applied twice or missing in any cell."""
     return [
         f"{c['mode']} round {c['round']}: {c['rows']} rows, {c['distinct']} distinct, "
@@ -364,10 +370,8 @@ def inbox_problems(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_inbox_report(json_path: Path, *, plots: bool = True) -> Path:
-    """``inbox-<ts>.md`` (and ``.png``) next to the JSON; returns the md path."""
-    result = json.loads(json_path.read_text())
-    summary = result["summary"] = _summary(result["cells"])
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    """The report of an inbox run (``inbox-<ts>.md``)."""
     cfg = result["config"]
     env = result["environment"]
     lines = [
@@ -397,25 +401,17 @@ def write_inbox_report(json_path: Path, *, plots: bool = True) -> Path:
         lines.append(
             f"| {mode} | {s['median_msg_per_s']:,.0f} | {vs} | {paired} | {runs} | {cpu:.0f} |"
         )
-    problems = inbox_problems(result)
-    lines += ["", "Every cell applied each message exactly once." if not problems else ""]
-    lines += [f"- PROBLEM: {p}" for p in problems]
-    png = json_path.with_suffix(".png")
-    if plots:
-        _plot(result, png)
-        lines += ["", f"![inbox drain]({png.name})"]
-    md = json_path.with_suffix(".md")
-    md.write_text("\n".join(lines) + "\n")
-    return md
+    wrong = problems(result)
+    lines += ["", "Every cell applied each message exactly once." if not wrong else ""]
+    lines += [f"- PROBLEM: {p}" for p in wrong]
+    lines += [line for name in plots for line in ("", f"![inbox drain]({name})")]
+    return "\n".join(lines) + "\n"
 
 
-def _plot(result: dict[str, Any], png: Path) -> None:
-    import matplotlib
+def plot(result: dict[str, Any], summary: dict[str, Any], png: Path) -> bool:
+    """Msg/s per mode: the median of the rounds (bars) and every round (dots)."""
+    from bench.plots import plt  # matplotlib only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = result["summary"]
     modes = list(summary)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(modes, [summary[m]["median_msg_per_s"] for m in modes], color="#8fb3d9")
@@ -432,3 +428,7 @@ def _plot(result: dict[str, Any], png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return True
+
+
+REGIME = Regime("inbox", summarize, problems, markdown, plot)

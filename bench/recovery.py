@@ -27,14 +27,15 @@ import asyncpg
 
 from bench.arrays import load_arrays
 from bench.config import Mode, writers_for
+from bench.fmt import environment_lines, finish, num, percent, table, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
-from bench.regimes import QUERY_ERRORS, Looker, received_at
+from bench.regimes import QUERY_ERRORS, Looker, Regime, received_at
 from bench.services import Services, check_loopback, open_services, set_notify
 from devstack.relayproc import create_topics
 
-__all__ = ["RecoveryConfig", "recovery_problems", "run_recovery", "summarize_recovery"]
+__all__ = ["RecoveryConfig", "problems", "run_recovery", "summarize"]
 
 _READY_TIMEOUT = 60.0
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
@@ -546,7 +547,7 @@ class _Recovery:
             )
 
 
-def recovery_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a recovery result wrong (not slow): lost events, a restart after which
     nothing was delivered, a relay that did not stop cleanly."""
     problems = []
@@ -561,7 +562,7 @@ def recovery_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians and maxima per service, and the targets of issue 10 (recovery <= 1 s, about
     one log line per second of outage)."""
     import statistics
@@ -617,6 +618,186 @@ def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox outage recovery {result['run_id']}", ""]
+    lines += environment_lines(result)
+    ev = result.get("events", {})
+    lines += [
+        "- one relay process (default settings"
+        + (
+            ", " + ", ".join(f"{k}={v}" for k, v in cfg["relay_env"].items())
+            if cfg["relay_env"]
+            else ""
+        )
+        + f"), writers at {cfg['rate']:g} ev/s over {cfg['keys']} keys the whole run; "
+        f"{cfg['repeat']} restart(s) per service, {cfg['pause']:g} s between stop and start, "
+        f"{cfg['settle']:g} s of steady traffic between restarts",
+        f"- events: {ev.get('acked', '-')} committed, {ev.get('received', '-')} received, "
+        f"**{ev.get('missing', '-')} missing**; relay exit code {result.get('relay_exit')}, "
+        f"{result.get('relay_log_lines', '-')} log lines in all",
+        "",
+        "**Recovery** is the time from the service accepting connections again (Kafka: its "
+        "port takes a TCP connection; PostgreSQL: a login and `SELECT 1` work) to the consumer "
+        "receiving the first event committed after the outage began (Kafka: INSERT begun after "
+        "the SIGTERM; PostgreSQL: after it accepted connections again). Max latency is commit "
+        "ack -> receive over the events committed from 1 s before the stop to 1 s before the "
+        "next one. Log lines are the relay's, from the stop to that first delivery.",
+        "",
+        "## Per service (medians over restarts)",
+        "",
+    ]
+    lines += table(
+        [
+            "service",
+            "restarts",
+            "accepting connections after the stop (s)",
+            "recovery median (s)",
+            "recovery max (s)",
+            "max latency (ms)",
+            "log lines/s median",
+            "max",
+        ],
+        [
+            [
+                s,
+                str(r["restarts"]),
+                num(r["up_after_stop_median_s"]),
+                num(r["recovery_median_s"]),
+                num(r["recovery_max_s"]),
+                num(r["max_latency_ms"], 0),
+                num(r["log_lines_per_s_median"], 1),
+                num(r["log_lines_per_s_max"], 1),
+            ]
+            for s, r in summary["services"].items()
+        ],
+    )
+    lines += targets_section(summary, "issue 10")
+    lines += ["", "## Every restart", ""]
+    lines += table(
+        [
+            "service",
+            "#",
+            "stop took (s)",
+            "accepting after stop (s)",
+            "first delivery after accepting (s)",
+            "after stop (s)",
+            "max latency (ms)",
+            "missing",
+            "log lines",
+            "lines/s",
+        ],
+        [
+            [
+                r["service"],
+                str(r["n"]),
+                num(r["stop_s"]),
+                num(r["up_after_stop_s"]),
+                num(r.get("first_delivery_after_up_s")),
+                num(r.get("first_delivery_after_stop_s")),
+                num(r.get("max_latency_ms"), 0),
+                str(r.get("missing_in_slot", "-")),
+                str(r.get("log_lines", "-")),
+                num(r.get("log_lines_per_s"), 1),
+            ]
+            for r in result.get("restarts", [])
+        ],
+    )
+    lines += _xact_lines(result, summary)
+    kinds = [
+        (r["service"], r["n"], k)
+        for r in result.get("restarts", [])
+        for k in (r.get("log_kinds") or [])[:3]
+    ]
+    if kinds:
+        lines += ["", "Most frequent relay log lines during each outage (digits as N):", ""]
+        lines += [f"- {s} #{n}: {c} x `{text}`" for s, n, (text, c) in kinds]
+    return finish(lines, result, plots, problems(result))
+
+
+def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """The relay's transactions while Kafka was down (restarts that sampled them)."""
+    rs = [r for r in result.get("restarts", []) if r.get("xact")]
+    if not rs:
+        return []
+    lines = [
+        "",
+        "## Relay transactions during the Kafka outages",
+        "",
+        "`pg_stat_activity` every 50 ms from just before the stop: the relay's worker sessions "
+        "(`notify-outbox-worker`) in a transaction. **Oldest while down** is the age of the "
+        "longest-open transaction seen from the stop until Kafka accepted connections, **xid** "
+        "whether any of them held a transaction id (then it holds the database's horizon: "
+        "vacuum keeps every tuple that dies meanwhile); **longest** how long the longest "
+        "transaction begun before Kafka came back stayed open in all; **none open** the first "
+        "look from which no such transaction was open any more, after the stop and after "
+        "accepting connections (negative: before). PostgreSQL restarts are not sampled: the "
+        "stop ends every session.",
+        "",
+    ]
+    for service, row in summary["services"].items():
+        x = row.get("xact")
+        if x is not None:
+            left = x["never_clear"]
+            lines.append(
+                f"- {service}: oldest while down max {num(x['max_age_down_s'])} s, longest "
+                f"{num(x['longest_outage_xact_s'])} s, an xid held in {x['xid_restarts']} of "
+                f"{row['restarts']} outages; none open {num(x['clear_after_stop_median_s'])} s "
+                f"after the stop (median; max {num(x['clear_after_stop_max_s'])} s)"
+                + (f"; one still open at the end of the looks in {left}" if left else "")
+            )
+    lines.append("")
+    lines += table(
+        [
+            "service",
+            "#",
+            "open at the stop (oldest, s)",
+            "oldest while down (s)",
+            "xid",
+            "looks with one open %",
+            "longest (s)",
+            "none open, s after stop",
+            "after accepting",
+            "looks",
+        ],
+        [
+            [
+                r["service"],
+                str(r["n"]),
+                f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
+                num(x["max_age_down_s"]),
+                "yes" if x["xid_down"] else "no",
+                num(percent(x["open_share_down"]), 0),
+                num(x["longest_outage_xact_s"]),
+                num(x["clear_after_stop_s"]),
+                num(x["clear_after_up_s"]),
+                str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
+            ]
+            for r in rs
+            for x in [r["xact"]]
+        ],
+    )
+    return lines
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
+
+    rs = result.get("restarts", [])
+    if not rs:
+        return False
+    fig, ax = bar_figure(max(6.0, 0.7 * len(rs)))
+    labels = [f"{r['service']} {r['n']}" for r in rs]
+    up = [r["up_after_stop_s"] for r in rs]
+    rec = [r.get("first_delivery_after_up_s") or 0 for r in rs]
+    ax.bar(labels, up, label="stop -> accepting connections", color="lightgrey")
+    ax.bar(labels, rec, bottom=up, label="accepting -> first delivery (recovery)")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_ylabel("seconds after the stop")
+    ax.set_title("Outage recovery per restart")
+    return save_bar_chart(fig, ax, path)
+
+
 async def run_recovery(cfg: RecoveryConfig, out_dir: Path, *, keep: bool) -> Path:
     """Run the recovery phase; returns the result JSON's path (written even on failure)."""
     run = PhaseRun("recovery", cfg.to_json(), out_dir, keep=keep)
@@ -626,3 +807,6 @@ async def run_recovery(cfg: RecoveryConfig, out_dir: Path, *, keep: bool) -> Pat
         f"{cfg.pause:g}s, writers at {cfg.rate:g} ev/s"
     )
     return await run.run(_opener(cfg, rec.handles), rec.body, fsync_seconds=cfg.fsync_test_seconds)
+
+
+REGIME = Regime("recovery", summarize, problems, markdown, plot)

@@ -1,24 +1,28 @@
-"""What the production-condition regimes (``held-snapshot``, ``failing-head``,
-``stalled-relay``) and the outage phase share: their modes, the join of the writers' and the
-consumer's per-event arrays, latency figures, medians over rounds, the sampling of a mode's and
-the database's CPU, and a periodic look at the database on a connection of its own."""
+"""What the regimes share. ``Regime``: the parts every regime module fills in (its summary,
+problems, markdown and plot: ``bench.catalog`` lists them). For the production-condition
+regimes (``held-snapshot``, ``failing-head``, ``stalled-relay``) and the outage phase: their
+modes, the join of the writers' and the consumer's per-event arrays, latency figures, medians
+over rounds, the sampling of a mode's and the database's CPU, and a periodic look at the
+database on a connection of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import json
 import math
 import statistics
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from bench.config import MODES, Mode
-from bench.drain import parse_mode
+from bench.config import MODES, POLLER, Mode
+from bench.fmt import tables_under
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, utc
 from bench.procs import BenchError, Child, cluster_cpu_seconds
@@ -29,6 +33,7 @@ __all__ = [
     "QUERY_ERRORS",
     "CpuMeter",
     "Looker",
+    "Regime",
     "acked_events",
     "add_cell",
     "cell_record",
@@ -48,6 +53,48 @@ DEFAULT_REGIME_MODES = ("notify", "poller")
 QUERY_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 _LOOK_TIMEOUT = 60.0
 
+Result = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A regime of ``python -m bench``: ``name`` is its command, its result's ``phase`` and the
+    prefix of its files (``<name>-<UTC timestamp>.json``, ``.md``, ``.png``). From a result:
+    ``summarize`` (medians over rounds, targets), ``problems`` (what makes the result wrong, not
+    slow), ``markdown`` (the report, given the summary and the plots' file names) and ``plot``
+    (one PNG; False when there is nothing to draw). ``terminal``: the headings of the report's
+    tables shown on the terminal at the end of a run."""
+
+    name: str
+    summarize: Callable[[Result], Result]
+    problems: Callable[[Result], list[str]]
+    markdown: Callable[[Result, Result, list[str]], str]
+    plot: Callable[[Result, Result, Path], bool]
+    terminal: tuple[str, ...] = ()
+
+    def write_report(self, json_path: Path, *, plots: bool = True) -> Path:
+        """Write ``<stem>.md`` (and, with ``plots``, ``<stem>.png``) next to a result JSON;
+        returns the markdown's path."""
+        result = json.loads(json_path.read_text())
+        summary = self.summarize(result)
+        png = json_path.with_suffix(".png")
+        names: list[str] = []
+        if plots:
+            try:
+                if self.plot(result, summary, png):
+                    names.append(png.name)
+            except ImportError as e:  # matplotlib is optional: the tables do not need it
+                result.setdefault("notes", []).append(f"plot skipped: {e}")
+        md = json_path.with_suffix(".md")
+        md.write_text(self.markdown(result, summary, names))
+        return md
+
+    def terminal_lines(self, result: Result) -> list[str]:
+        """The report's main tables and targets, for the terminal at the end of a run."""
+        if not self.terminal:
+            return []
+        return tables_under(self.markdown(result, self.summarize(result), []), self.terminal)
+
 
 def regime_mode(name: str, alt_tree: str | None) -> Mode:
     """``notify`` (the relay, default settings), ``notify-alt`` (the same from the
@@ -58,15 +105,9 @@ def regime_mode(name: str, alt_tree: str | None) -> Mode:
     if name == "notify-alt":
         if alt_tree is None:
             raise BenchError("mode notify-alt needs --alt-relay DIR")
-        base = MODES["notify"]
-        return dataclasses.replace(
-            base,
-            name=name,
-            description=f"{base.description}; relay code from {alt_tree}",
-            cwd=alt_tree,
-        )
+        return MODES["notify"].from_tree(alt_tree)
     if name == "poller":
-        return parse_mode("poller", None).mode
+        return POLLER
     raise BenchError(f"unknown mode {name!r}: notify, notify-alt (with --alt-relay) or poller")
 
 

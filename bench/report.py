@@ -1,5 +1,5 @@
-"""From a result JSON to the summary, the markdown table and the plots
-(``python -m bench report FILE.json``)."""
+"""From a latency run's result JSON to the summary, the markdown report and the plots
+(``python -m bench report FILE.json``; ``bench.catalog`` finds the other regimes')."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 from bench.fmt import environment_lines, modes_section, num, pct, profile_lines, signed, table
 from bench.stages import STAGES
 
-__all__ = ["floor_lines", "summarize", "write_report"]
+__all__ = ["floor_lines", "summarize", "write_run_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -618,17 +618,10 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
     return [line for line in _over_floor_section(summarize(result)) if line.startswith("|")]
 
 
-def write_report(json_path: Path, *, plots: bool = True) -> Path:
-    """Write ``<stem>.md`` (and the PNG plots) next to ``json_path``; returns the md path."""
+def write_run_report(json_path: Path, *, plots: bool = True) -> Path:
+    """Write ``<stem>.md`` (and the PNG plots) next to a latency run's result JSON; returns
+    the md path."""
     result = json.loads(json_path.read_text())
-    if result.get("phase") == "inbox":
-        from bench.inbox import write_inbox_report
-
-        return write_inbox_report(json_path, plots=plots)
-    if result.get("phase"):  # drain, recovery, held-snapshot, failing-head
-        from bench.phase_report import write_phase_report
-
-        return write_phase_report(json_path, plots=plots)
     summary = summarize(result)
     names: list[str] = []
     if plots:

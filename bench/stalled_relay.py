@@ -39,12 +39,24 @@ import asyncpg
 from bench import envinfo
 from bench.arrays import load_arrays
 from bench.config import Mode
-from bench.fmt import ms, pct
+from bench.fmt import (
+    environment_lines,
+    finish,
+    modes_section,
+    ms,
+    num,
+    pct,
+    percent,
+    share,
+    table,
+    targets_section,
+)
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, wait_mode_ready
 from bench.procs import BenchError, Child, python_argv, tcp_ports
 from bench.regimes import (
     Looker,
+    Regime,
     acked_events,
     add_cell,
     cell_record,
@@ -63,9 +75,9 @@ from notify_outbox import OutboxNames
 __all__ = [
     "NOTIFY_MODES",
     "StalledRelayConfig",
+    "problems",
     "run_stalled_relay",
-    "stalled_relay_problems",
-    "summarize_stalled_relay",
+    "summarize",
 ]
 
 NOTIFY_MODES = ("gated", "always")
@@ -679,7 +691,7 @@ async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
         await conn.close(timeout=5)
 
 
-def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Per notify mode and key mix: medians over rounds of every phase's latency and rate,
     the freezes' split by held keys, the marker's holders; the issue's target (p99 of the
     events committed during the freezes <= 100 ms)."""
@@ -745,7 +757,7 @@ def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "targets": targets}
 
 
-def stalled_relay_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a stalled-relay result wrong (not slow): a cell that failed, committed
     events that never arrived, a freeze the kernel did not confirm."""
     problems = []
@@ -762,6 +774,184 @@ def stalled_relay_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox stalled relay {result['run_id']}", ""]
+    lines += environment_lines(result)
+    env_bits = ", ".join(f"{k}={v}" for k, v in cfg.get("relay_env", {}).items())
+    lines += [
+        f"- {cfg['relays']} relay processes (default settings"
+        + (f", {env_bits}" if env_bits else "")
+        + f") on one database and topic; writers at {cfg['rate']:g} ev/s, open loop, "
+        f"single-row transactions; {cfg.get('warmup', 0):g} s warm-up (in no phase), "
+        f"{cfg['baseline']:g} s baseline, then {cfg['freezes']} "
+        f"times one relay frozen with SIGSTOP for {cfg['freeze']:g} s and continued, "
+        f"{cfg['gap']:g} s apart, then {cfg['recovery']:g} s of recovery; the relay frozen: "
+        + (
+            "the one holding the awake marker's current epoch (else its latest), else in turn"
+            if cfg["pick"] == "marker"
+            else "in turn"
+        )
+        + f"; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
+        "",
+        "Events go into phases by their commit ack: **baseline** (from the end of the warm-up "
+        "to 1 s before the first freeze: an event committed just before a SIGSTOP may be in the "
+        "claim it freezes), **freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, "
+        "**recovery** (after the last). Latency is commit ack -> consumer receipt (ms). "
+        "**Keys held** are the keys whose claim bucket the frozen relay held in an open claim "
+        "transaction (`pg_locks`, looked at 0.08 s after the SIGSTOP): per-key order makes them "
+        "wait for it, until the other relay's pulse ends the claim (frozen_relay_timeout, 0.15 s) "
+        "or PostgreSQL does (claim_idle_timeout, 2 s); "
+        "**keys free** are the others. **Rate %** is the producers' commits as a share of the "
+        "offered rate.",
+    ]
+    lines += targets_section(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
+    lines += ["", "## Latency per phase (medians over rounds)", ""]
+    lines += table(
+        [
+            "notify mode",
+            "keys",
+            "rounds",
+            "baseline p50 / p99 / max",
+            "freezes p50 / p99 / max",
+            "freezes, keys free p99 / max",
+            "freezes, keys held p99 (share of events %)",
+            "between p99",
+            "recovery p99",
+            "rate % baseline / freezes / all",
+            "lost",
+        ],
+        [
+            [
+                r["notify_mode"],
+                f"{r['keys']:,}",
+                str(r["rounds"]),
+                " / ".join(num(r[f"baseline_{k}"], 1) for k in ("p50", "p99", "max")),
+                " / ".join(num(r[f"freeze_{k}"], 1) for k in ("p50", "p99", "max")),
+                f"{num(r['freeze_free_p99'], 1)} / {num(r['freeze_free_max'], 1)}",
+                f"{num(r['freeze_held_p99'], 1)} ({num(percent(r['freeze_held_share']), 1)})",
+                num(r["between_p99"], 1),
+                num(r["recovery_p99"], 1),
+                " / ".join(
+                    share(r[k]) for k in ("baseline_rate_share", "freeze_rate_share", "rate_share")
+                ),
+                str(r["lost"]),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    lines += [
+        "",
+        "## The frozen relay and the awake marker",
+        "",
+        "Who held the current epoch's awake marker (migration 0006), from a look at `pg_locks` "
+        "every 0.1 s, as a share of the looks during the freezes (medians over freezes): the "
+        "frozen relay, the other relay, nobody (producers notify). **Kept** is the latest look "
+        "at which the frozen relay still held it, after the SIGSTOP (max over freezes, and in "
+        "how many freezes it held it at all). **Claim open** counts the freezes in which the "
+        "frozen relay was stopped inside a transaction; **held keys** is the median number of "
+        "the writers' keys in the claim buckets it held.",
+        "",
+    ]
+    lines += table(
+        [
+            "notify mode",
+            "keys",
+            "picked by",
+            "marker: frozen / other / nobody %",
+            "kept (s), freezes",
+            "baseline: marker held %",
+            "claim open",
+            "held keys",
+        ],
+        [
+            [
+                r["notify_mode"],
+                f"{r['keys']:,}",
+                ", ".join(f"{k} x{v}" for k, v in r["picked_by"].items()),
+                " / ".join(share(r[f"marker_{k}"]) for k in ("frozen", "other", "nobody")),
+                f"{num(r['marker_kept_max_s'])}, {r['marker_kept_freezes']} of {r['freezes']}",
+                share(r["baseline_awake"]),
+                f"{r['claim_open']} of {r['freezes']}",
+                num(r["held_keys_median"], 0),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    freezes = [(c, f) for c in result.get("cells", []) if "phases" in c for f in c["freezes"]]
+    if freezes:
+        lines += ["", "## Every freeze", ""]
+        lines += table(
+            [
+                "mode",
+                "keys",
+                "round",
+                "#",
+                "relay",
+                "picked by",
+                "p50 / p99 / max",
+                "keys free p99",
+                "keys held (events)",
+                "rate %",
+                "in transaction (oldest, s)",
+                "buckets held",
+                "marker kept (s)",
+            ],
+            [
+                [
+                    c["notify_mode"],
+                    f"{c['keys']:,}",
+                    str(c["round"] + 1),
+                    str(f["n"]),
+                    str(f["relay"] + 1),
+                    f["picked_by"],
+                    " / ".join(num(f["latency"][k], 1) for k in ("p50", "p99", "max")),
+                    num(f["free_keys_latency"]["p99"], 1),
+                    f"{len(f['frozen'].get('held_keys', []))} ({f['held_keys_latency']['count']})",
+                    share(f["rate_share"]),
+                    f"{f['frozen'].get('in_transaction', '-')} "
+                    f"({num(f['frozen'].get('oldest_xact_s'))})",
+                    str(len(f["frozen"].get("claim_buckets", []))),
+                    num(f["marker"].get("frozen_held_until_s"), 3),
+                ]
+                for c, f in freezes
+            ],
+        )
+    lines += modes_section(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    """Per cell (notify mode x key mix): commit ack -> receive p99 of the baseline, of the
+    events committed during the freezes, and of those of keys the frozen relay did not hold
+    (log scale; grey line: the 100 ms target)."""
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
+
+    rows, cfg = summary["rows"], result["config"]
+    if not rows:
+        return False
+    bars = (
+        ("baseline_p99", "baseline"),
+        ("freeze_p99", "during the freezes"),
+        ("freeze_free_p99", "during the freezes, keys the frozen relay did not hold"),
+    )
+    fig, ax = bar_figure(max(7.0, 1.8 * len(rows)))
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [max(r[key] or 0.0, 0.1) for r in rows], width, label=label)
+    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['notify_mode']}\n{r['keys']:,} keys" for r in rows])
+    ax.set_yscale("log")
+    ax.axhline(100, color="grey", linewidth=0.8)
+    ax.set_ylabel("commit ack -> receive p99 (ms), median of rounds")
+    ax.set_title(
+        f"Stalled relay: {cfg['relays']} relays, {cfg['rate']:g} ev/s, {cfg['freezes']} "
+        f"freezes of {cfg['freeze']:g} s"
+    )
+    return save_bar_chart(fig, ax, path)
+
+
 async def run_stalled_relay(cfg: StalledRelayConfig, out_dir: Path, *, keep: bool) -> Path:
     """Run the stalled-relay regime; returns the result JSON's path (written even on
     failure)."""
@@ -775,3 +965,13 @@ async def run_stalled_relay(cfg: StalledRelayConfig, out_dir: Path, *, keep: boo
         "per cell)"
     )
     return await run.run(open_services, stalled.body, fsync_seconds=cfg.fsync_test_seconds)
+
+
+REGIME = Regime(
+    "stalled-relay",
+    summarize,
+    problems,
+    markdown,
+    plot,
+    terminal=("## Targets", "## Latency per phase"),
+)
