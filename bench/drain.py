@@ -9,6 +9,7 @@ beginning while the mode's processes start, all at once. See ``bench/README.md``
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -22,13 +23,14 @@ from typing import Any
 import asyncpg
 
 from bench import envinfo
-from bench.config import POLLER, Mode
+from bench.config import POLLER, Mode, common_options, from_args, phase_options
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.regimes import Regime
+from bench.revs import with_alt_modes
 from bench.services import Services, open_services, prepare_mode
 from devstack.relayproc import child_env
 
@@ -40,7 +42,6 @@ __all__ = [
     "DrainMode",
     "alt_drain_mode",
     "parse_mode",
-    "parse_relay_env",
     "run_drain",
 ]
 
@@ -125,27 +126,6 @@ def alt_drain_mode(name: str) -> str | None:
     return f"relay-{m.group(1)}-alt{m.group(3) or ''}"
 
 
-def parse_relay_env(items: list[str]) -> dict[str, str]:
-    """``KEY=VALUE`` settings for relay processes; ``workers=8`` means
-    ``NOTIFY_OUTBOX_WORKERS=8``. The DSN and bootstrap servers are the bench's own."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise BenchError(f"--relay-env {item!r}: expected KEY=VALUE")
-        key = key.strip().upper().replace("-", "_")
-        if not key.startswith("NOTIFY_OUTBOX_"):
-            key = f"NOTIFY_OUTBOX_{key}"
-        if key in (
-            "NOTIFY_OUTBOX_DSN",
-            "NOTIFY_OUTBOX_LISTEN_DSN",
-            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
-        ):
-            raise BenchError(f"--relay-env cannot set {key}: the bench sets it")
-        out[key] = value
-    return out
-
-
 @dataclass
 class DrainConfig:
     """Everything one drain run does; recorded in the result JSON."""
@@ -169,6 +149,50 @@ class DrainConfig:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return asdict(self)
+
+
+HELP = "backlog drain: events/s emptying a pre-filled outbox"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench drain``."""
+    p.add_argument("--rows", type=int, default=100_000, help="rows per cell (default 100000)")
+    p.add_argument("--mixes", nargs="+", help="key mixes (default: keys-1000 keys-100000 hot null)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        help="relay-N (N relay processes), relay-N-alt (with --alt-relay), "
+        "relay-N[-alt]-pgbouncer (through a transaction-pooling PgBouncer), poller "
+        "(default: relay-1 relay-2 relay-4 poller)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
+    phase_options(p)
+    p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the first process of each mode in the first round; the report lists "
+        "the functions with the most own time",
+    )
+
+
+def configure(args: argparse.Namespace) -> DrainConfig:
+    """The config of ``python -m bench drain ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    mixes = list(dict.fromkeys(args.mixes or DEFAULT_MIXES))
+    unknown = [m for m in mixes if m not in MIXES]
+    if unknown:
+        raise BenchError(f"unknown key mix(es) {unknown}; known: {sorted(MIXES)}")
+    modes = list(dict.fromkeys(args.modes or DEFAULT_MODES))
+    if args.alt_revision:
+        modes = with_alt_modes(modes, alt_drain_mode)
+    for m in modes:
+        parse_mode(m, common["alt_relay"])  # fails early on a bad name
+    if args.rows < 1 or args.repeat < 1:
+        raise BenchError("--rows and --repeat must be at least 1")
+    return from_args(
+        DrainConfig, args, mixes=mixes, modes=modes, cell_timeout=args.cell_timeout or 0.0, **common
+    )
 
 
 async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, float]:
@@ -627,4 +651,14 @@ async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
     )
 
 
-REGIME = Regime("drain", summarize, problems, markdown, plot)
+REGIME = Regime(
+    "drain",
+    HELP,
+    arguments,
+    configure,
+    run_drain,
+    summarize,
+    problems,
+    markdown,
+    plot,
+)

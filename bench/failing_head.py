@@ -16,6 +16,7 @@ statements it ran most, and the mode's CPU. See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -29,7 +30,7 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.arrays import load_arrays
-from bench.config import Mode, writers_for
+from bench.config import Mode, common_options, from_args, phase_options, regime_options, writers_for
 from bench.fmt import (
     environment_lines,
     finish,
@@ -57,6 +58,7 @@ from bench.regimes import (
     median,
     received_at,
     regime_mode,
+    regime_modes,
     unfinished,
 )
 from bench.services import (
@@ -118,6 +120,51 @@ class FailingHeadConfig:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return asdict(self)
+
+
+HELP = "healthy rows behind thousands of rows whose topic does not exist"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench failing-head``."""
+    p.add_argument(
+        "--failing-rows",
+        nargs="+",
+        type=int,
+        default=[5000, 100_000],
+        help="sizes of the failing head (default 5000 100000)",
+    )
+    p.add_argument("--failing-keys", type=int, default=5, help="keys of the failing rows")
+    p.add_argument("--healthy-rows", type=int, default=300, help="healthy rows (default 300)")
+    p.add_argument("--healthy-keys", type=int, default=30, help="their keys (default 30)")
+    p.add_argument("--healthy-rate", type=float, default=100.0, help="their events/s")
+    p.add_argument(
+        "--healthy-timeout", type=float, default=60.0, help="seconds a healthy row may take"
+    )
+    p.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet window")
+    p.add_argument(
+        "--quiet-settle",
+        type=float,
+        default=11.0,
+        help="seconds before the quiet window, for PostgreSQL's delayed statistics",
+    )
+    p.add_argument(
+        "--tried-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the mode to try the failing rows",
+    )
+    regime_options(p)
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> FailingHeadConfig:
+    """The config of ``python -m bench failing-head ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    modes = regime_modes(args, common["alt_relay"])
+    if min(args.failing_rows) < 1 or args.healthy_rows < 1 or args.healthy_rate <= 0:
+        raise BenchError("--failing-rows, --healthy-rows and --healthy-rate must be positive")
+    return from_args(FailingHeadConfig, args, modes=modes, **common)
 
 
 async def topic_exists(bootstrap: str, topic: str) -> bool | None:
@@ -748,6 +795,10 @@ async def run_failing_head(cfg: FailingHeadConfig, out_dir: Path, *, keep: bool)
 
 REGIME = Regime(
     "failing-head",
+    HELP,
+    arguments,
+    configure,
+    run_failing_head,
     summarize,
     problems,
     markdown,

@@ -13,6 +13,7 @@ seconds (by commit ack). See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
 import contextlib
@@ -25,7 +26,7 @@ import asyncpg
 
 from bench import envinfo
 from bench.arrays import load_arrays
-from bench.config import Mode
+from bench.config import Mode, common_options, from_args, phase_options, regime_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -56,6 +57,7 @@ from bench.regimes import (
     median,
     received_at,
     regime_mode,
+    regime_modes,
     unfinished,
     warm_up,
 )
@@ -113,6 +115,47 @@ class HeldSnapshotConfig:
                 offsets.append(offsets[-1] + self.window)
             out += [(phase, o) for o in offsets]
         return out
+
+
+HELP = "steady load while another session holds a REPEATABLE READ snapshot open"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench held-snapshot``."""
+    p.add_argument("--rate", type=float, default=800.0, help="writers' events/s (default 800)")
+    p.add_argument("--keys", type=int, default=40, help="distinct keys (default 40)")
+    p.add_argument("--baseline", type=float, default=60.0, help="seconds before the snapshot")
+    p.add_argument(
+        "--hold", type=float, default=600.0, help="seconds the snapshot is held (default 600)"
+    )
+    p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
+    p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        help="seconds of unmeasured load through the relay before the first cell, so that no "
+        "mode meets a cold stack (default 60; 0: none)",
+    )
+    regime_options(p)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="after the load, seconds to wait for every committed event",
+    )
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> HeldSnapshotConfig:
+    """The config of ``python -m bench held-snapshot ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    modes = regime_modes(args, common["alt_relay"])
+    if min(args.baseline, args.hold, args.recovery, args.window) <= 0 or args.rate <= 0:
+        raise BenchError("--rate, --baseline, --hold, --recovery and --window must be > 0")
+    if args.warmup < 0:
+        raise BenchError("--warmup must be >= 0")
+    return from_args(HeldSnapshotConfig, args, modes=modes, **common)
 
 
 @dataclass
@@ -777,5 +820,14 @@ async def run_held_snapshot(cfg: HeldSnapshotConfig, out_dir: Path, *, keep: boo
 
 
 REGIME = Regime(
-    "held-snapshot", summarize, problems, markdown, plot, terminal=("## Targets", "## Per window")
+    "held-snapshot",
+    HELP,
+    arguments,
+    configure,
+    run_held_snapshot,
+    summarize,
+    problems,
+    markdown,
+    plot,
+    terminal=("## Targets", "## Per window"),
 )

@@ -24,6 +24,7 @@ message is committed in the database (the offset commit of the last batch follow
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -41,6 +42,7 @@ import anyio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from bench.config import from_args, output_options
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
 from bench.regimes import Regime
@@ -68,6 +70,34 @@ class InboxBenchConfig:
     repeat: int = 3
     max_records: int = 500
     cell_timeout: float = 300.0
+
+
+HELP = (
+    "consumer side: a backlog drained through the inbox (per message, batch path, the simple "
+    "batched baseline), msg/s"
+)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench inbox``."""
+    p.add_argument("--messages", type=int, default=20_000, help="backlog size (default 20000)")
+    p.add_argument("--partitions", type=int, default=4, help="topic partitions (default 4)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["apply", "consume", "consume_batches", "consume_batches_parallel", "baseline"],
+        help="default: all five (apply consume consume_batches consume_batches_parallel baseline)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
+    p.add_argument("--max-records", type=int, default=500, help="getmany max_records")
+    output_options(p)
+
+
+def configure(args: argparse.Namespace) -> InboxBenchConfig:
+    """The config of ``python -m bench inbox ...`` (a BenchError for a bad value)."""
+    if args.messages < 1 or args.repeat < 1 or args.partitions < 1 or args.max_records < 1:
+        raise BenchError("--messages, --partitions, --repeat and --max-records must be >= 1")
+    return from_args(InboxBenchConfig, args, modes=list(dict.fromkeys(args.modes or MODES)))
 
 
 Done = Callable[[int], None]
@@ -431,4 +461,14 @@ def plot(result: dict[str, Any], summary: dict[str, Any], png: Path) -> bool:
     return True
 
 
-REGIME = Regime("inbox", summarize, problems, markdown, plot)
+REGIME = Regime(
+    "inbox",
+    HELP,
+    arguments,
+    configure,
+    run_inbox_bench,
+    summarize,
+    problems,
+    markdown,
+    plot,
+)

@@ -13,6 +13,7 @@ an existing devstack stack directory (``--stack-dir``). See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import re
@@ -26,7 +27,7 @@ from typing import Any
 import asyncpg
 
 from bench.arrays import load_arrays
-from bench.config import Mode, writers_for
+from bench.config import Mode, common_options, from_args, phase_options, writers_for
 from bench.fmt import environment_lines, finish, num, percent, table, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
@@ -80,6 +81,40 @@ class RecoveryConfig:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return asdict(self)
+
+
+HELP = "outage recovery: Kafka and PostgreSQL restarts"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench recovery``."""
+    p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
+    p.add_argument(
+        "--services",
+        nargs="+",
+        choices=["kafka", "postgres"],
+        default=["kafka", "postgres"],
+        help="what to restart, in this order",
+    )
+    p.add_argument("--pause", type=float, default=2.0, help="seconds between stop and start")
+    p.add_argument("--rate", type=float, default=200.0, help="writers' events/s (keyed)")
+    p.add_argument("--settle", type=float, default=5.0, help="steady seconds between restarts")
+    p.add_argument(
+        "--recover-timeout", type=float, default=90.0, help="per restart, seconds to catch up"
+    )
+    p.add_argument(
+        "--stack-dir",
+        type=Path,
+        help="restart this running devstack stack (DIR/postgres, DIR/kafka) instead of "
+        "starting one",
+    )
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> RecoveryConfig:
+    """The config of ``python -m bench recovery ...``."""
+    stack_dir = str(args.stack_dir.resolve()) if args.stack_dir else None
+    return from_args(RecoveryConfig, args, stack_dir=stack_dir, **common_options(args))
 
 
 @dataclass
@@ -809,4 +844,14 @@ async def run_recovery(cfg: RecoveryConfig, out_dir: Path, *, keep: bool) -> Pat
     return await run.run(_opener(cfg, rec.handles), rec.body, fsync_seconds=cfg.fsync_test_seconds)
 
 
-REGIME = Regime("recovery", summarize, problems, markdown, plot)
+REGIME = Regime(
+    "recovery",
+    HELP,
+    arguments,
+    configure,
+    run_recovery,
+    summarize,
+    problems,
+    markdown,
+    plot,
+)

@@ -7,6 +7,7 @@ database on a connection of its own."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -14,7 +15,7 @@ import math
 import statistics
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from bench.fmt import tables_under
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, utc
 from bench.procs import BenchError, Child, cluster_cpu_seconds
+from bench.revs import with_alt_modes
 from bench.services import Services, postmaster_pid, prepare_mode
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "median",
     "received_at",
     "regime_mode",
+    "regime_modes",
     "unfinished",
     "warm_up",
 ]
@@ -59,13 +62,20 @@ Result = dict[str, Any]
 @dataclass(frozen=True)
 class Regime:
     """A regime of ``python -m bench``: ``name`` is its command, its result's ``phase`` and the
-    prefix of its files (``<name>-<UTC timestamp>.json``, ``.md``, ``.png``). From a result:
+    prefix of its files (``<name>-<UTC timestamp>.json``, ``.md``, ``.png``). ``help`` and
+    ``arguments`` make its command's options, ``configure`` its config from them (a BenchError
+    for a bad value), ``run(config, out_dir, keep=...)`` runs it and writes the result JSON
+    (even when the run fails half-way) and returns its path. From a result:
     ``summarize`` (medians over rounds, targets), ``problems`` (what makes the result wrong, not
     slow), ``markdown`` (the report, given the summary and the plots' file names) and ``plot``
     (one PNG; False when there is nothing to draw). ``terminal``: the headings of the report's
     tables shown on the terminal at the end of a run."""
 
     name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    configure: Callable[[argparse.Namespace], Any]
+    run: Callable[..., Coroutine[Any, Any, Path]]
     summarize: Callable[[Result], Result]
     problems: Callable[[Result], list[str]]
     markdown: Callable[[Result, Result, list[str]], str]
@@ -109,6 +119,19 @@ def regime_mode(name: str, alt_tree: str | None) -> Mode:
     if name == "poller":
         return POLLER
     raise BenchError(f"unknown mode {name!r}: notify, notify-alt (with --alt-relay) or poller")
+
+
+def regime_modes(args: argparse.Namespace, alt_tree: str | None) -> list[str]:
+    """``--modes`` of held-snapshot or failing-head, without repeats, with ``notify-alt``
+    after ``notify`` for ``--compare-rev``, each checked; and ``--repeat`` checked."""
+    modes = list(dict.fromkeys(args.modes))
+    if args.alt_revision:
+        modes = with_alt_modes(modes, lambda m: "notify-alt" if m == "notify" else None)
+    for m in modes:
+        regime_mode(m, alt_tree)  # fails early on a bad name
+    if args.repeat < 1:
+        raise BenchError("--repeat must be at least 1")
+    return modes
 
 
 def received_at(got: dict[str, array[int]]) -> dict[int, int]:

@@ -22,6 +22,7 @@ order) and the others. See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
 import contextlib
@@ -38,7 +39,7 @@ import asyncpg
 
 from bench import envinfo
 from bench.arrays import load_arrays
-from bench.config import Mode
+from bench.config import Mode, common_options, from_args, phase_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -154,6 +155,64 @@ class StalledRelayConfig:
             + max(0, self.freezes - 1) * self.gap
             + self.recovery
         )
+
+
+HELP = "two relays under steady load, one of them frozen (SIGSTOP) again and again"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench stalled-relay``."""
+    p.add_argument("--rate", type=float, default=1200.0, help="writers' events/s (default 1200)")
+    p.add_argument(
+        "--keys",
+        nargs="+",
+        type=int,
+        default=[20, 5000],
+        help="key mixes: distinct keys (default 20 5000)",
+    )
+    p.add_argument(
+        "--notify-modes",
+        nargs="+",
+        choices=["gated", "always"],
+        default=["gated", "always"],
+        help="the outbox's notify_mode per cell (default gated always)",
+    )
+    p.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
+    p.add_argument(
+        "--warmup", type=float, default=2.0, help="seconds of load before the baseline (default 2)"
+    )
+    p.add_argument("--baseline", type=float, default=20.0, help="seconds before the 1st freeze")
+    p.add_argument("--freezes", type=int, default=6, help="freezes per cell (default 6)")
+    p.add_argument("--freeze", type=float, default=6.0, help="seconds per freeze (default 6)")
+    p.add_argument("--gap", type=float, default=6.0, help="seconds between freezes (default 6)")
+    p.add_argument("--recovery", type=float, default=10.0, help="seconds after the last freeze")
+    p.add_argument(
+        "--pick",
+        choices=["marker", "alternate"],
+        default="marker",
+        help="which relay to freeze: the one holding the awake marker (else in turn; default), "
+        "or always in turn",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds (cells interleaved; medians)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="after the load, seconds to wait for every committed event",
+    )
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> StalledRelayConfig:
+    """The config of ``python -m bench stalled-relay ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    if args.repeat < 1 or args.freezes < 1 or args.relays < 2 or min(args.keys) < 1:
+        raise BenchError("--repeat, --freezes and --keys must be at least 1, --relays at least 2")
+    if min(args.freeze, args.rate, args.baseline) <= 0:
+        raise BenchError("--freeze, --baseline and --rate must be > 0")
+    if min(args.warmup, args.gap, args.recovery) < 0:
+        raise BenchError("--warmup, --gap and --recovery must be >= 0")
+    return from_args(StalledRelayConfig, args, **common)
 
 
 class _Fleet:
@@ -969,6 +1028,10 @@ async def run_stalled_relay(cfg: StalledRelayConfig, out_dir: Path, *, keep: boo
 
 REGIME = Regime(
     "stalled-relay",
+    HELP,
+    arguments,
+    configure,
+    run_stalled_relay,
     summarize,
     problems,
     markdown,

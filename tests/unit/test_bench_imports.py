@@ -91,7 +91,10 @@ def _helpers(tree: ast.Module) -> Iterator[str]:
 
 # A child process's entry point (``main``, ``run``), and the parts of a regime that its module
 # fills in (``bench.regimes.Regime``): one per module by design.
-_ONE_PER_MODULE = {"main", "run", "analyse_cell", "summarize", "problems", "markdown", "plot"}
+_ONE_PER_MODULE = {
+    *("main", "run", "analyse_cell"),
+    *("arguments", "configure", "summarize", "problems", "markdown", "plot"),
+}
 
 
 def test_no_module_level_function_is_defined_twice_in_the_bench() -> None:
