@@ -8,7 +8,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from bench.procs import ROOT, BenchError
 
@@ -19,6 +19,7 @@ __all__ = [
     "MODES",
     "POLLER",
     "VARIANTS",
+    "JsonRecord",
     "Mode",
     "RunConfig",
     "TriggerVariant",
@@ -36,8 +37,16 @@ __all__ = [
 ]
 
 
+class JsonRecord:
+    """A dataclass recorded in the result JSON as it is: ``to_json`` gives its fields."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(cast(Any, self))
+
+
 @dataclass(frozen=True)
-class Mode:
+class Mode(JsonRecord):
     """One way of moving the outbox to Kafka.
 
     ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
@@ -62,10 +71,6 @@ class Mode:
     # (bench/pooler.py); with ``listen_direct`` its NOTIFY_OUTBOX_LISTEN_DSN is the direct DSN.
     pgbouncer: bool = False
     listen_direct: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready description."""
-        return asdict(self)
 
     def from_tree(self, tree: str, name: str | None = None) -> Mode:
         """This mode run from another source tree (``--alt-relay``), named ``name`` (default:
@@ -189,7 +194,7 @@ def add_alt_modes(tree: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class TriggerVariant:
+class TriggerVariant(JsonRecord):
     """A producer-overhead setting: what the NOTIFY trigger does (as ``Mode.notify``) and which
     mode, if any, drains the outbox meanwhile. A new variant (e.g. a future trigger design) is
     one more entry in ``VARIANTS``, selected by name with ``--variants``."""
@@ -201,10 +206,6 @@ class TriggerVariant:
     # Hold the gated notify's awake marker on a side connection (no relay): the trigger's
     # own cost when producers skip their NOTIFY, without any draining competing for the CPU.
     hold_awake: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready description."""
-        return asdict(self)
 
 
 VARIANTS: dict[str, TriggerVariant] = {
@@ -267,7 +268,7 @@ def writers_for(rate: float) -> int:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(JsonRecord):
     """Everything one run does; recorded in the result JSON."""
 
     preset: str
@@ -298,10 +299,6 @@ class RunConfig:
     alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
 
 def full_config() -> RunConfig:

@@ -16,22 +16,22 @@ import json
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from bench import envinfo
-from bench.config import POLLER, Mode, common_options, from_args, phase_options
+from bench.config import POLLER, JsonRecord, Mode, common_options, from_args, phase_options
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
 from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
-from bench.regimes import Regime
+from bench.regimes import Regime, RegimeRun
 from bench.revs import with_alt_modes
-from bench.services import Services, open_services, prepare_mode
+from bench.services import Services, prepare_mode
 from devstack.relayproc import child_env
 
 __all__ = [
@@ -42,7 +42,6 @@ __all__ = [
     "DrainMode",
     "alt_drain_mode",
     "parse_mode",
-    "run_drain",
 ]
 
 # The SQL expression of each mix's key for row ``g`` (1-based). ``hot`` draws from random()
@@ -127,7 +126,7 @@ def alt_drain_mode(name: str) -> str | None:
 
 
 @dataclass
-class DrainConfig:
+class DrainConfig(JsonRecord):
     """Everything one drain run does; recorded in the result JSON."""
 
     rows: int = 100_000
@@ -145,10 +144,6 @@ class DrainConfig:
     def timeout(self) -> float:
         """Seconds a cell may take from the mode's start to the last arrival."""
         return self.cell_timeout or 60.0 + self.rows / 500.0
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
 
 HELP = "backlog drain: events/s emptying a pre-filled outbox"
@@ -263,10 +258,12 @@ async def _wait_empty(dsn: str) -> int:
         await conn.close(timeout=5)
 
 
-class _Drain:
+class _Drain(RegimeRun):
+    name = "drain"
+    cfg: DrainConfig
+
     def __init__(self, cfg: DrainConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
+        super().__init__(cfg, run)
         self.modes = [parse_mode(m, cfg.alt_relay) for m in cfg.modes]
         self.cells: list[dict[str, Any]] = []
         self.total = cfg.repeat * len(cfg.mixes) * len(self.modes)
@@ -274,6 +271,16 @@ class _Drain:
         run.result["mixes"] = {m: MIXES[m][0] for m in cfg.mixes}
         run.result["modes"] = {m.name: m.to_json() for m in self.modes}
         run.result["cells"] = self.cells
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"drain: {cfg.rows} rows x {len(cfg.mixes)} mix(es) x {len(self.modes)} mode(s) x "
+            f"{cfg.repeat} round(s), cell timeout {cfg.timeout():.0f}s"
+        )
+
+    def pgbouncer(self) -> bool:
+        return needs_pgbouncer(m.mode for m in self.modes)
 
     async def body(self, services: Services) -> None:
         for rnd in range(self.cfg.repeat):
@@ -507,10 +514,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 continue
             r, p, own = by.get((mix, relay)), by.get((mix, "poller")), by.get(("null", relay))
             if r is not None and p is not None:
-                targets.append(_target(f"{relay}, {mix}: >= 2x the poller", r / p, 2.0))
+                targets.append(_ratio_target(f"{relay}, {mix}: >= 2x the poller", r / p, 2.0))
             if r is not None and own is not None:
                 targets.append(
-                    _target(f"{relay}, {mix}: >= 0.8x its own NULL-key drain", r / own, 0.8)
+                    _ratio_target(f"{relay}, {mix}: >= 0.8x its own NULL-key drain", r / own, 0.8)
                 )
     for relay in relays:
         m = _MODE_RE.match(relay)
@@ -520,11 +527,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         for mix in result["config"]["mixes"]:
             r, base = by.get((mix, relay)), by.get((mix, one))
             if r is not None and base is not None:
-                targets.append(_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0))
+                targets.append(
+                    _ratio_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0)
+                )
     return {"rows": rows, "targets": targets}
 
 
-def _target(what: str, ratio: float, need: float) -> dict[str, Any]:
+def _ratio_target(what: str, ratio: float, need: float) -> dict[str, Any]:
     """One target row: ``ratio`` must be at least ``need``."""
     return {"target": what, "ratio": ratio, "verdict": "met" if ratio >= need else "MISSED"}
 
@@ -561,26 +570,16 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     if summary["targets"]:
         lines += ["", "## Targets (issue 10; ratios within this run)", ""]
         lines += table(
-            ["target", "ratio", "verdict"],
+            "target | ratio | verdict",
             [[t["target"], f"{t['ratio']:.2f}x", t["verdict"]] for t in summary["targets"]],
         )
     lines += ["", "## Every mix and mode", ""]
     lines += table(
-        [
-            "mix",
-            "mode",
-            "rounds complete",
-            "ev/s first->last",
-            "ev/s from start",
-            "first arrival after start (s)",
-            "lost",
-            "duplicates",
-            "order violations",
-            "pending after",
-            "mode CPU µs/event",
-            "of it while draining",
-            "per round (ev/s)",
-        ],
+        (
+            "mix | mode | rounds complete | ev/s first->last | ev/s from start | "
+            "first arrival after start (s) | lost | duplicates | order violations | "
+            "pending after | mode CPU µs/event | of it while draining | per round (ev/s)"
+        ),
         [
             [
                 r["mix"],
@@ -635,28 +634,12 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the drain phase; returns the result JSON's path (written even on failure)."""
-    run = PhaseRun("drain", cfg.to_json(), out_dir, keep=keep)
-    drain = _Drain(cfg, run)
-    run.progress.line(
-        f"drain: {cfg.rows} rows x {len(cfg.mixes)} mix(es) x {len(drain.modes)} mode(s) x "
-        f"{cfg.repeat} round(s), cell timeout {cfg.timeout():.0f}s"
-    )
-    return await run.run(
-        open_services,
-        drain.body,
-        fsync_seconds=cfg.fsync_test_seconds,
-        pgbouncer=needs_pgbouncer(m.mode for m in drain.modes),
-    )
-
-
 REGIME = Regime(
     "drain",
     HELP,
     arguments,
     configure,
-    run_drain,
+    _Drain.main,
     summarize,
     problems,
     markdown,

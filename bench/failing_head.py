@@ -22,7 +22,8 @@ import contextlib
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,15 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.arrays import load_arrays
-from bench.config import Mode, common_options, from_args, phase_options, regime_options, writers_for
+from bench.config import (
+    JsonRecord,
+    Mode,
+    common_options,
+    from_args,
+    phase_options,
+    regime_options,
+    writers_for,
+)
 from bench.fmt import (
     environment_lines,
     finish,
@@ -48,30 +57,28 @@ from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
+    Cells,
     CpuMeter,
     Regime,
-    add_cell,
     cell_record,
     database_postmaster,
-    in_fresh_database,
     latency_ms,
     median,
     received_at,
     regime_mode,
     regime_modes,
+    target,
     unfinished,
 )
 from bench.services import (
     Services,
     db_counters,
-    open_services,
     statement_calls,
 )
 
 __all__ = [
     "FailingHeadConfig",
     "problems",
-    "run_failing_head",
     "summarize",
 ]
 
@@ -94,7 +101,7 @@ WHERE datname = $1 AND application_name = 'bench-poller' AND backend_xid IS NOT 
 
 
 @dataclass
-class FailingHeadConfig:
+class FailingHeadConfig(JsonRecord):
     """Everything one failing-head run does; recorded in the result JSON."""
 
     failing_rows: list[int] = field(default_factory=lambda: [5000, 100_000])
@@ -116,10 +123,6 @@ class FailingHeadConfig:
     alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     partitions: int = 3
     fsync_test_seconds: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
 
 HELP = "healthy rows behind thousands of rows whose topic does not exist"
@@ -237,19 +240,31 @@ def _quiet_record(
     }
 
 
-class _FailingHead:
-    def __init__(self, cfg: FailingHeadConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.modes = [regime_mode(m, cfg.alt_relay) for m in cfg.modes]
-        self.cells: list[dict[str, Any]] = []
-        self.postmaster: int | None = None
-        self.statements = False
-        run.progress.total = cfg.repeat * len(cfg.failing_rows) * len(self.modes)
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
-        run.result["cells"] = self.cells
+class _FailingHead(Cells):
+    name, short = "failing-head", "fhead"
+    cfg: FailingHeadConfig
 
-    async def body(self, services: Services) -> None:
+    def __init__(self, cfg: FailingHeadConfig, run: PhaseRun) -> None:
+        super().__init__(cfg, run, [regime_mode(m, cfg.alt_relay) for m in cfg.modes])
+        self.statements = False
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"failing-head: {' and '.join(f'{s:,}' for s in cfg.failing_rows)} failing rows of "
+            f"{cfg.failing_keys} keys x {' '.join(cfg.modes)} x {cfg.repeat} round(s); then "
+            f"{cfg.healthy_rows} rows of {cfg.healthy_keys} other keys at "
+            f"{cfg.healthy_rate:g} ev/s, {cfg.quiet:g}s quiet window"
+        )
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for rnd in range(self.cfg.repeat):
+            for size in self.cfg.failing_rows:
+                for mode in self.modes:
+                    identity = {"round": rnd, "failing_rows": size, "mode": mode}
+                    yield identity, f"{size} failing, {mode}, round {rnd + 1}"
+
+    async def prepare(self, services: Services) -> None:
         run = self.run
         env = run.result["environment"]
         self.statements = bool(env.get("pg_stat_statements"))
@@ -265,25 +280,15 @@ class _FailingHead:
                 "failing topic still does not exist afterwards"
             )
         self.postmaster = await database_postmaster(services, run)
-        for rnd in range(self.cfg.repeat):
-            for size in self.cfg.failing_rows:
-                for mode in self.modes:
-                    await add_cell(
-                        run,
-                        self.cells,
-                        {"round": rnd, "failing_rows": size, "mode": mode.name},
-                        f"{size} failing, {mode.name}, round {rnd + 1}",
-                        self._cell(services, rnd, size, mode),
-                    )
 
-    async def _cell(self, services: Services, rnd: int, size: int, mode: Mode) -> dict[str, Any]:
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
-        n = len(self.cells) + 1
-        label = f"{size} failing, {mode.name}, round {rnd + 1}"
-        name = f"bench_fhead_{run.run_id.lower()}_{n}"
-        topic = f"bench-fhead-{run.run_id.lower()}-{n}"
-        missing = f"bench-fhead-missing-{run.run_id.lower()}-{n}"
-        cell = cell_record(n, round=rnd, failing_rows=size, mode=mode.name)
+        mode, size = self.modes[identity["mode"]], identity["failing_rows"]
+        cell = cell_record(len(self.cells) + 1, **identity)
+        name, topic = self.names(cell)
+        missing = f"bench-fhead-missing-{run.run_id.lower()}-{cell['cell']}"
         cell["failing_topic"] = missing
         run.progress.status(f"{label}: database, topic, {size} failing rows")
 
@@ -293,16 +298,7 @@ class _FailingHead:
             await self._measure(services, mode, dsn, name, topic, cell, label)
             cell["failing_topic_exists_after"] = await topic_exists(services.bootstrap, missing)
 
-        await in_fresh_database(
-            run,
-            services,
-            mode,
-            cell,
-            database=name,
-            topic=topic,
-            partitions=cfg.partitions,
-            measure=measure,
-        )
+        await self.in_fresh_database(services, mode, cell, measure)
         h, q = cell["healthy"], cell["quiet"]
         run.progress.line(
             f"{label:<34} healthy rows: {h['within_1s']}/{h['acked']} within 1 s, "
@@ -579,25 +575,24 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             n, within = row["healthy_rows"], row["within_1s"]
             if n is not None and within is not None:
                 targets.append(
-                    {
-                        "target": f"{mode}, {size:,} failing rows: every healthy row within 1 s",
-                        "measured": f"{within:.0f} of {n:.0f} (p99 {ms(row['p99'])}, max "
-                        f"{ms(row['max'])})",
-                        "verdict": "met" if within >= n else "MISSED",
-                    }
+                    target(
+                        f"{mode}, {size:,} failing rows: every healthy row within 1 s",
+                        f"{within:.0f} of {n:.0f} (p99 {ms(row['p99'])}, max {ms(row['max'])})",
+                        within >= n,
+                    )
                 )
             empty = row["empty_claims"]
             if empty is not None:
                 targets.append(
-                    {
-                        "target": f"{mode}, {size:,} failing rows waiting for retries: no empty "
+                    target(
+                        f"{mode}, {size:,} failing rows waiting for retries: no empty "
                         "claims (every claim in the quiet window got a row: a retry due)",
-                        "measured": f"{empty} empty in the worst round; "
+                        f"{empty} empty in the worst round; "
                         f"{opt(row['claims_per_s'], '.1f')} claims/s, "
                         f"{opt(row['statements_per_s'], '.1f')} statements/s, "
                         f"{row['commits_per_s']:.1f} commits/s",
-                        "verdict": "met" if empty == 0 else "MISSED",
-                    }
+                        empty == 0,
+                    )
                 )
     return {"rows": rows, "targets": targets}
 
@@ -682,17 +677,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "",
     ]
     lines += table(
-        [
-            "failing rows",
-            "mode",
-            "commits/s",
-            "transactions/s (with rollbacks)",
-            "statements/s",
-            "claims/s",
-            "mode CPU %",
-            "db CPU %",
-            "mode log lines",
-        ],
+        (
+            "failing rows | mode | commits/s | transactions/s (with rollbacks) | statements/s | "
+            "claims/s | mode CPU % | db CPU % | mode log lines"
+        ),
         [
             [
                 f"{r['failing_rows']:,}",
@@ -779,26 +767,12 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-async def run_failing_head(cfg: FailingHeadConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the failing-head regime; returns the result JSON's path (written even on
-    failure)."""
-    run = PhaseRun("failing-head", cfg.to_json(), out_dir, keep=keep)
-    head = _FailingHead(cfg, run)
-    run.progress.line(
-        f"failing-head: {' and '.join(f'{s:,}' for s in cfg.failing_rows)} failing rows of "
-        f"{cfg.failing_keys} keys x {' '.join(cfg.modes)} x {cfg.repeat} round(s); then "
-        f"{cfg.healthy_rows} rows of {cfg.healthy_keys} other keys at {cfg.healthy_rate:g} ev/s, "
-        f"{cfg.quiet:g}s quiet window"
-    )
-    return await run.run(open_services, head.body, fsync_seconds=cfg.fsync_test_seconds)
-
-
 REGIME = Regime(
     "failing-head",
     HELP,
     arguments,
     configure,
-    run_failing_head,
+    _FailingHead.main,
     summarize,
     problems,
     markdown,

@@ -94,8 +94,11 @@ def signed(v: float | None) -> str:
 # --- markdown -------------------------------------------------------------------------------
 
 
-def table(head: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table's lines."""
+def table(head: str | list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines; ``head`` as a list of column headings, or as the heading row
+    itself (``"mode | p50 | p99"``)."""
+    if isinstance(head, str):
+        head = head.split(" | ")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return lines
@@ -210,7 +213,7 @@ def targets_section(summary: dict[str, Any], source: str) -> list[str]:
         f"## Targets ({source})",
         "",
         *table(
-            ["target", "measured", "verdict"],
+            "target | measured | verdict",
             [[t["target"], t["measured"], t["verdict"]] for t in summary["targets"]],
         ),
     ]

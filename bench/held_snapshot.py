@@ -18,7 +18,8 @@ import asyncio
 import bisect
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import asyncpg
 
 from bench import envinfo
 from bench.arrays import load_arrays
-from bench.config import Mode, common_options, from_args, phase_options, regime_options
+from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, regime_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -44,29 +45,28 @@ from bench.phase import PhaseRun, loadavg
 from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
+    Cells,
     CpuMeter,
     Looker,
     Regime,
     acked_events,
-    add_cell,
     cell_record,
     database_postmaster,
     event_counts,
-    in_fresh_database,
     latency_ms,
     median,
     received_at,
     regime_mode,
     regime_modes,
+    target,
     unfinished,
     warm_up,
 )
-from bench.services import Services, open_services
+from bench.services import Services
 
 __all__ = [
     "HeldSnapshotConfig",
     "problems",
-    "run_held_snapshot",
     "summarize",
 ]
 
@@ -80,7 +80,7 @@ FROM pg_stat_user_tables WHERE relname = 'outbox'
 
 
 @dataclass
-class HeldSnapshotConfig:
+class HeldSnapshotConfig(JsonRecord):
     """Everything one held-snapshot run does; recorded in the result JSON."""
 
     rate: float = 800.0
@@ -99,10 +99,6 @@ class HeldSnapshotConfig:
     partitions: int = 3
     fsync_test_seconds: int = 0
     warmup: float = 60.0  # seconds of unmeasured load on the stack before the first cell
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
     def phase_windows(self) -> list[tuple[str, float]]:
         """(phase, offset from the phase's start) of every window, in order: each phase cut
@@ -320,18 +316,27 @@ def analyse_cell(
     return windows, phases, event_counts(gen["ack"], recv_of)
 
 
-class _HeldSnapshot:
-    def __init__(self, cfg: HeldSnapshotConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.modes = [regime_mode(m, cfg.alt_relay) for m in cfg.modes]
-        self.cells: list[dict[str, Any]] = []
-        self.postmaster: int | None = None
-        run.progress.total = cfg.repeat * len(self.modes)
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
-        run.result["cells"] = self.cells
+class _HeldSnapshot(Cells):
+    name, short = "held-snapshot", "held"
+    cfg: HeldSnapshotConfig
 
-    async def body(self, services: Services) -> None:
+    def __init__(self, cfg: HeldSnapshotConfig, run: PhaseRun) -> None:
+        super().__init__(cfg, run, [regime_mode(m, cfg.alt_relay) for m in cfg.modes])
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"held-snapshot: {' '.join(cfg.modes)} x {cfg.repeat} round(s): {cfg.rate:g} ev/s "
+            f"over {cfg.keys} keys, baseline {cfg.baseline:g}s, snapshot held {cfg.hold:g}s, "
+            f"recovery {cfg.recovery:g}s, windows of {cfg.window:g}s"
+        )
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for rnd in range(self.cfg.repeat):
+            for mode in self.modes:
+                yield {"round": rnd, "mode": mode}, f"{mode} round {rnd + 1}"
+
+    async def prepare(self, services: Services) -> None:
         self.postmaster = await database_postmaster(services, self.run)
         if self.cfg.warmup > 0:
             cfg = self.cfg
@@ -343,33 +348,20 @@ class _HeldSnapshot:
                 keys=cfg.keys,
                 partitions=cfg.partitions,
             )
-        for rnd in range(self.cfg.repeat):
-            for mode in self.modes:
-                await add_cell(
-                    self.run,
-                    self.cells,
-                    {"round": rnd, "mode": mode.name},
-                    f"{mode.name} round {rnd + 1}",
-                    self._cell(services, rnd, mode),
-                )
 
-    async def _cell(self, services: Services, rnd: int, mode: Mode) -> dict[str, Any]:
-        run, cfg = self.run, self.cfg
-        n = len(self.cells) + 1
-        label = f"{mode.name} round {rnd + 1}"
-        name = f"bench_held_{run.run_id.lower()}_{n}"
-        topic = f"bench-held-{run.run_id.lower()}-{n}"
-        cell = cell_record(n, round=rnd, mode=mode.name)
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
+        run = self.run
+        mode = self.modes[identity["mode"]]
+        cell = cell_record(len(self.cells) + 1, **identity)
+        topic = self.names(cell)[1]
         run.progress.status(f"{label}: database and topic")
-        await in_fresh_database(
-            run,
+        await self.in_fresh_database(
             services,
             mode,
             cell,
-            database=name,
-            topic=topic,
-            partitions=cfg.partitions,
-            measure=lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
+            lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
         )
         hold = [w for w in cell["windows"] if w["phase"] == "hold"]
         worst = max((w["ack_to_recv"]["p99"] or 0.0 for w in hold), default=0.0)
@@ -559,22 +551,20 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if base is not None and worst_p99 is not None:
             limit = max(2 * base, base + 10.0)
             targets.append(
-                {
-                    "target": f"{mode}: every hold window's p99 within max(2x, +10 ms) of the "
-                    "baseline's",
-                    "measured": f"worst {worst_p99:.1f} ms vs baseline {base:.1f} ms "
-                    f"(limit {limit:.1f} ms)",
-                    "verdict": "met" if worst_p99 <= limit else "MISSED",
-                }
+                target(
+                    f"{mode}: every hold window's p99 within max(2x, +10 ms) of the baseline's",
+                    f"worst {worst_p99:.1f} ms vs baseline {base:.1f} ms (limit {limit:.1f} ms)",
+                    worst_p99 <= limit,
+                )
             )
         if low_share is not None:
             targets.append(
-                {
-                    "target": f"{mode}: producers keep >= 90% of their rate in every hold window",
-                    "measured": f"lowest {100 * low_share:.1f}% "
+                target(
+                    f"{mode}: producers keep >= 90% of their rate in every hold window",
+                    f"lowest {100 * low_share:.1f}% "
                     f"({low_share * cfg['rate']:.0f} of {cfg['rate']:g} ev/s)",
-                    "verdict": "met" if low_share >= 0.9 else "MISSED",
-                }
+                    low_share >= 0.9,
+                )
             )
     targets += _flat_and_beaten(modes)
     return {"modes": modes, "targets": targets}
@@ -601,13 +591,12 @@ def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
             if ref is None or worst is None:
                 continue
             out.append(
-                {
-                    "target": f"{mode}: {who} CPU per event flat across the hold (every hold "
+                target(
+                    f"{mode}: {who} CPU per event flat across the hold (every hold "
                     f"window <= {_FLAT:g}x the baseline's)",
-                    "measured": f"worst {worst:.0f} vs baseline {ref:.0f} µs/event "
-                    f"({worst / ref:.2f}x)",
-                    "verdict": "met" if worst <= _FLAT * ref else "MISSED",
-                }
+                    f"worst {worst:.0f} vs baseline {ref:.0f} µs/event ({worst / ref:.2f}x)",
+                    worst <= _FLAT * ref,
+                )
             )
         poller = modes.get("poller")
         if poller is None:
@@ -623,12 +612,12 @@ def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
             if w["p99"] >= p["p99"]
         ]
         out.append(
-            {
-                "target": f"{mode}: p99 below the plain poller's in every window",
-                "measured": f"below in {len(pairs) - len(lost)} of {len(pairs)} windows"
+            target(
+                f"{mode}: p99 below the plain poller's in every window",
+                f"below in {len(pairs) - len(lost)} of {len(pairs)} windows"
                 + (f"; not in {', '.join(lost)}" if lost else ""),
-                "verdict": "met" if pairs and not lost else "MISSED",
-            }
+                bool(pairs) and not lost,
+            )
         )
     return out
 
@@ -704,16 +693,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines += targets_section(summary, "design/benchmarks.md")
     lines += ["", "## Per phase (all events of a phase pooled; medians over rounds)", ""]
     lines += table(
-        [
-            "mode",
-            "baseline p50 / p99 / max (ms)",
-            "hold",
-            "recovery",
-            "worst hold window p99",
-            "lowest hold rate %",
-            "dead tuples at release",
-            "missing",
-        ],
+        (
+            "mode | baseline p50 / p99 / max (ms) | hold | recovery | worst hold window p99 | "
+            "lowest hold rate % | dead tuples at release | missing"
+        ),
         [
             [
                 mode,
@@ -739,7 +722,7 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
             "",
         ]
         lines += table(
-            ["window", "mode", "committed ev/s", "e2e p99", "mode CPU %", "db CPU %", "outbox MB"],
+            "window | mode | committed ev/s | e2e p99 | mode CPU % | db CPU % | outbox MB",
             [
                 [
                     f"{w['start_s']:.0f} s ({w['phase']})",
@@ -806,25 +789,12 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-async def run_held_snapshot(cfg: HeldSnapshotConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the held-snapshot regime; returns the result JSON's path (written even on
-    failure)."""
-    run = PhaseRun("held-snapshot", cfg.to_json(), out_dir, keep=keep)
-    held = _HeldSnapshot(cfg, run)
-    run.progress.line(
-        f"held-snapshot: {' '.join(cfg.modes)} x {cfg.repeat} round(s): {cfg.rate:g} ev/s over "
-        f"{cfg.keys} keys, baseline {cfg.baseline:g}s, snapshot held {cfg.hold:g}s, recovery "
-        f"{cfg.recovery:g}s, windows of {cfg.window:g}s"
-    )
-    return await run.run(open_services, held.body, fsync_seconds=cfg.fsync_test_seconds)
-
-
 REGIME = Regime(
     "held-snapshot",
     HELP,
     arguments,
     configure,
-    run_held_snapshot,
+    _HeldSnapshot.main,
     summarize,
     problems,
     markdown,

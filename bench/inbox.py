@@ -34,7 +34,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ import anyio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from bench.config import from_args, output_options
+from bench.config import JsonRecord, from_args, output_options
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
 from bench.regimes import Regime
@@ -61,7 +61,7 @@ CREATE TABLE baseline_applied (event_id text NOT NULL, value bytea)
 
 
 @dataclass
-class InboxBenchConfig:
+class InboxBenchConfig(JsonRecord):
     """What one ``python -m bench inbox`` run does."""
 
     messages: int = 20_000
@@ -312,7 +312,7 @@ async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = Fals
     result: dict[str, Any] = {
         "phase": "inbox",
         "started": started,
-        "config": asdict(cfg),
+        "config": cfg.to_json(),
         "environment": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

@@ -20,23 +20,23 @@ import re
 import socket
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from bench.arrays import load_arrays
-from bench.config import Mode, common_options, from_args, phase_options, writers_for
+from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, writers_for
 from bench.fmt import environment_lines, finish, num, percent, table, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
-from bench.regimes import QUERY_ERRORS, Looker, Regime, received_at
+from bench.regimes import QUERY_ERRORS, Looker, Regime, RegimeRun, received_at, target
 from bench.services import Services, check_loopback, open_services, set_notify
 from devstack.relayproc import create_topics
 
-__all__ = ["RecoveryConfig", "problems", "run_recovery", "summarize"]
+__all__ = ["RecoveryConfig", "problems", "summarize"]
 
 _READY_TIMEOUT = 60.0
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
@@ -60,7 +60,7 @@ _DIGITS = re.compile(r"\d+")
 
 
 @dataclass
-class RecoveryConfig:
+class RecoveryConfig(JsonRecord):
     """Everything one recovery run does; recorded in the result JSON."""
 
     services: list[str] = field(default_factory=lambda: ["kafka", "postgres"])
@@ -77,10 +77,6 @@ class RecoveryConfig:
     stack_dir: str | None = None
     partitions: int = 3
     fsync_test_seconds: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
 
 HELP = "outage recovery: Kafka and PostgreSQL restarts"
@@ -121,45 +117,6 @@ def configure(args: argparse.Namespace) -> RecoveryConfig:
 class _Handles:
     postgres: Any = None  # devstack.PostgresServer
     kafka: Any = None  # devstack.KafkaBroker
-
-
-def _opener(cfg: RecoveryConfig, handles: _Handles) -> Any:
-    """The services of a recovery run: the bench's own stack, or an existing devstack stack
-    directory; never services it cannot restart."""
-
-    async def open_restartable(work: Path) -> Services:
-        if cfg.stack_dir is None:
-            services = await open_services(work)
-            if services.own_stack is None:
-                raise BenchError(
-                    "recovery restarts PostgreSQL and Kafka, so it needs the bench's own stack "
-                    "(unset NOTIFY_OUTBOX_DSN / NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS) or "
-                    "--stack-dir of a devstack stack"
-                )
-            handles.postgres = services.own_stack.postgres
-            handles.kafka = services.own_stack.kafka
-            return services
-        from devstack import KAFKA_VERSION, KafkaBroker, PostgresServer
-
-        base = Path(cfg.stack_dir)  # made absolute by the command line
-        probe = PostgresServer(base / "postgres")
-        if not probe.is_running():
-            raise BenchError(f"--stack-dir {base}: no running PostgreSQL in {base / 'postgres'}")
-        kafka = KafkaBroker(base / "kafka")
-        if not kafka.is_running():
-            raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
-        check_loopback(probe.dsn, kafka.bootstrap_servers)
-        conn = await asyncpg.connect(probe.dsn, timeout=30)
-        try:
-            fsync = await conn.fetchval("SHOW fsync")
-        finally:
-            await conn.close(timeout=5)
-        # devstack rewrites its settings file on every start: restart it as it was.
-        handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
-        handles.kafka = kafka
-        return Services(probe.dsn, kafka.bootstrap_servers, work, kafka_version=KAFKA_VERSION)
-
-    return open_restartable
 
 
 class _LogCounter:
@@ -336,10 +293,12 @@ async def _pg_accepts(dsn: str) -> bool:
             await conn.close(timeout=1)
 
 
-class _Recovery:
+class _Recovery(RegimeRun):
+    name = "recovery"
+    cfg: RecoveryConfig
+
     def __init__(self, cfg: RecoveryConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
+        super().__init__(cfg, run)
         self.handles = _Handles()
         self.restarts: list[dict[str, Any]] = []
         run.result["restarts"] = self.restarts
@@ -352,6 +311,47 @@ class _Recovery:
         )
         run.result["mode"] = self.mode.to_json()
         run.progress.total = len(cfg.services) * cfg.repeat
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"recovery: {cfg.repeat} restart(s) of {' and '.join(cfg.services)}, pause "
+            f"{cfg.pause:g}s, writers at {cfg.rate:g} ev/s"
+        )
+
+    async def open_services(self, work: Path) -> Services:
+        """The services of a recovery run: the bench's own stack, or an existing devstack stack
+        directory; never services it cannot restart."""
+        if self.cfg.stack_dir is None:
+            services = await open_services(work)
+            if services.own_stack is None:
+                raise BenchError(
+                    "recovery restarts PostgreSQL and Kafka, so it needs the bench's own stack "
+                    "(unset NOTIFY_OUTBOX_DSN / NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS) or "
+                    "--stack-dir of a devstack stack"
+                )
+            self.handles.postgres = services.own_stack.postgres
+            self.handles.kafka = services.own_stack.kafka
+            return services
+        from devstack import KAFKA_VERSION, KafkaBroker, PostgresServer
+
+        base = Path(self.cfg.stack_dir)  # made absolute by the command line
+        probe = PostgresServer(base / "postgres")
+        if not probe.is_running():
+            raise BenchError(f"--stack-dir {base}: no running PostgreSQL in {base / 'postgres'}")
+        kafka = KafkaBroker(base / "kafka")
+        if not kafka.is_running():
+            raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
+        check_loopback(probe.dsn, kafka.bootstrap_servers)
+        conn = await asyncpg.connect(probe.dsn, timeout=30)
+        try:
+            fsync = await conn.fetchval("SHOW fsync")
+        finally:
+            await conn.close(timeout=5)
+        # devstack rewrites its settings file on every start: restart it as it was.
+        self.handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
+        self.handles.kafka = kafka
+        return Services(probe.dsn, kafka.bootstrap_servers, work, kafka_version=KAFKA_VERSION)
 
     async def body(self, services: Services) -> None:
         run, cfg = self.run, self.cfg
@@ -634,21 +634,20 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if row["recovery_median_s"] is not None:
             v = row["recovery_median_s"]
             out["targets"].append(
-                {
-                    "target": f"{service}: delivery resumes <= 1 s after it accepts connections "
-                    "(median)",
-                    "measured": f"{v:.2f} s (max {row['recovery_max_s']:.2f} s)",
-                    "verdict": "met" if v <= 1.0 else "MISSED",
-                }
+                target(
+                    f"{service}: delivery resumes <= 1 s after it accepts connections (median)",
+                    f"{v:.2f} s (max {row['recovery_max_s']:.2f} s)",
+                    v <= 1.0,
+                )
             )
         if row["log_lines_per_s_max"] is not None:
             v = row["log_lines_per_s_max"]
             out["targets"].append(
-                {
-                    "target": f"{service} outage: <= ~1 relay log line per second",
-                    "measured": f"max {v:.1f} lines/s (median {row['log_lines_per_s_median']:.1f})",
-                    "verdict": "met" if v <= 1.5 else "MISSED",
-                }
+                target(
+                    f"{service} outage: <= ~1 relay log line per second",
+                    f"max {v:.1f} lines/s (median {row['log_lines_per_s_median']:.1f})",
+                    v <= 1.5,
+                )
             )
     return out
 
@@ -683,16 +682,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "",
     ]
     lines += table(
-        [
-            "service",
-            "restarts",
-            "accepting connections after the stop (s)",
-            "recovery median (s)",
-            "recovery max (s)",
-            "max latency (ms)",
-            "log lines/s median",
-            "max",
-        ],
+        (
+            "service | restarts | accepting connections after the stop (s) | "
+            "recovery median (s) | recovery max (s) | max latency (ms) | log lines/s median | max"
+        ),
         [
             [
                 s,
@@ -710,18 +703,11 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines += targets_section(summary, "issue 10")
     lines += ["", "## Every restart", ""]
     lines += table(
-        [
-            "service",
-            "#",
-            "stop took (s)",
-            "accepting after stop (s)",
-            "first delivery after accepting (s)",
-            "after stop (s)",
-            "max latency (ms)",
-            "missing",
-            "log lines",
-            "lines/s",
-        ],
+        (
+            "service | # | stop took (s) | accepting after stop (s) | "
+            "first delivery after accepting (s) | after stop (s) | max latency (ms) | missing | "
+            "log lines | lines/s"
+        ),
         [
             [
                 r["service"],
@@ -783,18 +769,11 @@ def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
             )
     lines.append("")
     lines += table(
-        [
-            "service",
-            "#",
-            "open at the stop (oldest, s)",
-            "oldest while down (s)",
-            "xid",
-            "looks with one open %",
-            "longest (s)",
-            "none open, s after stop",
-            "after accepting",
-            "looks",
-        ],
+        (
+            "service | # | open at the stop (oldest, s) | oldest while down (s) | xid | "
+            "looks with one open % | longest (s) | none open, s after stop | after accepting | "
+            "looks"
+        ),
         [
             [
                 r["service"],
@@ -833,23 +812,12 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-async def run_recovery(cfg: RecoveryConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the recovery phase; returns the result JSON's path (written even on failure)."""
-    run = PhaseRun("recovery", cfg.to_json(), out_dir, keep=keep)
-    rec = _Recovery(cfg, run)
-    run.progress.line(
-        f"recovery: {cfg.repeat} restart(s) of {' and '.join(cfg.services)}, pause "
-        f"{cfg.pause:g}s, writers at {cfg.rate:g} ev/s"
-    )
-    return await run.run(_opener(cfg, rec.handles), rec.body, fsync_seconds=cfg.fsync_test_seconds)
-
-
 REGIME = Regime(
     "recovery",
     HELP,
     arguments,
     configure,
-    run_recovery,
+    _Recovery.main,
     summarize,
     problems,
     markdown,

@@ -28,14 +28,16 @@ from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, utc
 from bench.procs import BenchError, Child, cluster_cpu_seconds
 from bench.revs import with_alt_modes
-from bench.services import Services, postmaster_pid, prepare_mode
+from bench.services import Services, open_services, postmaster_pid, prepare_mode
 
 __all__ = [
     "DEFAULT_REGIME_MODES",
     "QUERY_ERRORS",
+    "Cells",
     "CpuMeter",
     "Looker",
     "Regime",
+    "RegimeRun",
     "acked_events",
     "add_cell",
     "cell_record",
@@ -47,6 +49,7 @@ __all__ = [
     "received_at",
     "regime_mode",
     "regime_modes",
+    "target",
     "unfinished",
     "warm_up",
 ]
@@ -106,6 +109,110 @@ class Regime:
         return tables_under(self.markdown(result, self.summarize(result), []), self.terminal)
 
 
+class RegimeRun:
+    """The run of a regime: ``body`` does its work on the services that ``open_services``
+    opens (the bench's own stack, or those of the environment); ``main`` makes the run's
+    ``PhaseRun`` (result, work directory, JSON), prints ``intro`` and runs the body."""
+
+    name = ""  # the regime's name: its result's "phase"
+
+    def __init__(self, cfg: Any, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+
+    def intro(self) -> str:
+        """The run's first line: what it will do."""
+        raise NotImplementedError
+
+    def pgbouncer(self) -> bool:
+        """Whether a mode of the run goes through the bench's PgBouncer."""
+        return False
+
+    async def open_services(self, work: Path) -> Services:
+        """PostgreSQL and Kafka for the run."""
+        return await open_services(work)
+
+    async def body(self, services: Services) -> None:
+        """The regime's work."""
+        raise NotImplementedError
+
+    @classmethod
+    async def main(cls, cfg: Any, out_dir: Path, *, keep: bool) -> Path:
+        """Run the regime; returns the result JSON's path (written even on failure)."""
+        run = PhaseRun(cls.name, cfg.to_json(), out_dir, keep=keep)
+        runner = cls(cfg, run)
+        run.progress.line(runner.intro())
+        return await run.run(
+            runner.open_services,
+            runner.body,
+            fsync_seconds=cfg.fsync_test_seconds,
+            pgbouncer=runner.pgbouncer(),
+        )
+
+
+class Cells(RegimeRun):
+    """A regime run as cells, one after another, each on a fresh database and topic
+    (``bench_<short>_<run id>_<n>``): ``grid`` lists them (identity, label; round first),
+    ``prepare`` runs before the first, ``cell`` measures one and returns its record (see
+    ``add_cell``: the JSON is rewritten after each)."""
+
+    short = ""
+
+    def __init__(self, cfg: Any, run: PhaseRun, modes: list[Mode]) -> None:
+        super().__init__(cfg, run)
+        self.modes = {m.name: m for m in modes}
+        self.cells: list[dict[str, Any]] = []
+        self.postmaster: int | None = None  # whose processes are the database's CPU
+        run.progress.total = len(list(self.grid()))
+        run.result["modes"] = {m.name: m.to_json() for m in modes}
+        run.result["cells"] = self.cells
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        """Every cell's identity (recorded in it) and label (its progress lines), in order."""
+        raise NotImplementedError
+
+    async def prepare(self, services: Services) -> None:
+        """Before the first cell (nothing by default)."""
+
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
+        """Measure one cell; its record."""
+        raise NotImplementedError
+
+    async def body(self, services: Services) -> None:
+        await self.prepare(services)
+        for identity, label in self.grid():
+            await add_cell(
+                self.run, self.cells, identity, label, self.cell(services, identity, label)
+            )
+
+    def names(self, cell: dict[str, Any]) -> tuple[str, str]:
+        """The database and the topic of a cell."""
+        at = f"{self.run.run_id.lower()}_{cell['cell']}"
+        return f"bench_{self.short}_{at}", f"bench-{self.short}-{at.replace('_', '-')}"
+
+    async def in_fresh_database(
+        self,
+        services: Services,
+        mode: Mode,
+        cell: dict[str, Any],
+        measure: Callable[[str], Awaitable[None]],
+    ) -> None:
+        """``measure(dsn)`` on the cell's fresh database and topic (``in_fresh_database``)."""
+        database, topic = self.names(cell)
+        await in_fresh_database(
+            self.run,
+            services,
+            mode,
+            cell,
+            database=database,
+            topic=topic,
+            partitions=self.cfg.partitions,
+            measure=measure,
+        )
+
+
 def regime_mode(name: str, alt_tree: str | None) -> Mode:
     """``notify`` (the relay, default settings), ``notify-alt`` (the same from the
     ``--alt-relay`` tree) or ``poller`` (the drain phase's plain poller: ``ORDER BY id LIMIT
@@ -132,6 +239,11 @@ def regime_modes(args: argparse.Namespace, alt_tree: str | None) -> list[str]:
     if args.repeat < 1:
         raise BenchError("--repeat must be at least 1")
     return modes
+
+
+def target(what: str, measured: str, met: bool) -> dict[str, str]:
+    """One of a summary's targets: what it asks, what was measured, and the verdict."""
+    return {"target": what, "measured": measured, "verdict": "met" if met else "MISSED"}
 
 
 def received_at(got: dict[str, array[int]]) -> dict[int, int]:

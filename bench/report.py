@@ -350,7 +350,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "",
     ]
     lines += table(
-        ["target", "measured", "verdict", "stretch"],
+        "target | measured | verdict | stretch",
         [[t["target"], t["measured"], t["verdict"], t["stretch"]] for t in summary["targets"]],
     )
     lines += ["", "## Latency per mode and offered load", ""]
@@ -378,21 +378,10 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             ]
         )
     lines += table(
-        [
-            "mode",
-            "offered ev/s",
-            "committed/s",
-            "delivered/s",
-            "e2e p50",
-            "p95",
-            "p99",
-            "p99.9",
-            "max",
-            "ack->recv p50",
-            "p99",
-            "p99.9",
-            "verdict",
-        ],
+        (
+            "mode | offered ev/s | committed/s | delivered/s | e2e p50 | p95 | p99 | p99.9 | "
+            "max | ack->recv p50 | p99 | p99.9 | verdict"
+        ),
         rows,
     )
     lines += [
@@ -407,7 +396,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     lines += _over_floor_section(summary)
     lines += ["", "## Maximum throughput per mode", ""]
     lines += table(
-        ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
+        "mode | max sustained ev/s | max keeping up ev/s | highest tried | first saturated",
         [
             [
                 m,
@@ -436,15 +425,11 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             ]
         )
     lines += table(
-        [
-            "mode",
-            "schedule -> send (generator lag)",
-            "send -> commit ack",
-            "commit ack -> Kafka send (±0.5 ms)",
-            "Kafka send -> receive",
-            "relay/poller CPU µs per event",
-            "host CPU busy %",
-        ],
+        (
+            "mode | schedule -> send (generator lag) | send -> commit ack | "
+            "commit ack -> Kafka send (±0.5 ms) | Kafka send -> receive | "
+            "relay/poller CPU µs per event | host CPU busy %"
+        ),
         srows,
     )
     lines += [
@@ -466,16 +451,10 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "",
     ]
     lines += table(
-        [
-            "variant",
-            "writers",
-            "commits/s",
-            "latency p50",
-            "p99",
-            "vs no-trigger",
-            "vs no-trigger+relay",
-            "vs no-trigger+fast-relay",
-        ],
+        (
+            "variant | writers | commits/s | latency p50 | p99 | vs no-trigger | "
+            "vs no-trigger+relay | vs no-trigger+fast-relay"
+        ),
         [
             [
                 r["variant"],
@@ -501,7 +480,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "",
     ]
     lines += table(
-        ["mode", "queries/s (pg_stat_statements)", "commits/s (pg_stat_database)", "process CPU %"],
+        "mode | queries/s (pg_stat_statements) | commits/s (pg_stat_database) | process CPU %",
         [
             [m, num(i["queries_per_s"]), num(i["commits_per_s"]), num(i["cpu_percent"])]
             for m, i in summary["idle"].items()
@@ -593,7 +572,7 @@ def _over_floor_section(summary: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines + table(
-        ["offered ev/s", "mode", "p50", "floor p50", "over p50", "p99", "floor p99", "over p99"],
+        "offered ev/s | mode | p50 | floor p50 | over p50 | p99 | floor p99 | over p99",
         [
             [
                 f"{r['load']:g}",

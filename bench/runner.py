@@ -286,9 +286,7 @@ class Runner:
         finally:
             if conn is not None:
                 await conn.close(timeout=5)
-            with contextlib.suppress(Exception):
-                await consumer.send_line(json.dumps({"cmd": "quit"}))
-            await consumer.stop(15)
+            await self._run.quit_consumer(consumer)
             if process is not None:
                 await self._run.stop(process)
 
@@ -314,10 +312,7 @@ class Runner:
         writers = cfg.writers or writers_for(load)
         label = f"{db.mode.name} {load:g} ev/s {arrival}/{producer} rep {rep + 1}"
         self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
-        cells_dir = self.work / "cells"
-        cells_dir.mkdir(parents=True, exist_ok=True)
-        gen_path = cells_dir / f"c{n}-gen.bin"
-        got_path = cells_dir / f"c{n}-got.bin"
+        gen_path, got_path = self._run.array_paths(f"c{n}")
         lc = LoadConfig(
             dsn=db.dsn,
             topic=db.topic,
@@ -336,19 +331,10 @@ class Runner:
             sink="kafka" if db.mode.kind == "floor" else "postgres",
             bootstrap=services.bootstrap,
         )
-        config_path = cells_dir / f"c{n}-config.json"
-        lc.save(config_path)
         cpu0 = process.cpu() if process is not None else 0.0
         host0 = envinfo.cpu_times()
         started = utc()
-        gen = await Child.start(
-            f"loadgen cell {n}",
-            python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env(),
-            log_path=self._run.log_path(f"loadgen-{n}"),
-            pipes=True,
-            cwd=self.src,
-        )
+        gen = await self._run.start_loadgen(lc, name=f"loadgen-{n}")
         profiler = None
         if profile and process is not None:
             profiler = await self._start_profiler(process, n)
@@ -361,18 +347,9 @@ class Runner:
         finally:
             await gen.stop(5)
         self.progress.status(f"{label}: waiting for {summary['acked']} events at the consumer")
-        await consumer.send_line(
-            json.dumps(
-                {
-                    "cmd": "collect",
-                    "cell": n,
-                    "expect": summary["acked"],
-                    "timeout": cfg.drain_timeout,
-                    "out": str(got_path),
-                }
-            )
+        reply = await self._run.collect(
+            consumer, cell=n, expect=summary["acked"], within=cfg.drain_timeout, out=got_path
         )
-        reply = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
         cpu_used = process.cpu() - cpu0 if process is not None else None
         host1 = envinfo.cpu_times()
         profile_summary: dict[str, Any] | None = None
@@ -389,7 +366,7 @@ class Runner:
             if stage_log is not None
             else None
         )
-        for p in (gen_path, got_path, config_path):
+        for p in (gen_path, got_path, gen_path.with_suffix(".config.json")):
             p.unlink(missing_ok=True)
         total_events = summary["acked"]
         cell: dict[str, Any] = {

@@ -31,7 +31,8 @@ import json
 import signal
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ import asyncpg
 
 from bench import envinfo
 from bench.arrays import load_arrays
-from bench.config import Mode, common_options, from_args, phase_options
+from bench.config import JsonRecord, Mode, common_options, from_args, phase_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -56,20 +57,20 @@ from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, wait_mode_ready
 from bench.procs import BenchError, Child, python_argv, tcp_ports
 from bench.regimes import (
+    Cells,
     Looker,
     Regime,
     acked_events,
-    add_cell,
     cell_record,
     event_counts,
-    in_fresh_database,
     latency_ms,
     median,
     received_at,
     regime_mode,
+    target,
     unfinished,
 )
-from bench.services import Services, open_services
+from bench.services import Services
 from devstack.relayproc import child_env
 from notify_outbox import OutboxNames
 
@@ -77,7 +78,6 @@ __all__ = [
     "NOTIFY_MODES",
     "StalledRelayConfig",
     "problems",
-    "run_stalled_relay",
     "summarize",
 ]
 
@@ -119,7 +119,7 @@ _KEY_BUCKETS = (
 
 
 @dataclass
-class StalledRelayConfig:
+class StalledRelayConfig(JsonRecord):
     """Everything one stalled-relay run does; recorded in the result JSON."""
 
     rate: float = 1200.0
@@ -141,10 +141,6 @@ class StalledRelayConfig:
     alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     partitions: int = 3
     fsync_test_seconds: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
     def cell_seconds(self) -> float:
         """The length of a cell's load, set-up and drain left out."""
@@ -487,57 +483,54 @@ def analyse_cell(
     }
 
 
-class _StalledRelay:
+class _StalledRelay(Cells):
+    name, short = "stalled-relay", "stalled"
+    cfg: StalledRelayConfig
+
     def __init__(self, cfg: StalledRelayConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
+        # A mode per notify mode: the relay (or --alt-relay's) with that notify_mode.
         base = regime_mode("notify-alt" if cfg.alt_relay else "notify", cfg.alt_relay)
-        self.modes = {
-            nm: dataclasses.replace(
+        modes = [
+            dataclasses.replace(
                 base,
                 name=nm,
                 description=f"{cfg.relays} x {base.description}; notify_mode '{nm}'",
                 notify=nm,
             )
             for nm in cfg.notify_modes
-        }
-        self.cells: list[dict[str, Any]] = []
-        run.progress.total = cfg.repeat * len(cfg.keys) * len(cfg.notify_modes)
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes.values()}
-        run.result["cells"] = self.cells
+        ]
+        super().__init__(cfg, run, modes)
 
-    async def body(self, services: Services) -> None:
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"stalled-relay: {cfg.relays} relays, notify modes {' '.join(cfg.notify_modes)}, "
+            f"keys {' '.join(str(k) for k in cfg.keys)}, {cfg.repeat} round(s): {cfg.rate:g} "
+            f"ev/s, baseline {cfg.baseline:g}s, {cfg.freezes} freezes of {cfg.freeze:g}s "
+            f"{cfg.gap:g}s apart, recovery {cfg.recovery:g}s (~{cfg.cell_seconds():.0f}s of "
+            "load per cell)"
+        )
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
         for rnd in range(self.cfg.repeat):
             for keys in self.cfg.keys:
                 for nm in self.cfg.notify_modes:
-                    label = f"{nm}, {keys} keys, round {rnd + 1}"
-                    await add_cell(
-                        self.run,
-                        self.cells,
-                        {"round": rnd, "notify_mode": nm, "keys": keys},
-                        label,
-                        self._cell(services, rnd, nm, keys, label),
-                    )
+                    identity = {"round": rnd, "notify_mode": nm, "keys": keys}
+                    yield identity, f"{nm}, {keys} keys, round {rnd + 1}"
 
-    async def _cell(
-        self, services: Services, rnd: int, nm: str, keys: int, label: str
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
     ) -> dict[str, Any]:
         run = self.run
-        n = len(self.cells) + 1
-        name = f"bench_stalled_{run.run_id.lower()}_{n}"
-        topic = f"bench-stalled-{run.run_id.lower()}-{n}"
-        cell = cell_record(n, round=rnd, notify_mode=nm, keys=keys)
+        cell = cell_record(len(self.cells) + 1, **identity)
+        topic = self.names(cell)[1]
         run.progress.status(f"{label}: database and topic")
-        mode = self.modes[nm]
-        await in_fresh_database(
-            run,
+        mode = self.modes[identity["notify_mode"]]
+        await self.in_fresh_database(
             services,
             mode,
             cell,
-            database=name,
-            topic=topic,
-            partitions=self.cfg.partitions,
-            measure=lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
+            lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
         )
         ph = cell["phases"]
         run.progress.line(
@@ -805,13 +798,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             p99 = row["freeze_p99"]
             if p99 is not None:
                 targets.append(
-                    {
-                        "target": f"{nm}, {keys:,} keys: p99 of the events committed during the "
+                    target(
+                        f"{nm}, {keys:,} keys: p99 of the events committed during the "
                         "freezes <= 100 ms",
-                        "measured": f"{p99:.1f} ms (baseline {ms(row['baseline_p99'])}; "
+                        f"{p99:.1f} ms (baseline {ms(row['baseline_p99'])}; "
                         f"keys the frozen relay did not hold {ms(row['freeze_free_p99'])})",
-                        "verdict": "met" if p99 <= 100.0 else "MISSED",
-                    }
+                        p99 <= 100.0,
+                    )
                 )
     return {"rows": rows, "targets": targets}
 
@@ -867,19 +860,11 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines += targets_section(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
     lines += ["", "## Latency per phase (medians over rounds)", ""]
     lines += table(
-        [
-            "notify mode",
-            "keys",
-            "rounds",
-            "baseline p50 / p99 / max",
-            "freezes p50 / p99 / max",
-            "freezes, keys free p99 / max",
-            "freezes, keys held p99 (share of events %)",
-            "between p99",
-            "recovery p99",
-            "rate % baseline / freezes / all",
-            "lost",
-        ],
+        (
+            "notify mode | keys | rounds | baseline p50 / p99 / max | freezes p50 / p99 / max | "
+            "freezes, keys free p99 / max | freezes, keys held p99 (share of events %) | "
+            "between p99 | recovery p99 | rate % baseline / freezes / all | lost"
+        ),
         [
             [
                 r["notify_mode"],
@@ -913,16 +898,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "",
     ]
     lines += table(
-        [
-            "notify mode",
-            "keys",
-            "picked by",
-            "marker: frozen / other / nobody %",
-            "kept (s), freezes",
-            "baseline: marker held %",
-            "claim open",
-            "held keys",
-        ],
+        (
+            "notify mode | keys | picked by | marker: frozen / other / nobody % | "
+            "kept (s), freezes | baseline: marker held % | claim open | held keys"
+        ),
         [
             [
                 r["notify_mode"],
@@ -941,21 +920,11 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     if freezes:
         lines += ["", "## Every freeze", ""]
         lines += table(
-            [
-                "mode",
-                "keys",
-                "round",
-                "#",
-                "relay",
-                "picked by",
-                "p50 / p99 / max",
-                "keys free p99",
-                "keys held (events)",
-                "rate %",
-                "in transaction (oldest, s)",
-                "buckets held",
-                "marker kept (s)",
-            ],
+            (
+                "mode | keys | round | # | relay | picked by | p50 / p99 / max | keys free p99 | "
+                "keys held (events) | rate % | in transaction (oldest, s) | buckets held | "
+                "marker kept (s)"
+            ),
             [
                 [
                     c["notify_mode"],
@@ -1011,27 +980,12 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-async def run_stalled_relay(cfg: StalledRelayConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the stalled-relay regime; returns the result JSON's path (written even on
-    failure)."""
-    run = PhaseRun("stalled-relay", cfg.to_json(), out_dir, keep=keep)
-    stalled = _StalledRelay(cfg, run)
-    run.progress.line(
-        f"stalled-relay: {cfg.relays} relays, notify modes {' '.join(cfg.notify_modes)}, keys "
-        f"{' '.join(str(k) for k in cfg.keys)}, {cfg.repeat} round(s): {cfg.rate:g} ev/s, "
-        f"baseline {cfg.baseline:g}s, {cfg.freezes} freezes of {cfg.freeze:g}s "
-        f"{cfg.gap:g}s apart, recovery {cfg.recovery:g}s (~{cfg.cell_seconds():.0f}s of load "
-        "per cell)"
-    )
-    return await run.run(open_services, stalled.body, fsync_seconds=cfg.fsync_test_seconds)
-
-
 REGIME = Regime(
     "stalled-relay",
     HELP,
     arguments,
     configure,
-    run_stalled_relay,
+    _StalledRelay.main,
     summarize,
     problems,
     markdown,
