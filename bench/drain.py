@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,10 @@ from typing import Any
 import asyncpg
 
 from bench import envinfo
+from bench.analysis import median
 from bench.config import POLLER, JsonRecord, Mode, common_options, from_args, phase_options
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
-from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
+from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
@@ -67,7 +67,6 @@ _PAYLOAD_BYTES = 200
 # The JSON text of a payload without its digits and padding: {"g": , "p": "", "s": }
 _PAYLOAD_OVERHEAD = 23
 _QUERY_TIMEOUT = 300.0  # a 100,000-row chunked insert or VACUUM on a busy 2-core machine
-_READY_TIMEOUT = 60.0
 _EMPTY_TIMEOUT = 30.0
 _MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?$")
 
@@ -369,7 +368,7 @@ class _Drain(RegimeRun):
         profiler: asyncio.subprocess.Process | None = None
         raw = run.out_dir
         try:
-            ready = json.loads(await tally.read_line(_READY_TIMEOUT))
+            ready = json.loads(await tally.read_line(READY_TIMEOUT))
             if not ready.get("ready"):
                 raise BenchError(f"tally consumer of {label} did not get ready: {ready}")
             extra = cfg.relay_env if dm.mode.kind == "relay" else {}
@@ -479,8 +478,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         groups.setdefault((c["mix"], c["mode"]), []).append(c)
 
     def med(cells: list[dict[str, Any]], k: str) -> float | None:
-        vs = [float(c[k]) for c in cells if c.get(k) is not None]
-        return statistics.median(vs) if vs else None
+        return median(c.get(k) for c in cells)
 
     rows: list[dict[str, Any]] = []
     for (mix, mode), cells in groups.items():

@@ -30,6 +30,7 @@ from typing import Any
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
+from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import (
     JsonRecord,
@@ -63,7 +64,6 @@ from bench.regimes import (
     cell_record,
     database_postmaster,
     latency_ms,
-    median,
     received_at,
     regime_mode,
     regime_modes,
@@ -429,7 +429,7 @@ class _FailingHead(Cells):
         cfg = self.cfg
         await self._wait(cfg.quiet_settle, "settling before the quiet window")
         meter = CpuMeter([proc], self.postmaster)
-        lines0 = _lines(proc.log_path)
+        lines0 = proc.log_lines()
         before = (await db_counters(services.dsn, [database], statements=self.statements))[database]
         calls0 = await statement_calls(services.dsn, database) if self.statements else {}
         cpu0, db0 = meter.read()
@@ -442,16 +442,14 @@ class _FailingHead(Cells):
         out["db_cpu_percent"] = (
             100 * (db1 - db0) / seconds if db0 is not None and db1 is not None else None
         )
-        out["mode_log_lines"] = _lines(proc.log_path) - lines0
+        out["mode_log_lines"] = proc.log_lines() - lines0
         return out
 
     async def _wait(self, seconds: float, what: str) -> float:
         """Let ``seconds`` pass (a measurement window, nothing to wait for); the time passed."""
-        t0 = time.monotonic()
-        while (left := seconds - (time.monotonic() - t0)) > 0:
-            self.run.progress.status(f"{what}: {left:.0f}s left")
-            await asyncio.sleep(min(1.0, left))
-        return time.monotonic() - t0
+        t0 = time.monotonic_ns()
+        await self.run.pace(t0 + int(seconds * 1e9), lambda left: f"{what}: {left:.0f}s left")
+        return (time.monotonic_ns() - t0) / 1e9
 
 
 def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
@@ -468,14 +466,6 @@ def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
         vals = sorted(slots[sec])
         out.append([sec, len(vals), round(vals[len(vals) // 2] / 1e6, 1), round(vals[-1] / 1e6, 1)])
     return out
-
-
-def _lines(path: Path) -> int:
-    try:
-        with path.open("rb") as fh:
-            return sum(1 for _ in fh)
-    except OSError:
-        return 0
 
 
 async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]:

@@ -14,7 +14,6 @@ seconds (by commit ack). See ``bench/README.md``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
 import contextlib
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import asyncpg
 
 from bench import envinfo
+from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, regime_options
 from bench.fmt import (
@@ -54,7 +54,6 @@ from bench.regimes import (
     database_postmaster,
     event_counts,
     latency_ms,
-    median,
     received_at,
     regime_mode,
     regime_modes,
@@ -468,18 +467,15 @@ class _HeldSnapshot(Cells):
         line at the end of every window."""
         ends = [o for p, o in self.cfg.phase_windows() if p == phase][1:]
         plan = [*ends, seconds]
+
+        def status(_: float) -> str:
+            last = sampler.samples[-1] if sampler.samples else None
+            elapsed = (time.monotonic_ns() - start) / 1e9
+            dead = f", dead tuples {last.dead}" if last else ""
+            return f"{label}: {phase} {elapsed:.0f}/{seconds:g}s{dead}"
+
         for offset in plan:
-            end = start + int(offset * 1e9)
-            while (left := (end - time.monotonic_ns()) / 1e9) > 0:
-                if not gen.running():
-                    raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
-                last = sampler.samples[-1] if sampler.samples else None
-                elapsed = (time.monotonic_ns() - start) / 1e9
-                self.run.progress.status(
-                    f"{label}: {phase} {elapsed:.0f}/{seconds:g}s"
-                    + (f", dead tuples {last.dead}" if last else "")
-                )
-                await asyncio.sleep(min(1.0, left))
+            await self.run.pace(start + int(offset * 1e9), status, alive=[(gen, "the writers")])
             s = sampler.samples[-1] if sampler.samples else None
             mb = f"{s.total_bytes / 2**20:.1f} MB" if s and s.total_bytes is not None else "-"
             self.run.progress.line(

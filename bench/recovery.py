@@ -26,6 +26,7 @@ from typing import Any
 
 import asyncpg
 
+from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, writers_for
 from bench.fmt import environment_lines, finish, num, percent, table, targets_section
@@ -38,7 +39,6 @@ from devstack.relayproc import create_topics
 
 __all__ = ["RecoveryConfig", "problems", "summarize"]
 
-_READY_TIMEOUT = 60.0
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
 _SAMPLE_S = 0.1
 _POLL_S = 0.02
@@ -416,7 +416,7 @@ class _Recovery(RegimeRun):
                 await gen.stop(10)
             if relay is not None:
                 run.result["relay_exit"] = await run.stop(relay)
-                run.result["relay_log_lines"] = sum(1 for _ in relay.log_path.open("rb"))
+                run.result["relay_log_lines"] = relay.log_lines()
             await run.quit_consumer(consumer)
             for p in (gen_path, got_path):
                 p.unlink(missing_ok=True)
@@ -600,8 +600,6 @@ def problems(result: dict[str, Any]) -> list[str]:
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians and maxima per service, and the targets of issue 10 (recovery <= 1 s, about
     one log line per second of outage)."""
-    import statistics
-
     out: dict[str, Any] = {"services": {}, "targets": []}
     for service in result["config"]["services"]:
         rs = [r for r in result.get("restarts", []) if r["service"] == service]
@@ -610,13 +608,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         lat = [r["max_latency_ms"] for r in rs if r.get("max_latency_ms") is not None]
         row = {
             "restarts": len(rs),
-            "recovery_median_s": statistics.median(rec) if rec else None,
+            "recovery_median_s": median(rec),
             "recovery_max_s": max(rec) if rec else None,
-            "up_after_stop_median_s": (
-                statistics.median([r["up_after_stop_s"] for r in rs]) if rs else None
-            ),
+            "up_after_stop_median_s": (median(r["up_after_stop_s"] for r in rs)),
             "max_latency_ms": max(lat) if lat else None,
-            "log_lines_per_s_median": statistics.median(lps) if lps else None,
+            "log_lines_per_s_median": median(lps),
             "log_lines_per_s_max": max(lps) if lps else None,
         }
         xs = [r["xact"] for r in rs if r.get("xact")]
@@ -626,7 +622,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 "max_age_down_s": max(x["max_age_down_s"] for x in xs),
                 "longest_outage_xact_s": max(x["longest_outage_xact_s"] for x in xs),
                 "xid_restarts": sum(1 for x in xs if x["xid_down"]),
-                "clear_after_stop_median_s": statistics.median(clear) if clear else None,
+                "clear_after_stop_median_s": median(clear),
                 "clear_after_stop_max_s": max(clear) if clear else None,
                 "never_clear": len(xs) - len(clear),
             }

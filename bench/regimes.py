@@ -11,11 +11,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import statistics
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +43,6 @@ __all__ = [
     "event_counts",
     "in_fresh_database",
     "latency_ms",
-    "median",
     "received_at",
     "regime_mode",
     "regime_modes",
@@ -282,16 +279,6 @@ def latency_ms(h: Histogram) -> dict[str, float | None]:
     }
 
 
-def median(values: Iterable[Any]) -> float | None:
-    """The median of the numbers among ``values`` (None, NaN and missing values left out)."""
-    vs = [
-        float(v)
-        for v in values
-        if isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
-    ]
-    return statistics.median(vs) if vs else None
-
-
 class CpuMeter:
     """CPU seconds of the mode's processes and of the PostgreSQL cluster (every process of its
     postmaster, from /proc; None when the server's processes are not visible here)."""
@@ -411,14 +398,11 @@ async def warm_up(
                 out=gen_path,
                 name="writers-warmup",
             )
-            end = time.monotonic() + seconds
-            while (left := end - time.monotonic()) > 0:
-                if not gen.running():
-                    raise BenchError(
-                        f"warm-up writers exited ({gen.proc.returncode}):\n{gen.tail()}"
-                    )
-                run.progress.status(f"warm-up: {seconds - left:.0f}/{seconds:g}s")
-                await asyncio.sleep(min(1.0, left))
+            await run.pace(
+                time.monotonic_ns() + int(seconds * 1e9),
+                lambda left: f"warm-up: {seconds - left:.0f}/{seconds:g}s",
+                alive=[(gen, "warm-up writers")],
+            )
             record["writers"] = await run.stop_writers(gen)
             gen = None
         finally:

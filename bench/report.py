@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.analysis import median
 from bench.fmt import environment_lines, modes_section, num, pct, profile_lines, signed, table
 from bench.stages import STAGES
 
@@ -20,8 +20,9 @@ _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
 
 def _med(values: Iterable[float | None]) -> float:
-    vs = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(vs) if vs else math.nan
+    """``median``, NaN when there is no value (the latency tables' missing figure)."""
+    m = median(values)
+    return math.nan if m is None else m
 
 
 def _majority(flags: list[bool]) -> bool:

@@ -23,7 +23,7 @@ from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, write
 from bench.fmt import ms_aligned, opt
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
-from bench.phase import PhaseRun, loadavg, slug, utc
+from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
@@ -41,7 +41,6 @@ from notify_outbox.pg.sqlfiles import Queries
 
 __all__ = ["Runner"]
 
-_READY_TIMEOUT = 60.0
 _QUERY_TIMEOUT = 30.0
 _EMPTY_TIMEOUT = 30.0
 
@@ -158,9 +157,10 @@ class Runner:
             )
             cpu0 = {name: c.cpu() for name, c in children.items()}
             t0 = time.monotonic()
-            while (left := seconds - (time.monotonic() - t0)) > 0:
-                self.progress.status(f"idle: measuring, {left:.0f}s left")
-                await asyncio.sleep(min(1.0, left))
+            await self._run.pace(
+                time.monotonic_ns() + int(seconds * 1e9),
+                lambda left: f"idle: measuring, {left:.0f}s left",
+            )
             elapsed = time.monotonic() - t0
             after = await db_counters(
                 services.dsn, list(names.values()), statements=self._statements
@@ -224,7 +224,7 @@ class Runner:
         try:
             starting = asyncio.ensure_future(self._start_mode(services, db.mode, db.dsn, extra_env))
             try:
-                ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
+                ready = json.loads(await consumer.read_line(READY_TIMEOUT))
             finally:
                 process = await starting
             if not ready.get("ready"):

@@ -39,6 +39,7 @@ from typing import Any
 import asyncpg
 
 from bench import envinfo
+from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import JsonRecord, Mode, common_options, from_args, phase_options
 from bench.fmt import (
@@ -64,7 +65,6 @@ from bench.regimes import (
     cell_record,
     event_counts,
     latency_ms,
-    median,
     received_at,
     regime_mode,
     target,
@@ -711,14 +711,12 @@ class _StalledRelay(Cells):
     ) -> None:
         """Wait until ``t_ns`` (this paces the schedule), failing early if the writers or a
         relay exited."""
-        while (left := (t_ns - time.monotonic_ns()) / 1e9) > 0:
-            if not gen.running():
-                raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
-            for r in relays:
-                if not r.running():
-                    raise BenchError(f"{r.name} exited ({r.proc.returncode}):\n{r.tail()}")
-            self.run.progress.status(f"{label}: {phase}, {left:.0f}s left")
-            await asyncio.sleep(min(0.5, left))
+        await self.run.pace(
+            t_ns,
+            lambda left: f"{label}: {phase}, {left:.0f}s left",
+            alive=[(gen, "the writers"), *((r, r.name) for r in relays)],
+            step=0.5,
+        )
 
 
 # When, after the SIGSTOP, the frozen relay's locks are looked at (see _freezes): after the
