@@ -12,12 +12,13 @@ import bisect
 import math
 import statistics
 from array import array
+from collections.abc import Iterable
 from typing import Any
 
 from bench.arrays import new_array
 from bench.hist import Histogram
 
-__all__ = ["P99_LIMIT_MS", "analyse_cell", "by_index", "is_flat", "window_indices"]
+__all__ = ["P99_LIMIT_MS", "analyse_cell", "by_index", "is_flat", "median", "window_indices"]
 
 P99_LIMIT_MS = 100.0  # the latency part of "sustained"
 RATE_TOLERANCE = 0.01  # achieved must be within 1 % of offered
@@ -34,6 +35,16 @@ def is_flat(first: float, last: float) -> bool:
 
 def _median_ms(values: list[int]) -> float:
     return statistics.median(values) / 1e6 if values else math.nan
+
+
+def median(values: Iterable[Any]) -> float | None:
+    """The median of the numbers among ``values`` (None, NaN and missing values left out)."""
+    vs = [
+        float(v)
+        for v in values
+        if isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
+    ]
+    return statistics.median(vs) if vs else None
 
 
 def by_index(got: dict[str, array[int]], n: int) -> tuple[array[int], array[int]]:

@@ -13,9 +13,8 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from bench.config import (
     DEFAULT_MODES,
@@ -23,16 +22,17 @@ from bench.config import (
     VARIANTS,
     RunConfig,
     add_alt_modes,
+    alt_tree,
+    compare_rev_option,
     full_config,
+    output_options,
     quick_config,
     smoke_config,
 )
-from bench.procs import ROOT, BenchError
+from bench.procs import BenchError
 from bench.revs import compare_tree, with_alt_modes
 
 __all__ = ["main"]
-
-DEFAULT_OUT = ROOT / "bench" / "results"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a copy of the source tree with a proposed relay change: adds the modes "
         "notify-alt, relay-poll-alt, ... (run from that tree) for A/B runs",
     )
-    _compare_rev_option(alt)
+    compare_rev_option(alt)
     p.add_argument("--loads", nargs="+", type=float, help="offered loads, events/s")
     p.add_argument("--no-extend", action="store_true", help="do not raise loads past the list")
     p.add_argument("--duration", type=float, help="measured seconds per cell")
@@ -90,181 +90,15 @@ def _parser() -> argparse.ArgumentParser:
         choices=["idle", "latency", "producer"],
         help="leave phases out (for development; a full result has all three)",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
-    p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
-    p.add_argument("--no-plots", action="store_true")
+    output_options(p)
 
     p = sub.add_parser("smoke", help="a few seconds of every phase; fails only if the bench breaks")
     p.add_argument("--out", type=Path, help="default: a new temporary directory")
     p.add_argument("--keep-work-dir", action="store_true")
+    from bench.catalog import REGIMES  # every regime's module: only to make the parser
 
-    p = sub.add_parser("drain", help="backlog drain: events/s emptying a pre-filled outbox")
-    p.add_argument("--rows", type=int, default=100_000, help="rows per cell (default 100000)")
-    p.add_argument("--mixes", nargs="+", help="key mixes (default: keys-1000 keys-100000 hot null)")
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        help="relay-N (N relay processes), relay-N-alt (with --alt-relay), "
-        "relay-N[-alt]-pgbouncer (through a transaction-pooling PgBouncer), poller "
-        "(default: relay-1 relay-2 relay-4 poller)",
-    )
-    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
-    _phase_options(p)
-    p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="py-spy the first process of each mode in the first round; the report lists "
-        "the functions with the most own time",
-    )
-
-    p = sub.add_parser("recovery", help="outage recovery: Kafka and PostgreSQL restarts")
-    p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
-    p.add_argument(
-        "--services",
-        nargs="+",
-        choices=["kafka", "postgres"],
-        default=["kafka", "postgres"],
-        help="what to restart, in this order",
-    )
-    p.add_argument("--pause", type=float, default=2.0, help="seconds between stop and start")
-    p.add_argument("--rate", type=float, default=200.0, help="writers' events/s (keyed)")
-    p.add_argument("--settle", type=float, default=5.0, help="steady seconds between restarts")
-    p.add_argument(
-        "--recover-timeout", type=float, default=90.0, help="per restart, seconds to catch up"
-    )
-    p.add_argument(
-        "--stack-dir",
-        type=Path,
-        help="restart this running devstack stack (DIR/postgres, DIR/kafka) instead of "
-        "starting one",
-    )
-    _phase_options(p)
-
-    p = sub.add_parser(
-        "held-snapshot",
-        help="steady load while another session holds a REPEATABLE READ snapshot open",
-    )
-    p.add_argument("--rate", type=float, default=800.0, help="writers' events/s (default 800)")
-    p.add_argument("--keys", type=int, default=40, help="distinct keys (default 40)")
-    p.add_argument("--baseline", type=float, default=60.0, help="seconds before the snapshot")
-    p.add_argument(
-        "--hold", type=float, default=600.0, help="seconds the snapshot is held (default 600)"
-    )
-    p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
-    p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
-    p.add_argument(
-        "--warmup",
-        type=float,
-        default=60.0,
-        help="seconds of unmeasured load through the relay before the first cell, so that no "
-        "mode meets a cold stack (default 60; 0: none)",
-    )
-    _regime_options(p)
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="after the load, seconds to wait for every committed event",
-    )
-    _phase_options(p)
-
-    p = sub.add_parser(
-        "failing-head",
-        help="healthy rows behind thousands of rows whose topic does not exist",
-    )
-    p.add_argument(
-        "--failing-rows",
-        nargs="+",
-        type=int,
-        default=[5000, 100_000],
-        help="sizes of the failing head (default 5000 100000)",
-    )
-    p.add_argument("--failing-keys", type=int, default=5, help="keys of the failing rows")
-    p.add_argument("--healthy-rows", type=int, default=300, help="healthy rows (default 300)")
-    p.add_argument("--healthy-keys", type=int, default=30, help="their keys (default 30)")
-    p.add_argument("--healthy-rate", type=float, default=100.0, help="their events/s")
-    p.add_argument(
-        "--healthy-timeout", type=float, default=60.0, help="seconds a healthy row may take"
-    )
-    p.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet window")
-    p.add_argument(
-        "--quiet-settle",
-        type=float,
-        default=11.0,
-        help="seconds before the quiet window, for PostgreSQL's delayed statistics",
-    )
-    p.add_argument(
-        "--tried-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the mode to try the failing rows",
-    )
-    _regime_options(p)
-    _phase_options(p)
-
-    p = sub.add_parser(
-        "stalled-relay",
-        help="two relays under steady load, one of them frozen (SIGSTOP) again and again",
-    )
-    p.add_argument("--rate", type=float, default=1200.0, help="writers' events/s (default 1200)")
-    p.add_argument(
-        "--keys",
-        nargs="+",
-        type=int,
-        default=[20, 5000],
-        help="key mixes: distinct keys (default 20 5000)",
-    )
-    p.add_argument(
-        "--notify-modes",
-        nargs="+",
-        choices=["gated", "always"],
-        default=["gated", "always"],
-        help="the outbox's notify_mode per cell (default gated always)",
-    )
-    p.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
-    p.add_argument(
-        "--warmup", type=float, default=2.0, help="seconds of load before the baseline (default 2)"
-    )
-    p.add_argument("--baseline", type=float, default=20.0, help="seconds before the 1st freeze")
-    p.add_argument("--freezes", type=int, default=6, help="freezes per cell (default 6)")
-    p.add_argument("--freeze", type=float, default=6.0, help="seconds per freeze (default 6)")
-    p.add_argument("--gap", type=float, default=6.0, help="seconds between freezes (default 6)")
-    p.add_argument("--recovery", type=float, default=10.0, help="seconds after the last freeze")
-    p.add_argument(
-        "--pick",
-        choices=["marker", "alternate"],
-        default="marker",
-        help="which relay to freeze: the one holding the awake marker (else in turn; default), "
-        "or always in turn",
-    )
-    p.add_argument("--repeat", type=int, default=3, help="rounds (cells interleaved; medians)")
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="after the load, seconds to wait for every committed event",
-    )
-    _phase_options(p)
-
-    p = sub.add_parser(
-        "inbox",
-        help="consumer side: a backlog drained through the inbox (per message, batch path, "
-        "the simple batched baseline), msg/s",
-    )
-    p.add_argument("--messages", type=int, default=20_000, help="backlog size (default 20000)")
-    p.add_argument("--partitions", type=int, default=4, help="topic partitions (default 4)")
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        choices=["apply", "consume", "consume_batches", "consume_batches_parallel", "baseline"],
-        help="default: all five (apply consume consume_batches consume_batches_parallel baseline)",
-    )
-    p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
-    p.add_argument("--max-records", type=int, default=500, help="getmany max_records")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
-    p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
-    p.add_argument("--no-plots", action="store_true")
+    for regime in REGIMES.values():
+        regime.arguments(sub.add_parser(regime.name, help=regime.help))
 
     p = sub.add_parser("report", help="regenerate the markdown (and plots) of a result JSON")
     p.add_argument("json", type=Path)
@@ -272,293 +106,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _phase_options(p: argparse.ArgumentParser) -> None:
-    """The options the drain and recovery phases share."""
-    p.add_argument(
-        "--relay-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a setting of the relay processes, e.g. workers=8 or NOTIFY_OUTBOX_BATCH_SIZE=500 "
-        "(repeatable)",
-    )
-    alt = p.add_mutually_exclusive_group()
-    alt.add_argument(
-        "--alt-relay",
-        type=Path,
-        help="a copy of the source tree with a proposed relay change (drain: modes "
-        "relay-N-alt; held-snapshot, failing-head: notify-alt; recovery, stalled-relay: runs "
-        "that relay instead)",
-    )
-    _compare_rev_option(alt)
-    p.add_argument("--fsync-seconds", type=int, default=0, help="pg_test_fsync -s N (0: skip)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
-    p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
-    p.add_argument("--no-plots", action="store_true")
-
-
-def _compare_rev_option(group: argparse._MutuallyExclusiveGroup) -> None:
-    group.add_argument(
-        "--compare-rev",
-        metavar="REV",
-        help="a git revision (main, HEAD~1, a hash): checked out as a detached worktree for "
-        "this run and run as --alt-relay runs a tree; adds the -alt counterpart of every "
-        "selected relay mode unless an -alt mode is named",
-    )
-
-
-def _regime_options(p: argparse.ArgumentParser) -> None:
-    """The options the held-snapshot and failing-head regimes share."""
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        default=["notify", "poller"],
-        help="notify, notify-alt (with --alt-relay), poller (default: notify poller)",
-    )
-    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
-
-
-def _alt_tree(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    tree = path.resolve()
-    if not (tree / "notify_outbox" / "__main__.py").is_file():
-        raise BenchError(f"relay tree {tree}: no notify_outbox/ package there")
-    return str(tree)
-
-
-def _run_phase(args: argparse.Namespace) -> int:
-    """``drain``, ``recovery``, ``held-snapshot``, ``failing-head`` or ``stalled-relay``: run,
-    write the report; exit 1 when a check failed (lost events, order violations, a timed-out
+def _run_regime(args: argparse.Namespace) -> int:
+    """A regime (``drain``, ``recovery``, ``held-snapshot``, ...): run, write the report, show
+    its main tables; exit 1 when a check failed (lost events, order violations, a timed-out
     cell, a cell that broke), not when the relay was merely slow."""
-    from bench.drain import (
-        DEFAULT_MIXES,
-        DEFAULT_MODES,
-        MIXES,
-        DrainConfig,
-        alt_drain_mode,
-        drain_problems,
-        parse_mode,
-        parse_relay_env,
-        run_drain,
-    )
+    from bench.catalog import REGIMES
     from bench.procs import run_async
-    from bench.recovery import RecoveryConfig, recovery_problems, run_recovery
-    from bench.report import write_report
 
-    relay_env = parse_relay_env(args.relay_env)
-    alt = _alt_tree(args.alt_relay)
+    regime = REGIMES[args.command]
+    coro = regime.run(regime.configure(args), args.out, keep=args.keep_work_dir)
     out: Path = args.out
-    coro: Coroutine[Any, Any, Path]
-    check: Callable[[dict[str, Any]], list[str]]
-    if args.command == "drain":
-        mixes = list(dict.fromkeys(args.mixes or DEFAULT_MIXES))
-        unknown = [m for m in mixes if m not in MIXES]
-        if unknown:
-            raise BenchError(f"unknown key mix(es) {unknown}; known: {sorted(MIXES)}")
-        modes = list(dict.fromkeys(args.modes or DEFAULT_MODES))
-        if args.alt_revision:
-            modes = with_alt_modes(modes, alt_drain_mode)
-        for m in modes:
-            parse_mode(m, alt)  # fails early on a bad name
-        if args.rows < 1 or args.repeat < 1:
-            raise BenchError("--rows and --repeat must be at least 1")
-        dcfg = DrainConfig(
-            rows=args.rows,
-            mixes=mixes,
-            modes=modes,
-            repeat=args.repeat,
-            relay_env=relay_env,
-            alt_relay=alt,
-            alt_revision=args.alt_revision,
-            cell_timeout=args.cell_timeout or 0.0,
-            fsync_test_seconds=args.fsync_seconds,
-            profile=args.profile,
-        )
-        coro = run_drain(dcfg, out, keep=args.keep_work_dir)
-        check = drain_problems
-        stem = "drain"
-    elif args.command in ("held-snapshot", "failing-head"):
-        coro, check, stem = _regime(args, relay_env, alt)
-    elif args.command == "stalled-relay":
-        coro, check, stem = _stalled(args, relay_env, alt)
-    else:
-        rcfg = RecoveryConfig(
-            services=list(dict.fromkeys(args.services)),
-            repeat=args.repeat,
-            pause=args.pause,
-            rate=args.rate,
-            settle=args.settle,
-            recover_timeout=args.recover_timeout,
-            relay_env=relay_env,
-            alt_relay=alt,
-            alt_revision=args.alt_revision,
-            stack_dir=str(args.stack_dir.resolve()) if args.stack_dir else None,
-            fsync_test_seconds=args.fsync_seconds,
-        )
-        coro = run_recovery(rcfg, out, keep=args.keep_work_dir)
-        check = recovery_problems
-        stem = "recovery"
     started = time.time()
     try:
         run_async(coro)
     finally:
         # The run writes its JSON even when it fails half-way; only this run's counts.
         written = sorted(
-            (p for p in out.glob(f"{stem}-*.json") if p.stat().st_mtime >= started - 1),
+            (p for p in out.glob(f"{regime.name}-*.json") if p.stat().st_mtime >= started - 1),
             key=lambda p: p.stat().st_mtime,
         )
         if written:
-            md = write_report(written[-1], plots=not args.no_plots)
+            md = regime.write_report(written[-1], plots=not args.no_plots)
             print(f"result: {written[-1]}\nreport: {md}", file=sys.stderr)
-    problems = check(json.loads(written[-1].read_text())) if written else ["no result"]
-    if written and stem in ("held-snapshot", "failing-head", "stalled-relay"):
-        from bench.phase_report import compact_table
-
-        for line in compact_table(json.loads(written[-1].read_text())):
+    problems = regime.problems(json.loads(written[-1].read_text())) if written else ["no result"]
+    if written:
+        for line in regime.terminal_lines(json.loads(written[-1].read_text())):
             print(line, file=sys.stderr)
     for p in problems:
-        print(f"bench {stem}: {p}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-def _regime(
-    args: argparse.Namespace, relay_env: dict[str, str], alt: str | None
-) -> tuple[Coroutine[Any, Any, Path], Callable[[dict[str, Any]], list[str]], str]:
-    """The run, the check and the file stem of ``held-snapshot`` or ``failing-head``."""
-    from bench.failing_head import FailingHeadConfig, failing_head_problems, run_failing_head
-    from bench.held_snapshot import HeldSnapshotConfig, held_snapshot_problems, run_held_snapshot
-    from bench.regimes import regime_mode
-
-    modes = list(dict.fromkeys(args.modes))
-    if args.alt_revision:
-        modes = with_alt_modes(modes, lambda m: "notify-alt" if m == "notify" else None)
-    for m in modes:
-        regime_mode(m, alt)  # fails early on a bad name
-    if args.repeat < 1:
-        raise BenchError("--repeat must be at least 1")
-    common = {
-        "modes": modes,
-        "repeat": args.repeat,
-        "relay_env": relay_env,
-        "alt_relay": alt,
-        "alt_revision": args.alt_revision,
-        "fsync_test_seconds": args.fsync_seconds,
-    }
-    if args.command == "held-snapshot":
-        if min(args.baseline, args.hold, args.recovery, args.window) <= 0 or args.rate <= 0:
-            raise BenchError("--rate, --baseline, --hold, --recovery and --window must be > 0")
-        if args.warmup < 0:
-            raise BenchError("--warmup must be >= 0")
-        hcfg = HeldSnapshotConfig(
-            rate=args.rate,
-            keys=args.keys,
-            baseline=args.baseline,
-            hold=args.hold,
-            recovery=args.recovery,
-            window=args.window,
-            warmup=args.warmup,
-            drain_timeout=args.drain_timeout,
-            **common,
-        )
-        return (
-            run_held_snapshot(hcfg, args.out, keep=args.keep_work_dir),
-            held_snapshot_problems,
-            "held-snapshot",
-        )
-    if min(args.failing_rows) < 1 or args.healthy_rows < 1 or args.healthy_rate <= 0:
-        raise BenchError("--failing-rows, --healthy-rows and --healthy-rate must be positive")
-    fcfg = FailingHeadConfig(
-        failing_rows=list(dict.fromkeys(args.failing_rows)),
-        failing_keys=args.failing_keys,
-        healthy_rows=args.healthy_rows,
-        healthy_keys=args.healthy_keys,
-        healthy_rate=args.healthy_rate,
-        healthy_timeout=args.healthy_timeout,
-        quiet=args.quiet,
-        quiet_settle=args.quiet_settle,
-        tried_timeout=args.tried_timeout,
-        **common,
-    )
-    return (
-        run_failing_head(fcfg, args.out, keep=args.keep_work_dir),
-        failing_head_problems,
-        "failing-head",
-    )
-
-
-def _stalled(
-    args: argparse.Namespace, relay_env: dict[str, str], alt: str | None
-) -> tuple[Coroutine[Any, Any, Path], Callable[[dict[str, Any]], list[str]], str]:
-    """The run, the check and the file stem of ``stalled-relay``."""
-    from bench.stalled_relay import StalledRelayConfig, run_stalled_relay, stalled_relay_problems
-
-    if args.repeat < 1 or args.freezes < 1 or args.relays < 2 or min(args.keys) < 1:
-        raise BenchError("--repeat, --freezes and --keys must be at least 1, --relays at least 2")
-    if min(args.freeze, args.rate, args.baseline) <= 0:
-        raise BenchError("--freeze, --baseline and --rate must be > 0")
-    if min(args.warmup, args.gap, args.recovery) < 0:
-        raise BenchError("--warmup, --gap and --recovery must be >= 0")
-    scfg = StalledRelayConfig(
-        rate=args.rate,
-        keys=list(dict.fromkeys(args.keys)),
-        notify_modes=list(dict.fromkeys(args.notify_modes)),
-        relays=args.relays,
-        warmup=args.warmup,
-        baseline=args.baseline,
-        freezes=args.freezes,
-        freeze=args.freeze,
-        gap=args.gap,
-        recovery=args.recovery,
-        pick=args.pick,
-        repeat=args.repeat,
-        drain_timeout=args.drain_timeout,
-        relay_env=relay_env,
-        alt_relay=alt,
-        alt_revision=args.alt_revision,
-        fsync_test_seconds=args.fsync_seconds,
-    )
-    return (
-        run_stalled_relay(scfg, args.out, keep=args.keep_work_dir),
-        stalled_relay_problems,
-        "stalled-relay",
-    )
-
-
-def _run_inbox(args: argparse.Namespace) -> int:
-    """``inbox``: run, write the report; exit 1 when a cell applied a message twice or
-    missed one."""
-    from bench.inbox import (
-        MODES as INBOX_MODES,
-    )
-    from bench.inbox import (
-        InboxBenchConfig,
-        inbox_problems,
-        run_inbox_bench,
-        write_inbox_report,
-    )
-    from bench.procs import run_async
-
-    if args.messages < 1 or args.repeat < 1 or args.partitions < 1 or args.max_records < 1:
-        raise BenchError("--messages, --partitions, --repeat and --max-records must be >= 1")
-    cfg = InboxBenchConfig(
-        messages=args.messages,
-        partitions=args.partitions,
-        modes=list(dict.fromkeys(args.modes or INBOX_MODES)),
-        repeat=args.repeat,
-        max_records=args.max_records,
-    )
-    path = run_async(run_inbox_bench(cfg, args.out, keep=args.keep_work_dir))
-    md = write_inbox_report(path, plots=not args.no_plots)
-    print(f"result: {path}\nreport: {md}", file=sys.stderr)
-    problems = inbox_problems(json.loads(path.read_text()))
-    for p in problems:
-        print(f"bench inbox: {p}", file=sys.stderr)
+        print(f"bench {regime.name}: {p}", file=sys.stderr)
     return 1 if problems else 0
 
 
 def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
-    cfg.alt_relay = _alt_tree(args.alt_relay)
+    cfg.alt_relay = alt_tree(args.alt_relay)
     cfg.alt_revision = args.alt_revision
     if cfg.alt_relay is not None:
         add_alt_modes(cfg.alt_relay)
@@ -608,7 +188,7 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
 
 
 def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
-    from bench.report import floor_lines, write_report
+    from bench.report import floor_lines, write_run_report
     from bench.runner import Runner
 
     runner = Runner(cfg, out, keep_work_dir=keep)
@@ -617,7 +197,7 @@ def _run(cfg: RunConfig, out: Path, *, keep: bool, plots: bool) -> Path:
     finally:
         written = out / f"{runner.run_id}.json"
         if written.exists():
-            md = write_report(written, plots=plots)
+            md = write_run_report(written, plots=plots)
             for line in floor_lines(json.loads(written.read_text())):
                 print(line, file=sys.stderr)
             print(f"result: {written}\nreport: {md}", file=sys.stderr)
@@ -675,12 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "report":
-            from bench.report import write_report
+            from bench.catalog import write_report
 
             print(write_report(args.json, plots=not args.no_plots))
             return 0
-        if args.command == "inbox":
-            return _run_inbox(args)
         if args.command == "smoke":
             cfg = smoke_config()
             out = args.out or Path(tempfile.mkdtemp(prefix="notify-outbox-bench-smoke-"))
@@ -689,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for p in problems:
                 print(f"smoke: {p}", file=sys.stderr)
             return 1 if problems else 0
-        with compare_tree(args.compare_rev) as alt:
+        with compare_tree(getattr(args, "compare_rev", None)) as alt:
             args.alt_revision = alt.to_json() if alt else None
             if alt is not None:
                 args.alt_relay = alt.tree
@@ -698,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             if args.command != "run":
-                return _run_phase(args)
+                return _run_regime(args)
             cfg = _apply(quick_config() if args.quick else full_config(), args)
             _run(cfg, args.out, keep=args.keep_work_dir, plots=not args.no_plots)
             return 0

@@ -1,30 +1,52 @@
 """What the bench runs: the relay modes, the trigger variants of the producer-overhead cells,
-and the presets (full run, ``--quick``, smoke)."""
+the presets (full run, ``--quick``, smoke), and the command-line options the regimes share
+(each regime's own are in its module)."""
 
 from __future__ import annotations
 
+import argparse
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+
+from bench.procs import ROOT, BenchError
 
 __all__ = [
     "DEFAULT_MODES",
+    "DEFAULT_OUT",
     "DEFAULT_VARIANTS",
     "MODES",
+    "POLLER",
     "VARIANTS",
+    "JsonRecord",
     "Mode",
     "RunConfig",
     "TriggerVariant",
     "add_alt_modes",
+    "common_options",
+    "compare_rev_option",
+    "from_args",
     "full_config",
+    "output_options",
+    "phase_options",
     "quick_config",
+    "regime_options",
     "smoke_config",
     "writers_for",
 ]
 
 
+class JsonRecord:
+    """A dataclass recorded in the result JSON as it is: ``to_json`` gives its fields."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(cast(Any, self))
+
+
 @dataclass(frozen=True)
-class Mode:
+class Mode(JsonRecord):
     """One way of moving the outbox to Kafka.
 
     ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
@@ -50,9 +72,15 @@ class Mode:
     pgbouncer: bool = False
     listen_direct: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready description."""
-        return asdict(self)
+    def from_tree(self, tree: str, name: str | None = None) -> Mode:
+        """This mode run from another source tree (``--alt-relay``), named ``name`` (default:
+        ``<name>-alt``)."""
+        return replace(
+            self,
+            name=name or f"{self.name}-alt",
+            description=f"{self.description}; relay code from {tree}",
+            cwd=tree,
+        )
 
 
 MODES: dict[str, Mode] = {
@@ -140,6 +168,17 @@ MODES: dict[str, Mode] = {
     )
 }
 DEFAULT_MODES = ("notify", "notify-always", "relay-poll", "poll-100ms", "poll-1s")
+# The plain poller of the drain phase and the production-condition regimes (``poller``).
+POLLER = Mode(
+    "poller",
+    "poller",
+    "plain poller of the outbox literature: one connection, SELECT ... WHERE "
+    "published_at IS NULL ORDER BY id LIMIT 200 FOR UPDATE SKIP LOCKED, pipelined "
+    "idempotent acks=all sends, UPDATE ... SET published_at = now(), commit; claims "
+    "again at once while batches come back full (NOTIFY trigger disabled)",
+    args=("--interval", "0.1", "--batch", "200", "--mark", "update"),
+    notify="disabled",
+)
 
 
 def add_alt_modes(tree: str) -> list[str]:
@@ -148,25 +187,14 @@ def add_alt_modes(tree: str) -> list[str]:
     in the same run as the original. Returns the new names."""
     added = []
     for mode in [m for m in MODES.values() if m.kind == "relay" and m.cwd is None]:
-        alt = Mode(
-            f"{mode.name}-alt",
-            "relay",
-            f"{mode.description}; relay code from {tree}",
-            args=mode.args,
-            env=mode.env,
-            notify=mode.notify,
-            interval=mode.interval,
-            cwd=tree,
-            pgbouncer=mode.pgbouncer,
-            listen_direct=mode.listen_direct,
-        )
+        alt = mode.from_tree(tree)
         MODES[alt.name] = alt
         added.append(alt.name)
     return added
 
 
 @dataclass(frozen=True)
-class TriggerVariant:
+class TriggerVariant(JsonRecord):
     """A producer-overhead setting: what the NOTIFY trigger does (as ``Mode.notify``) and which
     mode, if any, drains the outbox meanwhile. A new variant (e.g. a future trigger design) is
     one more entry in ``VARIANTS``, selected by name with ``--variants``."""
@@ -178,10 +206,6 @@ class TriggerVariant:
     # Hold the gated notify's awake marker on a side connection (no relay): the trigger's
     # own cost when producers skip their NOTIFY, without any draining competing for the CPU.
     hold_awake: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready description."""
-        return asdict(self)
 
 
 VARIANTS: dict[str, TriggerVariant] = {
@@ -244,7 +268,7 @@ def writers_for(rate: float) -> int:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(JsonRecord):
     """Everything one run does; recorded in the result JSON."""
 
     preset: str
@@ -275,10 +299,6 @@ class RunConfig:
     alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
 
 
 def full_config() -> RunConfig:
@@ -350,3 +370,119 @@ def smoke_config() -> RunConfig:
         fsync_test_seconds=0,
         stages=True,  # costs a read of each relay's stage log per cell
     )
+
+
+# --- the command line: options the regimes share ---------------------------------------------
+
+DEFAULT_OUT = ROOT / "bench" / "results"
+_C = TypeVar("_C")
+
+
+def output_options(p: argparse.ArgumentParser) -> None:
+    """Where the result goes: ``--out``, ``--keep-work-dir``, ``--no-plots``."""
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
+    p.add_argument("--keep-work-dir", action="store_true", help="keep logs and the stack dir")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def compare_rev_option(group: argparse._MutuallyExclusiveGroup) -> None:
+    """``--compare-rev REV`` (besides ``--alt-relay`` in ``group``)."""
+    group.add_argument(
+        "--compare-rev",
+        metavar="REV",
+        help="a git revision (main, HEAD~1, a hash): checked out as a detached worktree for "
+        "this run and run as --alt-relay runs a tree; adds the -alt counterpart of every "
+        "selected relay mode unless an -alt mode is named",
+    )
+
+
+def phase_options(p: argparse.ArgumentParser) -> None:
+    """The options of every regime that runs the relay: its settings, another tree or
+    revision of it, pg_test_fsync, and the output options."""
+    p.add_argument(
+        "--relay-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the relay processes, e.g. workers=8 or NOTIFY_OUTBOX_BATCH_SIZE=500 "
+        "(repeatable)",
+    )
+    alt = p.add_mutually_exclusive_group()
+    alt.add_argument(
+        "--alt-relay",
+        type=Path,
+        help="a copy of the source tree with a proposed relay change (drain: modes "
+        "relay-N-alt; held-snapshot, failing-head: notify-alt; recovery, stalled-relay: runs "
+        "that relay instead)",
+    )
+    compare_rev_option(alt)
+    p.add_argument("--fsync-seconds", type=int, default=0, help="pg_test_fsync -s N (0: skip)")
+    output_options(p)
+
+
+def regime_options(p: argparse.ArgumentParser) -> None:
+    """The options the held-snapshot and failing-head regimes share."""
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["notify", "poller"],
+        help="notify, notify-alt (with --alt-relay), poller (default: notify poller)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
+
+
+def parse_relay_env(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` settings for relay processes; ``workers=8`` means
+    ``NOTIFY_OUTBOX_WORKERS=8``. The DSN and bootstrap servers are the bench's own."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"--relay-env {item!r}: expected KEY=VALUE")
+        key = key.strip().upper().replace("-", "_")
+        if not key.startswith("NOTIFY_OUTBOX_"):
+            key = f"NOTIFY_OUTBOX_{key}"
+        if key in (
+            "NOTIFY_OUTBOX_DSN",
+            "NOTIFY_OUTBOX_LISTEN_DSN",
+            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+        ):
+            raise BenchError(f"--relay-env cannot set {key}: the bench sets it")
+        out[key] = value
+    return out
+
+
+def alt_tree(path: Path | None) -> str | None:
+    """The source tree of ``--alt-relay`` (checked: it holds a ``notify_outbox`` package)."""
+    if path is None:
+        return None
+    tree = path.resolve()
+    if not (tree / "notify_outbox" / "__main__.py").is_file():
+        raise BenchError(f"relay tree {tree}: no notify_outbox/ package there")
+    return str(tree)
+
+
+def common_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields that ``phase_options`` give, from the command line (none for a
+    regime without them)."""
+    if not hasattr(args, "relay_env"):
+        return {}
+    return {
+        "relay_env": parse_relay_env(args.relay_env),
+        "alt_relay": alt_tree(args.alt_relay),
+        "alt_revision": args.alt_revision,
+        "fsync_test_seconds": args.fsync_seconds,
+    }
+
+
+def from_args(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
+    """A regime's config from its command line: ``given``, then every field of ``cls`` that
+    is an option of the same name (a list without repeats, in its order)."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in given:
+            values[f.name] = given[f.name]
+        elif hasattr(args, f.name):
+            v = getattr(args, f.name)
+            values[f.name] = list(dict.fromkeys(v)) if isinstance(v, list) else v
+    return cls(**values)

@@ -116,13 +116,23 @@ class _State:
         cell.changed.set()
 
 
-async def _fetch(consumer: AIOKafkaConsumer, state: _State) -> None:
+async def fetch_loop(
+    consumer: AIOKafkaConsumer,
+    add: Callable[[Any, int], None],
+    *,
+    max_records: int | None = None,
+    changed: asyncio.Event | None = None,
+) -> None:
+    """Fetch until cancelled: ``add(record, receipt)`` for every record, the receipt being the
+    monotonic time its fetch handed it over; ``changed`` set after every batch."""
     while True:
-        batch = await consumer.getmany(timeout_ms=200)
+        batch = await consumer.getmany(timeout_ms=200, max_records=max_records)
         recv = time.monotonic_ns()
         for records in batch.values():
             for r in records:
-                state.add(r.value, r.timestamp, recv)
+                add(r, recv)
+        if batch and changed is not None:
+            changed.set()
 
 
 async def _collect(state: _State, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +195,9 @@ async def run(bootstrap: str, topic: str) -> None:
     try:
         await assign_all(consumer, topic, from_end=True)
         state = _State(wall_offset_ns())
-        fetch = asyncio.create_task(_fetch(consumer, state))
+        fetch = asyncio.create_task(
+            fetch_loop(consumer, lambda r, recv: state.add(r.value, r.timestamp, recv))
+        )
 
         async def answer(cmd: dict[str, Any]) -> dict[str, Any]:
             if fetch.done():

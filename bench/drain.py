@@ -9,25 +9,29 @@ beginning while the mode's processes start, all at once. See ``bench/README.md``
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import re
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from bench import envinfo
-from bench.config import Mode
-from bench.phase import PhaseRun, loadavg, slug, utc, wait_mode_ready
+from bench.analysis import median
+from bench.config import POLLER, JsonRecord, Mode, common_options, from_args, phase_options
+from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
+from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
-from bench.services import Services, open_services, prepare_mode
+from bench.regimes import Regime, RegimeRun
+from bench.revs import with_alt_modes
+from bench.services import Services, prepare_mode
 from devstack.relayproc import child_env
 
 __all__ = [
@@ -38,8 +42,6 @@ __all__ = [
     "DrainMode",
     "alt_drain_mode",
     "parse_mode",
-    "parse_relay_env",
-    "run_drain",
 ]
 
 # The SQL expression of each mix's key for row ``g`` (1-based). ``hot`` draws from random()
@@ -56,7 +58,6 @@ MIXES: dict[str, tuple[str, str]] = {
 }
 DEFAULT_MIXES = ("keys-1000", "keys-100000", "hot", "null")
 DEFAULT_MODES = ("relay-1", "relay-2", "relay-4", "poller")
-POLLER_ARGS = ("--interval", "0.1", "--batch", "200", "--mark", "update")
 
 # The ordering trigger takes one advisory lock per distinct key and transaction: 100,000 keys
 # in one transaction would overflow the shared lock table (max_locks_per_transaction x
@@ -66,7 +67,6 @@ _PAYLOAD_BYTES = 200
 # The JSON text of a payload without its digits and padding: {"g": , "p": "", "s": }
 _PAYLOAD_OVERHEAD = 23
 _QUERY_TIMEOUT = 300.0  # a 100,000-row chunked insert or VACUUM on a busy 2-core machine
-_READY_TIMEOUT = 60.0
 _EMPTY_TIMEOUT = 30.0
 _MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?$")
 
@@ -90,17 +90,7 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
     transaction-pooling PgBouncer, the listening connection direct) or ``poller`` (the outbox
     literature's plain poller)."""
     if name == "poller":
-        mode = Mode(
-            name,
-            "poller",
-            "plain poller of the outbox literature: one connection, SELECT ... WHERE "
-            "published_at IS NULL ORDER BY id LIMIT 200 FOR UPDATE SKIP LOCKED, pipelined "
-            "idempotent acks=all sends, UPDATE ... SET published_at = now(), commit; claims "
-            "again at once while batches come back full (NOTIFY trigger disabled)",
-            args=POLLER_ARGS,
-            notify="disabled",
-        )
-        return DrainMode(name, mode, 1)
+        return DrainMode(name, POLLER, 1)
     m = _MODE_RE.match(name)
     if m is None or int(m.group(1)) < 1:
         raise BenchError(
@@ -134,29 +124,8 @@ def alt_drain_mode(name: str) -> str | None:
     return f"relay-{m.group(1)}-alt{m.group(3) or ''}"
 
 
-def parse_relay_env(items: list[str]) -> dict[str, str]:
-    """``KEY=VALUE`` settings for relay processes; ``workers=8`` means
-    ``NOTIFY_OUTBOX_WORKERS=8``. The DSN and bootstrap servers are the bench's own."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise BenchError(f"--relay-env {item!r}: expected KEY=VALUE")
-        key = key.strip().upper().replace("-", "_")
-        if not key.startswith("NOTIFY_OUTBOX_"):
-            key = f"NOTIFY_OUTBOX_{key}"
-        if key in (
-            "NOTIFY_OUTBOX_DSN",
-            "NOTIFY_OUTBOX_LISTEN_DSN",
-            "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
-        ):
-            raise BenchError(f"--relay-env cannot set {key}: the bench sets it")
-        out[key] = value
-    return out
-
-
 @dataclass
-class DrainConfig:
+class DrainConfig(JsonRecord):
     """Everything one drain run does; recorded in the result JSON."""
 
     rows: int = 100_000
@@ -175,9 +144,49 @@ class DrainConfig:
         """Seconds a cell may take from the mode's start to the last arrival."""
         return self.cell_timeout or 60.0 + self.rows / 500.0
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
+
+HELP = "backlog drain: events/s emptying a pre-filled outbox"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench drain``."""
+    p.add_argument("--rows", type=int, default=100_000, help="rows per cell (default 100000)")
+    p.add_argument("--mixes", nargs="+", help="key mixes (default: keys-1000 keys-100000 hot null)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        help="relay-N (N relay processes), relay-N-alt (with --alt-relay), "
+        "relay-N[-alt]-pgbouncer (through a transaction-pooling PgBouncer), poller "
+        "(default: relay-1 relay-2 relay-4 poller)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
+    phase_options(p)
+    p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the first process of each mode in the first round; the report lists "
+        "the functions with the most own time",
+    )
+
+
+def configure(args: argparse.Namespace) -> DrainConfig:
+    """The config of ``python -m bench drain ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    mixes = list(dict.fromkeys(args.mixes or DEFAULT_MIXES))
+    unknown = [m for m in mixes if m not in MIXES]
+    if unknown:
+        raise BenchError(f"unknown key mix(es) {unknown}; known: {sorted(MIXES)}")
+    modes = list(dict.fromkeys(args.modes or DEFAULT_MODES))
+    if args.alt_revision:
+        modes = with_alt_modes(modes, alt_drain_mode)
+    for m in modes:
+        parse_mode(m, common["alt_relay"])  # fails early on a bad name
+    if args.rows < 1 or args.repeat < 1:
+        raise BenchError("--rows and --repeat must be at least 1")
+    return from_args(
+        DrainConfig, args, mixes=mixes, modes=modes, cell_timeout=args.cell_timeout or 0.0, **common
+    )
 
 
 async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, float]:
@@ -248,10 +257,12 @@ async def _wait_empty(dsn: str) -> int:
         await conn.close(timeout=5)
 
 
-class _Drain:
+class _Drain(RegimeRun):
+    name = "drain"
+    cfg: DrainConfig
+
     def __init__(self, cfg: DrainConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
+        super().__init__(cfg, run)
         self.modes = [parse_mode(m, cfg.alt_relay) for m in cfg.modes]
         self.cells: list[dict[str, Any]] = []
         self.total = cfg.repeat * len(cfg.mixes) * len(self.modes)
@@ -259,6 +270,16 @@ class _Drain:
         run.result["mixes"] = {m: MIXES[m][0] for m in cfg.mixes}
         run.result["modes"] = {m.name: m.to_json() for m in self.modes}
         run.result["cells"] = self.cells
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"drain: {cfg.rows} rows x {len(cfg.mixes)} mix(es) x {len(self.modes)} mode(s) x "
+            f"{cfg.repeat} round(s), cell timeout {cfg.timeout():.0f}s"
+        )
+
+    def pgbouncer(self) -> bool:
+        return needs_pgbouncer(m.mode for m in self.modes)
 
     async def body(self, services: Services) -> None:
         for rnd in range(self.cfg.repeat):
@@ -347,7 +368,7 @@ class _Drain:
         profiler: asyncio.subprocess.Process | None = None
         raw = run.out_dir
         try:
-            ready = json.loads(await tally.read_line(_READY_TIMEOUT))
+            ready = json.loads(await tally.read_line(READY_TIMEOUT))
             if not ready.get("ready"):
                 raise BenchError(f"tally consumer of {label} did not get ready: {ready}")
             extra = cfg.relay_env if dm.mode.kind == "relay" else {}
@@ -431,7 +452,7 @@ class _Drain:
         )
 
 
-def drain_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a drain result wrong (not slow): a cell that timed out, lost events, broke
     per-key order or left rows pending."""
     problems = []
@@ -450,15 +471,14 @@ def drain_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds per (mix, mode), and the targets of issue 10 where they apply."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for c in result.get("cells", []):
         groups.setdefault((c["mix"], c["mode"]), []).append(c)
 
     def med(cells: list[dict[str, Any]], k: str) -> float | None:
-        vs = [float(c[k]) for c in cells if c.get(k) is not None]
-        return statistics.median(vs) if vs else None
+        return median(c.get(k) for c in cells)
 
     rows: list[dict[str, Any]] = []
     for (mix, mode), cells in groups.items():
@@ -492,10 +512,10 @@ def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
                 continue
             r, p, own = by.get((mix, relay)), by.get((mix, "poller")), by.get(("null", relay))
             if r is not None and p is not None:
-                targets.append(_target(f"{relay}, {mix}: >= 2x the poller", r / p, 2.0))
+                targets.append(_ratio_target(f"{relay}, {mix}: >= 2x the poller", r / p, 2.0))
             if r is not None and own is not None:
                 targets.append(
-                    _target(f"{relay}, {mix}: >= 0.8x its own NULL-key drain", r / own, 0.8)
+                    _ratio_target(f"{relay}, {mix}: >= 0.8x its own NULL-key drain", r / own, 0.8)
                 )
     for relay in relays:
         m = _MODE_RE.match(relay)
@@ -505,26 +525,121 @@ def summarize_drain(result: dict[str, Any]) -> dict[str, Any]:
         for mix in result["config"]["mixes"]:
             r, base = by.get((mix, relay)), by.get((mix, one))
             if r is not None and base is not None:
-                targets.append(_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0))
+                targets.append(
+                    _ratio_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0)
+                )
     return {"rows": rows, "targets": targets}
 
 
-def _target(what: str, ratio: float, need: float) -> dict[str, Any]:
+def _ratio_target(what: str, ratio: float, need: float) -> dict[str, Any]:
     """One target row: ``ratio`` must be at least ``need``."""
     return {"target": what, "ratio": ratio, "verdict": "met" if ratio >= need else "MISSED"}
 
 
-async def run_drain(cfg: DrainConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the drain phase; returns the result JSON's path (written even on failure)."""
-    run = PhaseRun("drain", cfg.to_json(), out_dir, keep=keep)
-    drain = _Drain(cfg, run)
-    run.progress.line(
-        f"drain: {cfg.rows} rows x {len(cfg.mixes)} mix(es) x {len(drain.modes)} mode(s) x "
-        f"{cfg.repeat} round(s), cell timeout {cfg.timeout():.0f}s"
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox backlog drain {result['run_id']}", ""]
+    lines += environment_lines(result)
+    env_bits = ", ".join(f"{k}={v}" for k, v in cfg.get("relay_env", {}).items())
+    lines += [
+        f"- {cfg['rows']:,} committed rows per cell (~200-byte JSON payloads), inserted with "
+        "the mode stopped, then `VACUUM ANALYZE`; a fresh database and a 3-partition topic per "
+        f"cell; {cfg['repeat']} round(s), modes interleaved per round, medians over rounds"
+        + (f"; relay settings: {env_bits}" if env_bits else ""),
+        "",
+        "Events/s from the consumer's first arrival to its last (the drain rate), from the "
+        "mode's start, and seconds from the start to the first arrival.",
+        "",
+        "## Drain rate (events/s, first -> last arrival, median)",
+        "",
+    ]
+    modes = list(cfg["modes"])
+    by = {(r["mix"], r["mode"]): r for r in summary["rows"]}
+    lines += table(
+        ["key mix", *modes],
+        [
+            [
+                mix,
+                *(whole(by[(mix, m)]["rate_first_last"]) if (mix, m) in by else "-" for m in modes),
+            ]
+            for mix in cfg["mixes"]
+        ],
     )
-    return await run.run(
-        open_services,
-        drain.body,
-        fsync_seconds=cfg.fsync_test_seconds,
-        pgbouncer=needs_pgbouncer(m.mode for m in drain.modes),
+    if summary["targets"]:
+        lines += ["", "## Targets (issue 10; ratios within this run)", ""]
+        lines += table(
+            "target | ratio | verdict",
+            [[t["target"], f"{t['ratio']:.2f}x", t["verdict"]] for t in summary["targets"]],
+        )
+    lines += ["", "## Every mix and mode", ""]
+    lines += table(
+        (
+            "mix | mode | rounds complete | ev/s first->last | ev/s from start | "
+            "first arrival after start (s) | lost | duplicates | order violations | "
+            "pending after | mode CPU µs/event | of it while draining | per round (ev/s)"
+        ),
+        [
+            [
+                r["mix"],
+                r["mode"],
+                f"{r['complete']}/{r['rounds']}",
+                whole(r["rate_first_last"]),
+                whole(r["rate_from_start"]),
+                num(r["first_after_start_s"]),
+                str(r["lost"]),
+                str(r["duplicates"]),
+                str(r["order_violations"]),
+                str(r["pending_after"]),
+                num(r["mode_cpu_us_per_event"], 0),
+                num(r.get("mode_cpu_drain_us_per_event"), 1),
+                " ".join(whole(v) for v in r["rates"]),
+            ]
+            for r in summary["rows"]
+        ],
     )
+    lines += _profile_lines(result)
+    lines += ["", "## Key mixes and modes", ""]
+    lines += [f"- `{m}`: {d}" for m, d in result.get("mixes", {}).items()]
+    lines += mode_bullets(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def _profile_lines(result: dict[str, Any]) -> list[str]:
+    """Per profiled cell (``--profile``), the functions with the most own time."""
+    lines: list[str] = []
+    for c in result.get("cells", []):
+        if c.get("profile"):
+            lines += profile_lines(f"{c['mix']}, {c['mode']}", c["profile"])
+    return lines
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
+
+    mixes, modes = list(result["config"]["mixes"]), list(result["config"]["modes"])
+    by = {(r["mix"], r["mode"]): r["rate_first_last"] for r in summary["rows"]}
+    if not any(v for v in by.values()):
+        return False
+    fig, ax = bar_figure(max(6.0, 1.6 * len(mixes) * max(1, len(modes)) / 3))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(mixes))]
+        ax.bar(xs, [by.get((mix, mode)) or 0 for mix in mixes], width, label=mode)
+    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(mixes))])
+    ax.set_xticklabels(mixes)
+    ax.set_ylabel("events/s, first -> last arrival (median)")
+    ax.set_title(f"Backlog drain of {result['config']['rows']:,} rows")
+    return save_bar_chart(fig, ax, path)
+
+
+REGIME = Regime(
+    "drain",
+    HELP,
+    arguments,
+    configure,
+    _Drain.main,
+    summarize,
+    problems,
+    markdown,
+    plot,
+)

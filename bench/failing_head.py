@@ -16,49 +16,70 @@ statements it ran most, and the mode's CPU. See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
+from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import Mode, writers_for
+from bench.config import (
+    JsonRecord,
+    Mode,
+    common_options,
+    from_args,
+    phase_options,
+    regime_options,
+    writers_for,
+)
+from bench.fmt import (
+    environment_lines,
+    finish,
+    modes_section,
+    ms,
+    num,
+    opt,
+    table,
+    targets_section,
+    whole,
+)
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
+    Cells,
     CpuMeter,
-    add_cell,
+    Regime,
     cell_record,
     database_postmaster,
-    in_fresh_database,
     latency_ms,
-    median,
     received_at,
     regime_mode,
+    regime_modes,
+    target,
     unfinished,
 )
 from bench.services import (
     Services,
     db_counters,
-    open_services,
     statement_calls,
 )
 
 __all__ = [
     "FailingHeadConfig",
-    "failing_head_problems",
-    "run_failing_head",
-    "summarize_failing_head",
+    "problems",
+    "summarize",
 ]
 
 _QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
@@ -80,7 +101,7 @@ WHERE datname = $1 AND application_name = 'bench-poller' AND backend_xid IS NOT 
 
 
 @dataclass
-class FailingHeadConfig:
+class FailingHeadConfig(JsonRecord):
     """Everything one failing-head run does; recorded in the result JSON."""
 
     failing_rows: list[int] = field(default_factory=lambda: [5000, 100_000])
@@ -103,9 +124,50 @@ class FailingHeadConfig:
     partitions: int = 3
     fsync_test_seconds: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
+
+HELP = "healthy rows behind thousands of rows whose topic does not exist"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench failing-head``."""
+    p.add_argument(
+        "--failing-rows",
+        nargs="+",
+        type=int,
+        default=[5000, 100_000],
+        help="sizes of the failing head (default 5000 100000)",
+    )
+    p.add_argument("--failing-keys", type=int, default=5, help="keys of the failing rows")
+    p.add_argument("--healthy-rows", type=int, default=300, help="healthy rows (default 300)")
+    p.add_argument("--healthy-keys", type=int, default=30, help="their keys (default 30)")
+    p.add_argument("--healthy-rate", type=float, default=100.0, help="their events/s")
+    p.add_argument(
+        "--healthy-timeout", type=float, default=60.0, help="seconds a healthy row may take"
+    )
+    p.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet window")
+    p.add_argument(
+        "--quiet-settle",
+        type=float,
+        default=11.0,
+        help="seconds before the quiet window, for PostgreSQL's delayed statistics",
+    )
+    p.add_argument(
+        "--tried-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the mode to try the failing rows",
+    )
+    regime_options(p)
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> FailingHeadConfig:
+    """The config of ``python -m bench failing-head ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    modes = regime_modes(args, common["alt_relay"])
+    if min(args.failing_rows) < 1 or args.healthy_rows < 1 or args.healthy_rate <= 0:
+        raise BenchError("--failing-rows, --healthy-rows and --healthy-rate must be positive")
+    return from_args(FailingHeadConfig, args, modes=modes, **common)
 
 
 async def topic_exists(bootstrap: str, topic: str) -> bool | None:
@@ -178,19 +240,31 @@ def _quiet_record(
     }
 
 
-class _FailingHead:
-    def __init__(self, cfg: FailingHeadConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.modes = [regime_mode(m, cfg.alt_relay) for m in cfg.modes]
-        self.cells: list[dict[str, Any]] = []
-        self.postmaster: int | None = None
-        self.statements = False
-        run.progress.total = cfg.repeat * len(cfg.failing_rows) * len(self.modes)
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
-        run.result["cells"] = self.cells
+class _FailingHead(Cells):
+    name, short = "failing-head", "fhead"
+    cfg: FailingHeadConfig
 
-    async def body(self, services: Services) -> None:
+    def __init__(self, cfg: FailingHeadConfig, run: PhaseRun) -> None:
+        super().__init__(cfg, run, [regime_mode(m, cfg.alt_relay) for m in cfg.modes])
+        self.statements = False
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"failing-head: {' and '.join(f'{s:,}' for s in cfg.failing_rows)} failing rows of "
+            f"{cfg.failing_keys} keys x {' '.join(cfg.modes)} x {cfg.repeat} round(s); then "
+            f"{cfg.healthy_rows} rows of {cfg.healthy_keys} other keys at "
+            f"{cfg.healthy_rate:g} ev/s, {cfg.quiet:g}s quiet window"
+        )
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for rnd in range(self.cfg.repeat):
+            for size in self.cfg.failing_rows:
+                for mode in self.modes:
+                    identity = {"round": rnd, "failing_rows": size, "mode": mode}
+                    yield identity, f"{size} failing, {mode}, round {rnd + 1}"
+
+    async def prepare(self, services: Services) -> None:
         run = self.run
         env = run.result["environment"]
         self.statements = bool(env.get("pg_stat_statements"))
@@ -206,25 +280,15 @@ class _FailingHead:
                 "failing topic still does not exist afterwards"
             )
         self.postmaster = await database_postmaster(services, run)
-        for rnd in range(self.cfg.repeat):
-            for size in self.cfg.failing_rows:
-                for mode in self.modes:
-                    await add_cell(
-                        run,
-                        self.cells,
-                        {"round": rnd, "failing_rows": size, "mode": mode.name},
-                        f"{size} failing, {mode.name}, round {rnd + 1}",
-                        self._cell(services, rnd, size, mode),
-                    )
 
-    async def _cell(self, services: Services, rnd: int, size: int, mode: Mode) -> dict[str, Any]:
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
-        n = len(self.cells) + 1
-        label = f"{size} failing, {mode.name}, round {rnd + 1}"
-        name = f"bench_fhead_{run.run_id.lower()}_{n}"
-        topic = f"bench-fhead-{run.run_id.lower()}-{n}"
-        missing = f"bench-fhead-missing-{run.run_id.lower()}-{n}"
-        cell = cell_record(n, round=rnd, failing_rows=size, mode=mode.name)
+        mode, size = self.modes[identity["mode"]], identity["failing_rows"]
+        cell = cell_record(len(self.cells) + 1, **identity)
+        name, topic = self.names(cell)
+        missing = f"bench-fhead-missing-{run.run_id.lower()}-{cell['cell']}"
         cell["failing_topic"] = missing
         run.progress.status(f"{label}: database, topic, {size} failing rows")
 
@@ -234,23 +298,15 @@ class _FailingHead:
             await self._measure(services, mode, dsn, name, topic, cell, label)
             cell["failing_topic_exists_after"] = await topic_exists(services.bootstrap, missing)
 
-        await in_fresh_database(
-            run,
-            services,
-            mode,
-            cell,
-            database=name,
-            topic=topic,
-            partitions=cfg.partitions,
-            measure=measure,
-        )
+        await self.in_fresh_database(services, mode, cell, measure)
         h, q = cell["healthy"], cell["quiet"]
         run.progress.line(
             f"{label:<34} healthy rows: {h['within_1s']}/{h['acked']} within 1 s, "
-            f"{h['within_timeout']} within {cfg.healthy_timeout:g} s, p50 {_ms(h['p50'])}, "
-            f"p99 {_ms(h['p99'])}, max {_ms(h['max'])} | quiet: "
-            f"{q['commits_per_s']:.1f} commits/s, {_rate(q['statements_per_s'])} statements/s, "
-            f"{_rate(q['claims_per_s'])} claims/s, mode CPU {q['mode_cpu_percent']:.1f}%",
+            f"{h['within_timeout']} within {cfg.healthy_timeout:g} s, p50 {ms(h['p50'])}, "
+            f"p99 {ms(h['p99'])}, max {ms(h['max'])} | quiet: "
+            f"{q['commits_per_s']:.1f} commits/s, {opt(q['statements_per_s'], '.1f')} "
+            f"statements/s, {opt(q['claims_per_s'], '.1f')} claims/s, mode CPU "
+            f"{q['mode_cpu_percent']:.1f}%",
             cell=True,
         )
         return cell
@@ -373,7 +429,7 @@ class _FailingHead:
         cfg = self.cfg
         await self._wait(cfg.quiet_settle, "settling before the quiet window")
         meter = CpuMeter([proc], self.postmaster)
-        lines0 = _lines(proc.log_path)
+        lines0 = proc.log_lines()
         before = (await db_counters(services.dsn, [database], statements=self.statements))[database]
         calls0 = await statement_calls(services.dsn, database) if self.statements else {}
         cpu0, db0 = meter.read()
@@ -386,16 +442,14 @@ class _FailingHead:
         out["db_cpu_percent"] = (
             100 * (db1 - db0) / seconds if db0 is not None and db1 is not None else None
         )
-        out["mode_log_lines"] = _lines(proc.log_path) - lines0
+        out["mode_log_lines"] = proc.log_lines() - lines0
         return out
 
     async def _wait(self, seconds: float, what: str) -> float:
         """Let ``seconds`` pass (a measurement window, nothing to wait for); the time passed."""
-        t0 = time.monotonic()
-        while (left := seconds - (time.monotonic() - t0)) > 0:
-            self.run.progress.status(f"{what}: {left:.0f}s left")
-            await asyncio.sleep(min(1.0, left))
-        return time.monotonic() - t0
+        t0 = time.monotonic_ns()
+        await self.run.pace(t0 + int(seconds * 1e9), lambda left: f"{what}: {left:.0f}s left")
+        return (time.monotonic_ns() - t0) / 1e9
 
 
 def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
@@ -412,14 +466,6 @@ def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
         vals = sorted(slots[sec])
         out.append([sec, len(vals), round(vals[len(vals) // 2] / 1e6, 1), round(vals[-1] / 1e6, 1)])
     return out
-
-
-def _lines(path: Path) -> int:
-    try:
-        with path.open("rb") as fh:
-            return sum(1 for _ in fh)
-    except OSError:
-        return 0
 
 
 async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]:
@@ -443,12 +489,8 @@ async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]
     return {**dict(row), "dead_letters": int(dead)}
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
-
-
 def _empty_claims(quiet: dict[str, Any]) -> int | None:
-    """Claims of a quiet window that returned no row (see summarize_failing_head)."""
+    """Claims of a quiet window that returned no row (see summarize)."""
     rate, rows, seconds = quiet.get("claims_per_s"), quiet.get("claimed_rows"), quiet["seconds"]
     if rate is None or rows is None:
         return None
@@ -456,11 +498,7 @@ def _empty_claims(quiet: dict[str, Any]) -> int | None:
     return max(0, calls - (int(rows) - calls))
 
 
-def _rate(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds per (size, mode), and the targets for the relay modes (issue 17,
     design/benchmarks.md): healthy rows arrive within 1 s; no empty claims while the failing
     rows wait. The failing keys' retries come due on their schedule in the quiet window, and
@@ -527,30 +565,29 @@ def summarize_failing_head(result: dict[str, Any]) -> dict[str, Any]:
             n, within = row["healthy_rows"], row["within_1s"]
             if n is not None and within is not None:
                 targets.append(
-                    {
-                        "target": f"{mode}, {size:,} failing rows: every healthy row within 1 s",
-                        "measured": f"{within:.0f} of {n:.0f} (p99 {_ms(row['p99'])}, max "
-                        f"{_ms(row['max'])})",
-                        "verdict": "met" if within >= n else "MISSED",
-                    }
+                    target(
+                        f"{mode}, {size:,} failing rows: every healthy row within 1 s",
+                        f"{within:.0f} of {n:.0f} (p99 {ms(row['p99'])}, max {ms(row['max'])})",
+                        within >= n,
+                    )
                 )
             empty = row["empty_claims"]
             if empty is not None:
                 targets.append(
-                    {
-                        "target": f"{mode}, {size:,} failing rows waiting for retries: no empty "
+                    target(
+                        f"{mode}, {size:,} failing rows waiting for retries: no empty "
                         "claims (every claim in the quiet window got a row: a retry due)",
-                        "measured": f"{empty} empty in the worst round; "
-                        f"{_rate(row['claims_per_s'])} claims/s, "
-                        f"{_rate(row['statements_per_s'])} statements/s, "
+                        f"{empty} empty in the worst round; "
+                        f"{opt(row['claims_per_s'], '.1f')} claims/s, "
+                        f"{opt(row['statements_per_s'], '.1f')} statements/s, "
                         f"{row['commits_per_s']:.1f} commits/s",
-                        "verdict": "met" if empty == 0 else "MISSED",
-                    }
+                        empty == 0,
+                    )
                 )
     return {"rows": rows, "targets": targets}
 
 
-def failing_head_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a failing-head result wrong (not slow): a cell that failed, a failing topic
     that came to exist (the broker created it). Healthy rows the plain poller never delivers
     are its result, not a problem."""
@@ -565,15 +602,170 @@ def failing_head_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-async def run_failing_head(cfg: FailingHeadConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the failing-head regime; returns the result JSON's path (written even on
-    failure)."""
-    run = PhaseRun("failing-head", cfg.to_json(), out_dir, keep=keep)
-    head = _FailingHead(cfg, run)
-    run.progress.line(
-        f"failing-head: {' and '.join(f'{s:,}' for s in cfg.failing_rows)} failing rows of "
-        f"{cfg.failing_keys} keys x {' '.join(cfg.modes)} x {cfg.repeat} round(s); then "
-        f"{cfg.healthy_rows} rows of {cfg.healthy_keys} other keys at {cfg.healthy_rate:g} ev/s, "
-        f"{cfg.quiet:g}s quiet window"
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox failing head {result['run_id']}", ""]
+    lines += environment_lines(result)
+    auto = result.get("environment", {}).get("kafka", {}).get("broker_configs", {})
+    lines += [
+        f"- {' and '.join(f'{n:,}' for n in cfg['failing_rows'])} rows of "
+        f"{cfg['failing_keys']} keys to a topic that does not exist (broker "
+        f"auto.create.topics.enable={auto.get('auto.create.topics.enable', 'unknown')}), "
+        "inserted with the mode stopped; the mode starts and tries them; then "
+        f"{cfg['healthy_rows']} rows of {cfg['healthy_keys']} other keys to a healthy topic at "
+        f"{cfg['healthy_rate']:g} ev/s, each timed from its commit ack to the consumer (up to "
+        f"{cfg['healthy_timeout']:g} s); then a {cfg['quiet']:g} s quiet window with no new "
+        f"rows; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
+    ]
+    lines += targets_section(summary, "design/benchmarks.md")
+    t = f"{cfg['healthy_timeout']:g}"
+    lines += ["", "## Healthy rows behind the failing head (medians over rounds)", ""]
+    lines += table(
+        [
+            "failing rows",
+            "mode",
+            "within 1 s",
+            f"within {t} s",
+            "p50 (ms)",
+            "p99 (ms)",
+            "max (ms)",
+            "all arrived, s after the last commit",
+            "mode tried the failing rows, s after ready",
+        ],
+        [
+            [
+                f"{r['failing_rows']:,}",
+                r["mode"],
+                f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}",
+                f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}",
+                num(r["p50"], 1),
+                num(r["p99"], 1),
+                num(r["max"], 1),
+                num(r["all_arrived_after_last_commit_s"])
+                + (
+                    ""
+                    if r["all_arrived_rounds"] == r["rounds"]
+                    else f" (not all within {t} s in {r['rounds'] - r['all_arrived_rounds']} "
+                    "round(s))"
+                ),
+                num(r["tried_after_ready_s"])
+                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)"),
+            ]
+            for r in summary["rows"]
+        ],
     )
-    return await run.run(open_services, head.body, fsync_seconds=cfg.fsync_test_seconds)
+    lines += [
+        "",
+        f"## Quiet window ({cfg['quiet']:g} s, no new rows, the failing rows waiting)",
+        "",
+        "Commits/s from `pg_stat_database` (PostgreSQL 15 reports a backend's counts up to a "
+        "second late, or ten for a backend that went idle: the window starts "
+        f"{cfg.get('quiet_settle', 0):g} s after the healthy rows arrived or timed out), "
+        "statements/s and claims/s (calls of the mode's claim statement) from "
+        "`pg_stat_statements` (counted at once), of the mode's own database; CPU of the mode's "
+        "process and of the whole PostgreSQL cluster.",
+        "",
+    ]
+    lines += table(
+        (
+            "failing rows | mode | commits/s | transactions/s (with rollbacks) | statements/s | "
+            "claims/s | mode CPU % | db CPU % | mode log lines"
+        ),
+        [
+            [
+                f"{r['failing_rows']:,}",
+                r["mode"],
+                num(r["commits_per_s"], 1),
+                num(r["xacts_per_s"], 1),
+                num(r["statements_per_s"], 1),
+                num(r["claims_per_s"], 1),
+                num(r["mode_cpu_percent"], 1),
+                num(r["db_cpu_percent"], 1),
+                whole(r["mode_log_lines"]),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    tops = [c for c in result.get("cells", []) if c.get("round") == 0 and "quiet" in c]
+    if tops:
+        lines += ["", "Statements run most in the quiet window (first round; calls, rows):", ""]
+        for c in tops:
+            lines.append(f"- {c['failing_rows']:,} failing, {c['mode']}:")
+            lines += [
+                f"  - {s['calls']} x, {s['rows']} rows: `{s['query']}`"
+                for s in c["quiet"]["top_statements"][:3]
+            ]
+    lines += modes_section(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    """Per failing-head size and mode: healthy rows that arrived within 1 s and within the
+    timeout, and the quiet window's commits/s and statements/s (log scale)."""
+    from bench.plots import mode_colors, plt  # matplotlib only when plotting
+
+    rows, cfg = summary["rows"], result["config"]
+    if not rows:
+        return False
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    sizes = list(dict.fromkeys(r["failing_rows"] for r in rows))
+    by = {(r["failing_rows"], r["mode"]): r for r in rows}
+    colors = mode_colors(modes)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(sizes))]
+        got = [by.get((s, mode), {}) for s in sizes]
+        axes[0].bar(
+            xs,
+            [g.get("within_timeout") or 0 for g in got],
+            width,
+            color=colors[mode],
+            alpha=0.35,
+            label=f"{mode}: within {cfg['healthy_timeout']:g} s",
+        )
+        axes[0].bar(
+            xs,
+            [g.get("within_1s") or 0 for g in got],
+            width,
+            color=colors[mode],
+            label=f"{mode}: within 1 s",
+        )
+        for k, (key, hatch) in enumerate((("commits_per_s", ""), ("statements_per_s", "//"))):
+            axes[1].bar(
+                [x + k * width / 2 for x in xs],
+                [max(g.get(key) or 0.0, 0.01) for g in got],
+                width / 2,
+                color=colors[mode],
+                hatch=hatch,
+                edgecolor="white",
+                label=f"{mode}: {key.replace('_per_s', '/s')}",
+            )
+    for ax in axes:
+        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(sizes))])
+        ax.set_xticklabels([f"{s:,} failing rows" for s in sizes])
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].axhline(cfg["healthy_rows"], color="grey", linewidth=0.8)
+    axes[0].set_ylabel(f"healthy rows arrived (of {cfg['healthy_rows']})")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel(f"per second, {cfg['quiet']:g} s quiet window")
+    fig.suptitle("Failing head: healthy rows behind it, and the database's work meanwhile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+REGIME = Regime(
+    "failing-head",
+    HELP,
+    arguments,
+    configure,
+    _FailingHead.main,
+    summarize,
+    problems,
+    markdown,
+    plot,
+    terminal=("## Targets", "## Healthy rows", "## Quiet window"),
+)

@@ -13,46 +13,60 @@ seconds (by commit ack). See ``bench/README.md``.
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import bisect
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from bench import envinfo
+from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import Mode
+from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, regime_options
+from bench.fmt import (
+    environment_lines,
+    finish,
+    modes_section,
+    ms,
+    num,
+    opt,
+    percent,
+    table,
+    targets_section,
+    whole,
+)
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg
 from bench.procs import BenchError, Child
 from bench.regimes import (
     DEFAULT_REGIME_MODES,
+    Cells,
     CpuMeter,
     Looker,
+    Regime,
     acked_events,
-    add_cell,
     cell_record,
     database_postmaster,
     event_counts,
-    in_fresh_database,
     latency_ms,
-    median,
     received_at,
     regime_mode,
+    regime_modes,
+    target,
     unfinished,
     warm_up,
 )
-from bench.services import Services, open_services
+from bench.services import Services
 
 __all__ = [
     "HeldSnapshotConfig",
-    "held_snapshot_problems",
-    "run_held_snapshot",
-    "summarize_held_snapshot",
+    "problems",
+    "summarize",
 ]
 
 PHASES = ("baseline", "hold", "recovery")
@@ -65,7 +79,7 @@ FROM pg_stat_user_tables WHERE relname = 'outbox'
 
 
 @dataclass
-class HeldSnapshotConfig:
+class HeldSnapshotConfig(JsonRecord):
     """Everything one held-snapshot run does; recorded in the result JSON."""
 
     rate: float = 800.0
@@ -85,10 +99,6 @@ class HeldSnapshotConfig:
     fsync_test_seconds: int = 0
     warmup: float = 60.0  # seconds of unmeasured load on the stack before the first cell
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
-
     def phase_windows(self) -> list[tuple[str, float]]:
         """(phase, offset from the phase's start) of every window, in order: each phase cut
         into ``window``-second pieces, a remainder under half a window joined to the piece
@@ -100,6 +110,47 @@ class HeldSnapshotConfig:
                 offsets.append(offsets[-1] + self.window)
             out += [(phase, o) for o in offsets]
         return out
+
+
+HELP = "steady load while another session holds a REPEATABLE READ snapshot open"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench held-snapshot``."""
+    p.add_argument("--rate", type=float, default=800.0, help="writers' events/s (default 800)")
+    p.add_argument("--keys", type=int, default=40, help="distinct keys (default 40)")
+    p.add_argument("--baseline", type=float, default=60.0, help="seconds before the snapshot")
+    p.add_argument(
+        "--hold", type=float, default=600.0, help="seconds the snapshot is held (default 600)"
+    )
+    p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
+    p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        help="seconds of unmeasured load through the relay before the first cell, so that no "
+        "mode meets a cold stack (default 60; 0: none)",
+    )
+    regime_options(p)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="after the load, seconds to wait for every committed event",
+    )
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> HeldSnapshotConfig:
+    """The config of ``python -m bench held-snapshot ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    modes = regime_modes(args, common["alt_relay"])
+    if min(args.baseline, args.hold, args.recovery, args.window) <= 0 or args.rate <= 0:
+        raise BenchError("--rate, --baseline, --hold, --recovery and --window must be > 0")
+    if args.warmup < 0:
+        raise BenchError("--warmup must be >= 0")
+    return from_args(HeldSnapshotConfig, args, modes=modes, **common)
 
 
 @dataclass
@@ -264,18 +315,27 @@ def analyse_cell(
     return windows, phases, event_counts(gen["ack"], recv_of)
 
 
-class _HeldSnapshot:
-    def __init__(self, cfg: HeldSnapshotConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.modes = [regime_mode(m, cfg.alt_relay) for m in cfg.modes]
-        self.cells: list[dict[str, Any]] = []
-        self.postmaster: int | None = None
-        run.progress.total = cfg.repeat * len(self.modes)
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
-        run.result["cells"] = self.cells
+class _HeldSnapshot(Cells):
+    name, short = "held-snapshot", "held"
+    cfg: HeldSnapshotConfig
 
-    async def body(self, services: Services) -> None:
+    def __init__(self, cfg: HeldSnapshotConfig, run: PhaseRun) -> None:
+        super().__init__(cfg, run, [regime_mode(m, cfg.alt_relay) for m in cfg.modes])
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"held-snapshot: {' '.join(cfg.modes)} x {cfg.repeat} round(s): {cfg.rate:g} ev/s "
+            f"over {cfg.keys} keys, baseline {cfg.baseline:g}s, snapshot held {cfg.hold:g}s, "
+            f"recovery {cfg.recovery:g}s, windows of {cfg.window:g}s"
+        )
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for rnd in range(self.cfg.repeat):
+            for mode in self.modes:
+                yield {"round": rnd, "mode": mode}, f"{mode} round {rnd + 1}"
+
+    async def prepare(self, services: Services) -> None:
         self.postmaster = await database_postmaster(services, self.run)
         if self.cfg.warmup > 0:
             cfg = self.cfg
@@ -287,33 +347,20 @@ class _HeldSnapshot:
                 keys=cfg.keys,
                 partitions=cfg.partitions,
             )
-        for rnd in range(self.cfg.repeat):
-            for mode in self.modes:
-                await add_cell(
-                    self.run,
-                    self.cells,
-                    {"round": rnd, "mode": mode.name},
-                    f"{mode.name} round {rnd + 1}",
-                    self._cell(services, rnd, mode),
-                )
 
-    async def _cell(self, services: Services, rnd: int, mode: Mode) -> dict[str, Any]:
-        run, cfg = self.run, self.cfg
-        n = len(self.cells) + 1
-        label = f"{mode.name} round {rnd + 1}"
-        name = f"bench_held_{run.run_id.lower()}_{n}"
-        topic = f"bench-held-{run.run_id.lower()}-{n}"
-        cell = cell_record(n, round=rnd, mode=mode.name)
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
+        run = self.run
+        mode = self.modes[identity["mode"]]
+        cell = cell_record(len(self.cells) + 1, **identity)
+        topic = self.names(cell)[1]
         run.progress.status(f"{label}: database and topic")
-        await in_fresh_database(
-            run,
+        await self.in_fresh_database(
             services,
             mode,
             cell,
-            database=name,
-            topic=topic,
-            partitions=cfg.partitions,
-            measure=lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
+            lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
         )
         hold = [w for w in cell["windows"] if w["phase"] == "hold"]
         worst = max((w["ack_to_recv"]["p99"] or 0.0 for w in hold), default=0.0)
@@ -321,7 +368,7 @@ class _HeldSnapshot:
         base = cell["phases"]["baseline"]["p99"]
         lost = cell["events"]["acked"] - cell["events"]["received"]
         run.progress.line(
-            f"{label:<22} baseline p99 {_ms(base)}, worst hold window p99 {_ms(worst)}, "
+            f"{label:<22} baseline p99 {ms(base)}, worst hold window p99 {ms(worst)}, "
             f"lowest hold rate share {100 * share:.0f}%, dead tuples at release "
             f"{cell.get('dead_tuples_at_release')}, {lost} missing",
             cell=True,
@@ -420,18 +467,15 @@ class _HeldSnapshot:
         line at the end of every window."""
         ends = [o for p, o in self.cfg.phase_windows() if p == phase][1:]
         plan = [*ends, seconds]
+
+        def status(_: float) -> str:
+            last = sampler.samples[-1] if sampler.samples else None
+            elapsed = (time.monotonic_ns() - start) / 1e9
+            dead = f", dead tuples {last.dead}" if last else ""
+            return f"{label}: {phase} {elapsed:.0f}/{seconds:g}s{dead}"
+
         for offset in plan:
-            end = start + int(offset * 1e9)
-            while (left := (end - time.monotonic_ns()) / 1e9) > 0:
-                if not gen.running():
-                    raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
-                last = sampler.samples[-1] if sampler.samples else None
-                elapsed = (time.monotonic_ns() - start) / 1e9
-                self.run.progress.status(
-                    f"{label}: {phase} {elapsed:.0f}/{seconds:g}s"
-                    + (f", dead tuples {last.dead}" if last else "")
-                )
-                await asyncio.sleep(min(1.0, left))
+            await self.run.pace(start + int(offset * 1e9), status, alive=[(gen, "the writers")])
             s = sampler.samples[-1] if sampler.samples else None
             mb = f"{s.total_bytes / 2**20:.1f} MB" if s and s.total_bytes is not None else "-"
             self.run.progress.line(
@@ -440,11 +484,7 @@ class _HeldSnapshot:
             )
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
-
-
-def summarize_held_snapshot(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds per mode and window, per-phase figures and the targets
     (design/benchmarks.md: p99 within max(2x, +10 ms) of the baseline; producers keep >= 90 %
     of their rate)."""
@@ -507,22 +547,20 @@ def summarize_held_snapshot(result: dict[str, Any]) -> dict[str, Any]:
         if base is not None and worst_p99 is not None:
             limit = max(2 * base, base + 10.0)
             targets.append(
-                {
-                    "target": f"{mode}: every hold window's p99 within max(2x, +10 ms) of the "
-                    "baseline's",
-                    "measured": f"worst {worst_p99:.1f} ms vs baseline {base:.1f} ms "
-                    f"(limit {limit:.1f} ms)",
-                    "verdict": "met" if worst_p99 <= limit else "MISSED",
-                }
+                target(
+                    f"{mode}: every hold window's p99 within max(2x, +10 ms) of the baseline's",
+                    f"worst {worst_p99:.1f} ms vs baseline {base:.1f} ms (limit {limit:.1f} ms)",
+                    worst_p99 <= limit,
+                )
             )
         if low_share is not None:
             targets.append(
-                {
-                    "target": f"{mode}: producers keep >= 90% of their rate in every hold window",
-                    "measured": f"lowest {100 * low_share:.1f}% "
+                target(
+                    f"{mode}: producers keep >= 90% of their rate in every hold window",
+                    f"lowest {100 * low_share:.1f}% "
                     f"({low_share * cfg['rate']:.0f} of {cfg['rate']:g} ev/s)",
-                    "verdict": "met" if low_share >= 0.9 else "MISSED",
-                }
+                    low_share >= 0.9,
+                )
             )
     targets += _flat_and_beaten(modes)
     return {"modes": modes, "targets": targets}
@@ -549,13 +587,12 @@ def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
             if ref is None or worst is None:
                 continue
             out.append(
-                {
-                    "target": f"{mode}: {who} CPU per event flat across the hold (every hold "
+                target(
+                    f"{mode}: {who} CPU per event flat across the hold (every hold "
                     f"window <= {_FLAT:g}x the baseline's)",
-                    "measured": f"worst {worst:.0f} vs baseline {ref:.0f} µs/event "
-                    f"({worst / ref:.2f}x)",
-                    "verdict": "met" if worst <= _FLAT * ref else "MISSED",
-                }
+                    f"worst {worst:.0f} vs baseline {ref:.0f} µs/event ({worst / ref:.2f}x)",
+                    worst <= _FLAT * ref,
+                )
             )
         poller = modes.get("poller")
         if poller is None:
@@ -571,18 +608,14 @@ def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
             if w["p99"] >= p["p99"]
         ]
         out.append(
-            {
-                "target": f"{mode}: p99 below the plain poller's in every window",
-                "measured": f"below in {len(pairs) - len(lost)} of {len(pairs)} windows"
+            target(
+                f"{mode}: p99 below the plain poller's in every window",
+                f"below in {len(pairs) - len(lost)} of {len(pairs)} windows"
                 + (f"; not in {', '.join(lost)}" if lost else ""),
-                "verdict": "met" if pairs and not lost else "MISSED",
-            }
+                bool(pairs) and not lost,
+            )
         )
     return out
-
-
-def _v(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def window_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -604,18 +637,17 @@ def window_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
             w = ws[k]
             lat = w.get("ack_to_recv", w)
             row += [
-                f"{_v(lat['p50'], '.1f')} / {_v(lat['p99'], '.1f')}",
-                _v(100 * w["rate_share"] if w["rate_share"] is not None else None, ".0f"),
-                _v(w["mode_cpu_us_per_event"], ".0f"),
-                _v(w["db_cpu_us_per_event"], ".0f"),
-                _v(w["dead_tuples"], ".0f"),
+                f"{opt(lat['p50'], '.1f')} / {opt(lat['p99'], '.1f')}",
+                opt(100 * w["rate_share"] if w["rate_share"] is not None else None, ".0f"),
+                opt(w["mode_cpu_us_per_event"], ".0f"),
+                opt(w["db_cpu_us_per_event"], ".0f"),
+                opt(w["dead_tuples"], ".0f"),
             ]
         rows.append(row)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+    return table(head, rows)
 
 
-def held_snapshot_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a held-snapshot result wrong (not slow): a cell that failed, events that
     never arrived."""
     problems = []
@@ -630,14 +662,138 @@ def held_snapshot_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-async def run_held_snapshot(cfg: HeldSnapshotConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the held-snapshot regime; returns the result JSON's path (written even on
-    failure)."""
-    run = PhaseRun("held-snapshot", cfg.to_json(), out_dir, keep=keep)
-    held = _HeldSnapshot(cfg, run)
-    run.progress.line(
-        f"held-snapshot: {' '.join(cfg.modes)} x {cfg.repeat} round(s): {cfg.rate:g} ev/s over "
-        f"{cfg.keys} keys, baseline {cfg.baseline:g}s, snapshot held {cfg.hold:g}s, recovery "
-        f"{cfg.recovery:g}s, windows of {cfg.window:g}s"
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox held snapshot {result['run_id']}", ""]
+    lines += environment_lines(result)
+    lines += [
+        f"- writers: {cfg['rate']:g} ev/s, open loop, single-row transactions, {cfg['keys']} "
+        f"keys; {cfg['baseline']:g} s baseline, then a REPEATABLE READ transaction (`SELECT "
+        f"count(*) FROM outbox`) held open for {cfg['hold']:g} s, then {cfg['recovery']:g} s "
+        f"of recovery; {cfg['repeat']} round(s), modes one after the other per round on fresh "
+        "databases and topics, medians over rounds",
+        "- warm-up: "
+        + (
+            f"{cfg['warmup']:g} s at the same rate through the relay before the first cell, not "
+            "measured (a fresh stack is slow for its first minute under load)"
+            if cfg.get("warmup")
+            else "none: the first cell met a cold stack"
+        ),
+        "",
+        "Events go into windows by their commit ack. **p50/p99** is commit ack -> consumer "
+        "receipt (ms); **rate %** the commits in the window as a share of the offered rate; "
+        "**mode µs/ev** the mode process's CPU (user + system) per event delivered in the "
+        "window; **db µs/ev** the CPU of every process of the PostgreSQL cluster per event "
+        "committed in the window; **dead tuples** the outbox's `n_dead_tup` at the window's end.",
+    ]
+    lines += targets_section(summary, "design/benchmarks.md")
+    lines += ["", "## Per phase (all events of a phase pooled; medians over rounds)", ""]
+    lines += table(
+        (
+            "mode | baseline p50 / p99 / max (ms) | hold | recovery | worst hold window p99 | "
+            "lowest hold rate % | dead tuples at release | missing"
+        ),
+        [
+            [
+                mode,
+                *(
+                    " / ".join(num(m["phases"][p][k], 1) for k in ("p50", "p99", "max"))
+                    for p in ("baseline", "hold", "recovery")
+                ),
+                num(m["worst_hold_p99"], 1),
+                num(percent(m["lowest_hold_share"]), 1),
+                whole(m["dead_tuples_at_release"]),
+                str(m["missing"]),
+            ]
+            for mode, m in summary["modes"].items()
+        ],
     )
-    return await run.run(open_services, held.body, fsync_seconds=cfg.fsync_test_seconds)
+    if summary["modes"]:
+        lines += ["", "## Per window (medians over rounds)", ""]
+        lines += window_table({mode: m["windows"] for mode, m in summary["modes"].items()})
+        lines += [
+            "",
+            "More per window: committed ev/s, e2e p99 (from the schedule, ms), mode "
+            "and database CPU %, outbox size with its indexes (MB).",
+            "",
+        ]
+        lines += table(
+            "window | mode | committed ev/s | e2e p99 | mode CPU % | db CPU % | outbox MB",
+            [
+                [
+                    f"{w['start_s']:.0f} s ({w['phase']})",
+                    mode,
+                    whole(w["rate"]),
+                    num(w["e2e_p99"], 1),
+                    num(w["mode_cpu_percent"], 1),
+                    num(w["db_cpu_percent"], 1),
+                    num(w["total_bytes"] / 2**20 if w["total_bytes"] is not None else None, 1),
+                ]
+                for mode, m in summary["modes"].items()
+                for w in m["windows"]
+            ],
+        )
+    lines += modes_section(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    """Per window of the held-snapshot regime, one line per mode: ack -> receive p99 (log
+    scale), the producers' achieved share of the offered rate, and the outbox's dead tuples;
+    the hold is shaded."""
+    from bench.plots import mode_colors, plt  # matplotlib only when plotting
+
+    modes, cfg = summary["modes"], result["config"]
+    if not modes:
+        return False
+    colors = mode_colors(list(modes))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
+    for mode, m in modes.items():
+        ws = m["windows"]
+        mid = [(w["start_s"] + w["seconds"] / 2) / 60 for w in ws]
+        for ax, key, scale in (
+            (axes[0], "p99", 1.0),
+            (axes[1], "rate_share", 100.0),
+            (axes[2], "dead_tuples", 1e-3),
+        ):
+            pts = [(x, w[key] * scale) for x, w in zip(mid, ws, strict=True) if w[key] is not None]
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                markersize=3,
+                color=colors[mode],
+                label=mode,
+            )
+    start = cfg["baseline"] / 60
+    for ax in axes:
+        ax.axvspan(start, start + cfg["hold"] / 60, color="grey", alpha=0.15, lw=0)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("commit ack -> receive p99 (ms)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("producers' rate, % of offered")
+    axes[1].axhline(90, color="grey", linewidth=0.8, alpha=0.6)
+    axes[2].set_ylabel("outbox dead tuples (thousands)")
+    axes[2].set_xlabel("minutes since the load started (grey: snapshot held)")
+    fig.suptitle(
+        f"Held snapshot: {cfg['rate']:g} ev/s, {cfg['window']:g} s windows, medians over rounds"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+REGIME = Regime(
+    "held-snapshot",
+    HELP,
+    arguments,
+    configure,
+    _HeldSnapshot.main,
+    summarize,
+    problems,
+    markdown,
+    plot,
+    terminal=("## Targets", "## Per window"),
+)

@@ -24,6 +24,7 @@ message is committed in the database (the offset commit of the last batch follow
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -33,7 +34,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,15 @@ import anyio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from bench.config import JsonRecord, from_args, output_options
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
+from bench.regimes import Regime
 from bench.services import close_services, dsn_for, make_work_dir, open_services, remove_work_dir
 from devstack.relayproc import create_topics
 from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
 
-__all__ = ["MODES", "InboxBenchConfig", "inbox_problems", "run_inbox_bench", "write_inbox_report"]
+__all__ = ["MODES", "REGIME", "InboxBenchConfig", "problems", "run_inbox_bench", "summarize"]
 
 MODES = ("apply", "consume", "consume_batches", "consume_batches_parallel", "baseline")
 APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
@@ -58,7 +61,7 @@ CREATE TABLE baseline_applied (event_id text NOT NULL, value bytea)
 
 
 @dataclass
-class InboxBenchConfig:
+class InboxBenchConfig(JsonRecord):
     """What one ``python -m bench inbox`` run does."""
 
     messages: int = 20_000
@@ -67,6 +70,34 @@ class InboxBenchConfig:
     repeat: int = 3
     max_records: int = 500
     cell_timeout: float = 300.0
+
+
+HELP = (
+    "consumer side: a backlog drained through the inbox (per message, batch path, the simple "
+    "batched baseline), msg/s"
+)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench inbox``."""
+    p.add_argument("--messages", type=int, default=20_000, help="backlog size (default 20000)")
+    p.add_argument("--partitions", type=int, default=4, help="topic partitions (default 4)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["apply", "consume", "consume_batches", "consume_batches_parallel", "baseline"],
+        help="default: all five (apply consume consume_batches consume_batches_parallel baseline)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
+    p.add_argument("--max-records", type=int, default=500, help="getmany max_records")
+    output_options(p)
+
+
+def configure(args: argparse.Namespace) -> InboxBenchConfig:
+    """The config of ``python -m bench inbox ...`` (a BenchError for a bad value)."""
+    if args.messages < 1 or args.repeat < 1 or args.partitions < 1 or args.max_records < 1:
+        raise BenchError("--messages, --partitions, --repeat and --max-records must be >= 1")
+    return from_args(InboxBenchConfig, args, modes=list(dict.fromkeys(args.modes or MODES)))
 
 
 Done = Callable[[int], None]
@@ -281,7 +312,7 @@ async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = Fals
     result: dict[str, Any] = {
         "phase": "inbox",
         "started": started,
-        "config": asdict(cfg),
+        "config": cfg.to_json(),
         "environment": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -354,7 +385,12 @@ def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def inbox_problems(result: dict[str, Any]) -> list[str]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: the median msg/s over rounds, and its ratio to the baseline's."""
+    return _summary(result["cells"])
+
+
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a run fail: a message applied twice or missing in any cell."""
     return [
         f"{c['mode']} round {c['round']}: {c['rows']} rows, {c['distinct']} distinct, "
@@ -364,10 +400,8 @@ def inbox_problems(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_inbox_report(json_path: Path, *, plots: bool = True) -> Path:
-    """``inbox-<ts>.md`` (and ``.png``) next to the JSON; returns the md path."""
-    result = json.loads(json_path.read_text())
-    summary = result["summary"] = _summary(result["cells"])
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    """The report of an inbox run (``inbox-<ts>.md``)."""
     cfg = result["config"]
     env = result["environment"]
     lines = [
@@ -397,25 +431,17 @@ def write_inbox_report(json_path: Path, *, plots: bool = True) -> Path:
         lines.append(
             f"| {mode} | {s['median_msg_per_s']:,.0f} | {vs} | {paired} | {runs} | {cpu:.0f} |"
         )
-    problems = inbox_problems(result)
-    lines += ["", "Every cell applied each message exactly once." if not problems else ""]
-    lines += [f"- PROBLEM: {p}" for p in problems]
-    png = json_path.with_suffix(".png")
-    if plots:
-        _plot(result, png)
-        lines += ["", f"![inbox drain]({png.name})"]
-    md = json_path.with_suffix(".md")
-    md.write_text("\n".join(lines) + "\n")
-    return md
+    wrong = problems(result)
+    lines += ["", "Every cell applied each message exactly once." if not wrong else ""]
+    lines += [f"- PROBLEM: {p}" for p in wrong]
+    lines += [line for name in plots for line in ("", f"![inbox drain]({name})")]
+    return "\n".join(lines) + "\n"
 
 
-def _plot(result: dict[str, Any], png: Path) -> None:
-    import matplotlib
+def plot(result: dict[str, Any], summary: dict[str, Any], png: Path) -> bool:
+    """Msg/s per mode: the median of the rounds (bars) and every round (dots)."""
+    from bench.plots import plt  # matplotlib only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = result["summary"]
     modes = list(summary)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(modes, [summary[m]["median_msg_per_s"] for m in modes], color="#8fb3d9")
@@ -432,3 +458,17 @@ def _plot(result: dict[str, Any], png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return True
+
+
+REGIME = Regime(
+    "inbox",
+    HELP,
+    arguments,
+    configure,
+    run_inbox_bench,
+    summarize,
+    problems,
+    markdown,
+    plot,
+)

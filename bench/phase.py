@@ -1,6 +1,7 @@
-"""What the backlog-drain and outage-recovery phases share: a run id, a work directory with the
-relay source snapshot, the services, the environment record, progress, and the result JSON
-(written even when the phase fails half-way, then turned into markdown and plots)."""
+"""What every run of the bench shares, the latency run's and each regime's: a run id, a work
+directory with the relay source snapshot, the services, the environment record, progress, the
+child processes (modes, load generator, consumer), pacing, and the result JSON (written even
+when the run fails half-way, then turned into markdown and plots)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from bench.services import Services, close_services, make_work_dir, remove_work_
 from devstack.relayproc import READY, child_env, cli_argv, relay_env
 
 __all__ = [
+    "READY_TIMEOUT",
     "PhaseRun",
     "loadavg",
     "record_environment",
@@ -41,7 +43,7 @@ __all__ = [
     "wait_mode_ready",
 ]
 
-_READY_TIMEOUT = 60.0
+READY_TIMEOUT = 60.0  # a child process's start, until it says it is ready
 _STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
 
 
@@ -163,7 +165,7 @@ async def wait_mode_ready(child: Child, mode: Mode) -> None:
     """Wait (bounded) until a process of ``mode`` logs that it runs; stop it on failure."""
     ready = READY if mode.kind == "relay" else "poller running"
     try:
-        await child.wait_for_log(ready, _READY_TIMEOUT)
+        await child.wait_for_log(ready, READY_TIMEOUT)
     except BaseException:
         await child.stop(5)
         raise
@@ -239,6 +241,25 @@ class PhaseRun:
             wait_ready=wait_ready,
         )
 
+    async def pace(
+        self,
+        until_ns: int,
+        status: Callable[[float], str],
+        *,
+        alive: Sequence[tuple[Child, str]] = (),
+        step: float = 1.0,
+    ) -> None:
+        """Let time pass until ``until_ns`` (monotonic): a measurement window, or the schedule
+        of writers already running; ``status(seconds left)`` is shown every ``step`` seconds. A
+        BenchError as soon as one of the ``alive`` processes (each with what to call it) has
+        exited."""
+        while (left := (until_ns - time.monotonic_ns()) / 1e9) > 0:
+            for child, what in alive:
+                if not child.running():
+                    raise BenchError(f"{what} exited ({child.proc.returncode}):\n{child.tail()}")
+            self.progress.status(status(left))
+            await asyncio.sleep(min(step, left))
+
     def array_paths(self, stem: str) -> tuple[Path, Path]:
         """Where the writers' and the consumer's per-event arrays of a cell go (in the work
         directory): ``<stem>-gen.bin``, ``<stem>-got.bin``."""
@@ -258,7 +279,7 @@ class PhaseRun:
             cwd=self.src,
         )
         try:
-            ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
+            ready = json.loads(await consumer.read_line(READY_TIMEOUT))
             if not ready.get("ready"):
                 raise BenchError(f"{name} did not get ready: {ready}")
         except BaseException:

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 
 from bench.hist import Histogram
 
-__all__ = ["make_plots"]
+__all__ = ["bar_figure", "make_plots", "mode_colors", "plt", "save_bar_chart"]
 
 _STYLES = {"p50": "-", "p99": "--", "p99.9": ":"}
 
@@ -36,7 +36,7 @@ def save_bar_chart(fig: Any, ax: Any, path: Path) -> bool:
     return True
 
 
-def _colors(modes: list[str]) -> dict[str, Any]:
+def mode_colors(modes: list[str]) -> dict[str, Any]:
     cmap = plt.get_cmap("tab10")
     return {m: cmap(i % 10) for i, m in enumerate(modes)}
 
@@ -46,7 +46,7 @@ def _ok(v: Any) -> bool:
 
 
 def _latency_vs_load(summary: dict[str, Any], modes: list[str], path: Path) -> None:
-    colors = _colors(modes)
+    colors = mode_colors(modes)
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.4), sharey=True)
     for ax, metric, title in (
         (axes[0], "e2e", "scheduled send -> consumer receive"),
@@ -109,7 +109,7 @@ def _cdf(
             pooled[c["mode"]].merge(Histogram.from_json(c["hist"]["ack_to_recv"]))
     if not pooled:
         return False
-    colors = _colors(modes)
+    colors = mode_colors(modes)
     fig, ax = plt.subplots(figsize=(8, 5))
     left = math.inf
     for mode in modes:
@@ -171,131 +171,3 @@ def make_plots(
     if _producer(summary, p):
         out.append(p)
     return out
-
-
-def held_snapshot_figure(modes: dict[str, Any], cfg: dict[str, Any], path: Path) -> bool:
-    """Per window of the held-snapshot regime, one line per mode: ack -> receive p99 (log
-    scale), the producers' achieved share of the offered rate, and the outbox's dead tuples;
-    the hold is shaded."""
-    if not modes:
-        return False
-    colors = _colors(list(modes))
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
-    for mode, m in modes.items():
-        ws = m["windows"]
-        mid = [(w["start_s"] + w["seconds"] / 2) / 60 for w in ws]
-        for ax, key, scale in (
-            (axes[0], "p99", 1.0),
-            (axes[1], "rate_share", 100.0),
-            (axes[2], "dead_tuples", 1e-3),
-        ):
-            pts = [(x, w[key] * scale) for x, w in zip(mid, ws, strict=True) if w[key] is not None]
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o",
-                markersize=3,
-                color=colors[mode],
-                label=mode,
-            )
-    start = cfg["baseline"] / 60
-    for ax in axes:
-        ax.axvspan(start, start + cfg["hold"] / 60, color="grey", alpha=0.15, lw=0)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("commit ack -> receive p99 (ms)")
-    axes[0].legend(fontsize=8)
-    axes[1].set_ylabel("producers' rate, % of offered")
-    axes[1].axhline(90, color="grey", linewidth=0.8, alpha=0.6)
-    axes[2].set_ylabel("outbox dead tuples (thousands)")
-    axes[2].set_xlabel("minutes since the load started (grey: snapshot held)")
-    fig.suptitle(
-        f"Held snapshot: {cfg['rate']:g} ev/s, {cfg['window']:g} s windows, medians over rounds"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def failing_head_figure(rows: list[dict[str, Any]], cfg: dict[str, Any], path: Path) -> bool:
-    """Per failing-head size and mode: healthy rows that arrived within 1 s and within the
-    timeout, and the quiet window's commits/s and statements/s (log scale)."""
-    if not rows:
-        return False
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    sizes = list(dict.fromkeys(r["failing_rows"] for r in rows))
-    by = {(r["failing_rows"], r["mode"]): r for r in rows}
-    colors = _colors(modes)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    width = 0.8 / max(1, len(modes))
-    for i, mode in enumerate(modes):
-        xs = [j + i * width for j in range(len(sizes))]
-        got = [by.get((s, mode), {}) for s in sizes]
-        axes[0].bar(
-            xs,
-            [g.get("within_timeout") or 0 for g in got],
-            width,
-            color=colors[mode],
-            alpha=0.35,
-            label=f"{mode}: within {cfg['healthy_timeout']:g} s",
-        )
-        axes[0].bar(
-            xs,
-            [g.get("within_1s") or 0 for g in got],
-            width,
-            color=colors[mode],
-            label=f"{mode}: within 1 s",
-        )
-        for k, (key, hatch) in enumerate((("commits_per_s", ""), ("statements_per_s", "//"))):
-            axes[1].bar(
-                [x + k * width / 2 for x in xs],
-                [max(g.get(key) or 0.0, 0.01) for g in got],
-                width / 2,
-                color=colors[mode],
-                hatch=hatch,
-                edgecolor="white",
-                label=f"{mode}: {key.replace('_per_s', '/s')}",
-            )
-    for ax in axes:
-        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(sizes))])
-        ax.set_xticklabels([f"{s:,} failing rows" for s in sizes])
-        ax.legend(fontsize=8)
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[0].axhline(cfg["healthy_rows"], color="grey", linewidth=0.8)
-    axes[0].set_ylabel(f"healthy rows arrived (of {cfg['healthy_rows']})")
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel(f"per second, {cfg['quiet']:g} s quiet window")
-    fig.suptitle("Failing head: healthy rows behind it, and the database's work meanwhile")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def stalled_relay_figure(rows: list[dict[str, Any]], cfg: dict[str, Any], path: Path) -> bool:
-    """Per cell (notify mode x key mix): commit ack -> receive p99 of the baseline, of the
-    events committed during the freezes, and of those of keys the frozen relay did not hold
-    (log scale; grey line: the 100 ms target)."""
-    if not rows:
-        return False
-    bars = (
-        ("baseline_p99", "baseline"),
-        ("freeze_p99", "during the freezes"),
-        ("freeze_free_p99", "during the freezes, keys the frozen relay did not hold"),
-    )
-    fig, ax = bar_figure(max(7.0, 1.8 * len(rows)))
-    width = 0.8 / len(bars)
-    for i, (key, label) in enumerate(bars):
-        xs = [j + i * width for j in range(len(rows))]
-        ax.bar(xs, [max(r[key] or 0.0, 0.1) for r in rows], width, label=label)
-    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['notify_mode']}\n{r['keys']:,} keys" for r in rows])
-    ax.set_yscale("log")
-    ax.axhline(100, color="grey", linewidth=0.8)
-    ax.set_ylabel("commit ack -> receive p99 (ms), median of rounds")
-    ax.set_title(
-        f"Stalled relay: {cfg['relays']} relays, {cfg['rate']:g} ev/s, {cfg['freezes']} "
-        f"freezes of {cfg['freeze']:g} s"
-    )
-    return save_bar_chart(fig, ax, path)

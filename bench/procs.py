@@ -181,6 +181,14 @@ class Child:
         """CPU seconds used so far."""
         return cpu_seconds(self.proc.pid)
 
+    def log_lines(self) -> int:
+        """The lines written to the process's log so far (0 if it cannot be read)."""
+        try:
+            with self.log_path.open("rb") as fh:
+                return sum(1 for _ in fh)
+        except OSError:
+            return 0
+
     def tail(self, lines: int = 25) -> str:
         """The last lines of the child's log."""
         try:

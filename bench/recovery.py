@@ -13,30 +13,32 @@ an existing devstack stack directory (``--stack-dir``). See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import re
 import socket
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
+from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import Mode, writers_for
+from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, writers_for
+from bench.fmt import environment_lines, finish, num, percent, table, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
-from bench.regimes import QUERY_ERRORS, Looker, received_at
+from bench.regimes import QUERY_ERRORS, Looker, Regime, RegimeRun, received_at, target
 from bench.services import Services, check_loopback, open_services, set_notify
 from devstack.relayproc import create_topics
 
-__all__ = ["RecoveryConfig", "recovery_problems", "run_recovery", "summarize_recovery"]
+__all__ = ["RecoveryConfig", "problems", "summarize"]
 
-_READY_TIMEOUT = 60.0
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
 _SAMPLE_S = 0.1
 _POLL_S = 0.02
@@ -58,7 +60,7 @@ _DIGITS = re.compile(r"\d+")
 
 
 @dataclass
-class RecoveryConfig:
+class RecoveryConfig(JsonRecord):
     """Everything one recovery run does; recorded in the result JSON."""
 
     services: list[str] = field(default_factory=lambda: ["kafka", "postgres"])
@@ -76,54 +78,45 @@ class RecoveryConfig:
     partitions: int = 3
     fsync_test_seconds: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
+
+HELP = "outage recovery: Kafka and PostgreSQL restarts"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench recovery``."""
+    p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
+    p.add_argument(
+        "--services",
+        nargs="+",
+        choices=["kafka", "postgres"],
+        default=["kafka", "postgres"],
+        help="what to restart, in this order",
+    )
+    p.add_argument("--pause", type=float, default=2.0, help="seconds between stop and start")
+    p.add_argument("--rate", type=float, default=200.0, help="writers' events/s (keyed)")
+    p.add_argument("--settle", type=float, default=5.0, help="steady seconds between restarts")
+    p.add_argument(
+        "--recover-timeout", type=float, default=90.0, help="per restart, seconds to catch up"
+    )
+    p.add_argument(
+        "--stack-dir",
+        type=Path,
+        help="restart this running devstack stack (DIR/postgres, DIR/kafka) instead of "
+        "starting one",
+    )
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> RecoveryConfig:
+    """The config of ``python -m bench recovery ...``."""
+    stack_dir = str(args.stack_dir.resolve()) if args.stack_dir else None
+    return from_args(RecoveryConfig, args, stack_dir=stack_dir, **common_options(args))
 
 
 @dataclass
 class _Handles:
     postgres: Any = None  # devstack.PostgresServer
     kafka: Any = None  # devstack.KafkaBroker
-
-
-def _opener(cfg: RecoveryConfig, handles: _Handles) -> Any:
-    """The services of a recovery run: the bench's own stack, or an existing devstack stack
-    directory; never services it cannot restart."""
-
-    async def open_restartable(work: Path) -> Services:
-        if cfg.stack_dir is None:
-            services = await open_services(work)
-            if services.own_stack is None:
-                raise BenchError(
-                    "recovery restarts PostgreSQL and Kafka, so it needs the bench's own stack "
-                    "(unset NOTIFY_OUTBOX_DSN / NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS) or "
-                    "--stack-dir of a devstack stack"
-                )
-            handles.postgres = services.own_stack.postgres
-            handles.kafka = services.own_stack.kafka
-            return services
-        from devstack import KAFKA_VERSION, KafkaBroker, PostgresServer
-
-        base = Path(cfg.stack_dir)  # made absolute by the command line
-        probe = PostgresServer(base / "postgres")
-        if not probe.is_running():
-            raise BenchError(f"--stack-dir {base}: no running PostgreSQL in {base / 'postgres'}")
-        kafka = KafkaBroker(base / "kafka")
-        if not kafka.is_running():
-            raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
-        check_loopback(probe.dsn, kafka.bootstrap_servers)
-        conn = await asyncpg.connect(probe.dsn, timeout=30)
-        try:
-            fsync = await conn.fetchval("SHOW fsync")
-        finally:
-            await conn.close(timeout=5)
-        # devstack rewrites its settings file on every start: restart it as it was.
-        handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
-        handles.kafka = kafka
-        return Services(probe.dsn, kafka.bootstrap_servers, work, kafka_version=KAFKA_VERSION)
-
-    return open_restartable
 
 
 class _LogCounter:
@@ -300,10 +293,12 @@ async def _pg_accepts(dsn: str) -> bool:
             await conn.close(timeout=1)
 
 
-class _Recovery:
+class _Recovery(RegimeRun):
+    name = "recovery"
+    cfg: RecoveryConfig
+
     def __init__(self, cfg: RecoveryConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
+        super().__init__(cfg, run)
         self.handles = _Handles()
         self.restarts: list[dict[str, Any]] = []
         run.result["restarts"] = self.restarts
@@ -316,6 +311,47 @@ class _Recovery:
         )
         run.result["mode"] = self.mode.to_json()
         run.progress.total = len(cfg.services) * cfg.repeat
+
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"recovery: {cfg.repeat} restart(s) of {' and '.join(cfg.services)}, pause "
+            f"{cfg.pause:g}s, writers at {cfg.rate:g} ev/s"
+        )
+
+    async def open_services(self, work: Path) -> Services:
+        """The services of a recovery run: the bench's own stack, or an existing devstack stack
+        directory; never services it cannot restart."""
+        if self.cfg.stack_dir is None:
+            services = await open_services(work)
+            if services.own_stack is None:
+                raise BenchError(
+                    "recovery restarts PostgreSQL and Kafka, so it needs the bench's own stack "
+                    "(unset NOTIFY_OUTBOX_DSN / NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS) or "
+                    "--stack-dir of a devstack stack"
+                )
+            self.handles.postgres = services.own_stack.postgres
+            self.handles.kafka = services.own_stack.kafka
+            return services
+        from devstack import KAFKA_VERSION, KafkaBroker, PostgresServer
+
+        base = Path(self.cfg.stack_dir)  # made absolute by the command line
+        probe = PostgresServer(base / "postgres")
+        if not probe.is_running():
+            raise BenchError(f"--stack-dir {base}: no running PostgreSQL in {base / 'postgres'}")
+        kafka = KafkaBroker(base / "kafka")
+        if not kafka.is_running():
+            raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
+        check_loopback(probe.dsn, kafka.bootstrap_servers)
+        conn = await asyncpg.connect(probe.dsn, timeout=30)
+        try:
+            fsync = await conn.fetchval("SHOW fsync")
+        finally:
+            await conn.close(timeout=5)
+        # devstack rewrites its settings file on every start: restart it as it was.
+        self.handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
+        self.handles.kafka = kafka
+        return Services(probe.dsn, kafka.bootstrap_servers, work, kafka_version=KAFKA_VERSION)
 
     async def body(self, services: Services) -> None:
         run, cfg = self.run, self.cfg
@@ -380,7 +416,7 @@ class _Recovery:
                 await gen.stop(10)
             if relay is not None:
                 run.result["relay_exit"] = await run.stop(relay)
-                run.result["relay_log_lines"] = sum(1 for _ in relay.log_path.open("rb"))
+                run.result["relay_log_lines"] = relay.log_lines()
             await run.quit_consumer(consumer)
             for p in (gen_path, got_path):
                 p.unlink(missing_ok=True)
@@ -546,7 +582,7 @@ class _Recovery:
             )
 
 
-def recovery_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a recovery result wrong (not slow): lost events, a restart after which
     nothing was delivered, a relay that did not stop cleanly."""
     problems = []
@@ -561,11 +597,9 @@ def recovery_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians and maxima per service, and the targets of issue 10 (recovery <= 1 s, about
     one log line per second of outage)."""
-    import statistics
-
     out: dict[str, Any] = {"services": {}, "targets": []}
     for service in result["config"]["services"]:
         rs = [r for r in result.get("restarts", []) if r["service"] == service]
@@ -574,13 +608,11 @@ def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
         lat = [r["max_latency_ms"] for r in rs if r.get("max_latency_ms") is not None]
         row = {
             "restarts": len(rs),
-            "recovery_median_s": statistics.median(rec) if rec else None,
+            "recovery_median_s": median(rec),
             "recovery_max_s": max(rec) if rec else None,
-            "up_after_stop_median_s": (
-                statistics.median([r["up_after_stop_s"] for r in rs]) if rs else None
-            ),
+            "up_after_stop_median_s": (median(r["up_after_stop_s"] for r in rs)),
             "max_latency_ms": max(lat) if lat else None,
-            "log_lines_per_s_median": statistics.median(lps) if lps else None,
+            "log_lines_per_s_median": median(lps),
             "log_lines_per_s_max": max(lps) if lps else None,
         }
         xs = [r["xact"] for r in rs if r.get("xact")]
@@ -590,7 +622,7 @@ def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
                 "max_age_down_s": max(x["max_age_down_s"] for x in xs),
                 "longest_outage_xact_s": max(x["longest_outage_xact_s"] for x in xs),
                 "xid_restarts": sum(1 for x in xs if x["xid_down"]),
-                "clear_after_stop_median_s": statistics.median(clear) if clear else None,
+                "clear_after_stop_median_s": median(clear),
                 "clear_after_stop_max_s": max(clear) if clear else None,
                 "never_clear": len(xs) - len(clear),
             }
@@ -598,31 +630,192 @@ def summarize_recovery(result: dict[str, Any]) -> dict[str, Any]:
         if row["recovery_median_s"] is not None:
             v = row["recovery_median_s"]
             out["targets"].append(
-                {
-                    "target": f"{service}: delivery resumes <= 1 s after it accepts connections "
-                    "(median)",
-                    "measured": f"{v:.2f} s (max {row['recovery_max_s']:.2f} s)",
-                    "verdict": "met" if v <= 1.0 else "MISSED",
-                }
+                target(
+                    f"{service}: delivery resumes <= 1 s after it accepts connections (median)",
+                    f"{v:.2f} s (max {row['recovery_max_s']:.2f} s)",
+                    v <= 1.0,
+                )
             )
         if row["log_lines_per_s_max"] is not None:
             v = row["log_lines_per_s_max"]
             out["targets"].append(
-                {
-                    "target": f"{service} outage: <= ~1 relay log line per second",
-                    "measured": f"max {v:.1f} lines/s (median {row['log_lines_per_s_median']:.1f})",
-                    "verdict": "met" if v <= 1.5 else "MISSED",
-                }
+                target(
+                    f"{service} outage: <= ~1 relay log line per second",
+                    f"max {v:.1f} lines/s (median {row['log_lines_per_s_median']:.1f})",
+                    v <= 1.5,
+                )
             )
     return out
 
 
-async def run_recovery(cfg: RecoveryConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the recovery phase; returns the result JSON's path (written even on failure)."""
-    run = PhaseRun("recovery", cfg.to_json(), out_dir, keep=keep)
-    rec = _Recovery(cfg, run)
-    run.progress.line(
-        f"recovery: {cfg.repeat} restart(s) of {' and '.join(cfg.services)}, pause "
-        f"{cfg.pause:g}s, writers at {cfg.rate:g} ev/s"
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox outage recovery {result['run_id']}", ""]
+    lines += environment_lines(result)
+    ev = result.get("events", {})
+    lines += [
+        "- one relay process (default settings"
+        + (
+            ", " + ", ".join(f"{k}={v}" for k, v in cfg["relay_env"].items())
+            if cfg["relay_env"]
+            else ""
+        )
+        + f"), writers at {cfg['rate']:g} ev/s over {cfg['keys']} keys the whole run; "
+        f"{cfg['repeat']} restart(s) per service, {cfg['pause']:g} s between stop and start, "
+        f"{cfg['settle']:g} s of steady traffic between restarts",
+        f"- events: {ev.get('acked', '-')} committed, {ev.get('received', '-')} received, "
+        f"**{ev.get('missing', '-')} missing**; relay exit code {result.get('relay_exit')}, "
+        f"{result.get('relay_log_lines', '-')} log lines in all",
+        "",
+        "**Recovery** is the time from the service accepting connections again (Kafka: its "
+        "port takes a TCP connection; PostgreSQL: a login and `SELECT 1` work) to the consumer "
+        "receiving the first event committed after the outage began (Kafka: INSERT begun after "
+        "the SIGTERM; PostgreSQL: after it accepted connections again). Max latency is commit "
+        "ack -> receive over the events committed from 1 s before the stop to 1 s before the "
+        "next one. Log lines are the relay's, from the stop to that first delivery.",
+        "",
+        "## Per service (medians over restarts)",
+        "",
+    ]
+    lines += table(
+        (
+            "service | restarts | accepting connections after the stop (s) | "
+            "recovery median (s) | recovery max (s) | max latency (ms) | log lines/s median | max"
+        ),
+        [
+            [
+                s,
+                str(r["restarts"]),
+                num(r["up_after_stop_median_s"]),
+                num(r["recovery_median_s"]),
+                num(r["recovery_max_s"]),
+                num(r["max_latency_ms"], 0),
+                num(r["log_lines_per_s_median"], 1),
+                num(r["log_lines_per_s_max"], 1),
+            ]
+            for s, r in summary["services"].items()
+        ],
     )
-    return await run.run(_opener(cfg, rec.handles), rec.body, fsync_seconds=cfg.fsync_test_seconds)
+    lines += targets_section(summary, "issue 10")
+    lines += ["", "## Every restart", ""]
+    lines += table(
+        (
+            "service | # | stop took (s) | accepting after stop (s) | "
+            "first delivery after accepting (s) | after stop (s) | max latency (ms) | missing | "
+            "log lines | lines/s"
+        ),
+        [
+            [
+                r["service"],
+                str(r["n"]),
+                num(r["stop_s"]),
+                num(r["up_after_stop_s"]),
+                num(r.get("first_delivery_after_up_s")),
+                num(r.get("first_delivery_after_stop_s")),
+                num(r.get("max_latency_ms"), 0),
+                str(r.get("missing_in_slot", "-")),
+                str(r.get("log_lines", "-")),
+                num(r.get("log_lines_per_s"), 1),
+            ]
+            for r in result.get("restarts", [])
+        ],
+    )
+    lines += _xact_lines(result, summary)
+    kinds = [
+        (r["service"], r["n"], k)
+        for r in result.get("restarts", [])
+        for k in (r.get("log_kinds") or [])[:3]
+    ]
+    if kinds:
+        lines += ["", "Most frequent relay log lines during each outage (digits as N):", ""]
+        lines += [f"- {s} #{n}: {c} x `{text}`" for s, n, (text, c) in kinds]
+    return finish(lines, result, plots, problems(result))
+
+
+def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """The relay's transactions while Kafka was down (restarts that sampled them)."""
+    rs = [r for r in result.get("restarts", []) if r.get("xact")]
+    if not rs:
+        return []
+    lines = [
+        "",
+        "## Relay transactions during the Kafka outages",
+        "",
+        "`pg_stat_activity` every 50 ms from just before the stop: the relay's worker sessions "
+        "(`notify-outbox-worker`) in a transaction. **Oldest while down** is the age of the "
+        "longest-open transaction seen from the stop until Kafka accepted connections, **xid** "
+        "whether any of them held a transaction id (then it holds the database's horizon: "
+        "vacuum keeps every tuple that dies meanwhile); **longest** how long the longest "
+        "transaction begun before Kafka came back stayed open in all; **none open** the first "
+        "look from which no such transaction was open any more, after the stop and after "
+        "accepting connections (negative: before). PostgreSQL restarts are not sampled: the "
+        "stop ends every session.",
+        "",
+    ]
+    for service, row in summary["services"].items():
+        x = row.get("xact")
+        if x is not None:
+            left = x["never_clear"]
+            lines.append(
+                f"- {service}: oldest while down max {num(x['max_age_down_s'])} s, longest "
+                f"{num(x['longest_outage_xact_s'])} s, an xid held in {x['xid_restarts']} of "
+                f"{row['restarts']} outages; none open {num(x['clear_after_stop_median_s'])} s "
+                f"after the stop (median; max {num(x['clear_after_stop_max_s'])} s)"
+                + (f"; one still open at the end of the looks in {left}" if left else "")
+            )
+    lines.append("")
+    lines += table(
+        (
+            "service | # | open at the stop (oldest, s) | oldest while down (s) | xid | "
+            "looks with one open % | longest (s) | none open, s after stop | after accepting | "
+            "looks"
+        ),
+        [
+            [
+                r["service"],
+                str(r["n"]),
+                f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
+                num(x["max_age_down_s"]),
+                "yes" if x["xid_down"] else "no",
+                num(percent(x["open_share_down"]), 0),
+                num(x["longest_outage_xact_s"]),
+                num(x["clear_after_stop_s"]),
+                num(x["clear_after_up_s"]),
+                str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
+            ]
+            for r in rs
+            for x in [r["xact"]]
+        ],
+    )
+    return lines
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
+
+    rs = result.get("restarts", [])
+    if not rs:
+        return False
+    fig, ax = bar_figure(max(6.0, 0.7 * len(rs)))
+    labels = [f"{r['service']} {r['n']}" for r in rs]
+    up = [r["up_after_stop_s"] for r in rs]
+    rec = [r.get("first_delivery_after_up_s") or 0 for r in rs]
+    ax.bar(labels, up, label="stop -> accepting connections", color="lightgrey")
+    ax.bar(labels, rec, bottom=up, label="accepting -> first delivery (recovery)")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_ylabel("seconds after the stop")
+    ax.set_title("Outage recovery per restart")
+    return save_bar_chart(fig, ax, path)
+
+
+REGIME = Regime(
+    "recovery",
+    HELP,
+    arguments,
+    configure,
+    _Recovery.main,
+    summarize,
+    problems,
+    markdown,
+    plot,
+)

@@ -1,34 +1,42 @@
-"""What the production-condition regimes (``held-snapshot``, ``failing-head``,
-``stalled-relay``) and the outage phase share: their modes, the join of the writers' and the
-consumer's per-event arrays, latency figures, medians over rounds, the sampling of a mode's and
-the database's CPU, and a periodic look at the database on a connection of its own."""
+"""What the regimes share. ``Regime``: the parts every regime module fills in (options and
+config, run, summary, problems, markdown, plot; ``bench.catalog`` lists the regimes);
+``RegimeRun`` and ``Cells``: the skeleton of a regime's run. For the production-condition
+regimes (``held-snapshot``, ``failing-head``, ``stalled-relay``) and the outage phase: their
+modes, the join of the writers' and the consumer's per-event arrays, latency figures, targets,
+the sampling of a mode's and the database's CPU, and a periodic look at the database on a
+connection of its own."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
-import dataclasses
-import math
-import statistics
+import json
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from bench.config import MODES, Mode
-from bench.drain import parse_mode
+from bench.config import MODES, POLLER, Mode
+from bench.fmt import tables_under
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, utc
 from bench.procs import BenchError, Child, cluster_cpu_seconds
-from bench.services import Services, postmaster_pid, prepare_mode
+from bench.revs import with_alt_modes
+from bench.services import Services, open_services, postmaster_pid, prepare_mode
 
 __all__ = [
     "DEFAULT_REGIME_MODES",
     "QUERY_ERRORS",
+    "Cells",
     "CpuMeter",
     "Looker",
+    "Regime",
+    "RegimeRun",
     "acked_events",
     "add_cell",
     "cell_record",
@@ -36,9 +44,10 @@ __all__ = [
     "event_counts",
     "in_fresh_database",
     "latency_ms",
-    "median",
     "received_at",
     "regime_mode",
+    "regime_modes",
+    "target",
     "unfinished",
     "warm_up",
 ]
@@ -47,6 +56,159 @@ DEFAULT_REGIME_MODES = ("notify", "poller")
 # What a look at the database may fail with (it is recorded, and the look is skipped).
 QUERY_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 _LOOK_TIMEOUT = 60.0
+
+Result = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A regime of ``python -m bench``: ``name`` is its command, its result's ``phase`` and the
+    prefix of its files (``<name>-<UTC timestamp>.json``, ``.md``, ``.png``). ``help`` and
+    ``arguments`` make its command's options, ``configure`` its config from them (a BenchError
+    for a bad value), ``run(config, out_dir, keep=...)`` runs it and writes the result JSON
+    (even when the run fails half-way) and returns its path. From a result:
+    ``summarize`` (medians over rounds, targets), ``problems`` (what makes the result wrong, not
+    slow), ``markdown`` (the report, given the summary and the plots' file names) and ``plot``
+    (one PNG; False when there is nothing to draw). ``terminal``: the headings of the report's
+    tables shown on the terminal at the end of a run."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    configure: Callable[[argparse.Namespace], Any]
+    run: Callable[..., Coroutine[Any, Any, Path]]
+    summarize: Callable[[Result], Result]
+    problems: Callable[[Result], list[str]]
+    markdown: Callable[[Result, Result, list[str]], str]
+    plot: Callable[[Result, Result, Path], bool]
+    terminal: tuple[str, ...] = ()
+
+    def write_report(self, json_path: Path, *, plots: bool = True) -> Path:
+        """Write ``<stem>.md`` (and, with ``plots``, ``<stem>.png``) next to a result JSON;
+        returns the markdown's path."""
+        result = json.loads(json_path.read_text())
+        summary = self.summarize(result)
+        png = json_path.with_suffix(".png")
+        names: list[str] = []
+        if plots:
+            try:
+                if self.plot(result, summary, png):
+                    names.append(png.name)
+            except ImportError as e:  # matplotlib is optional: the tables do not need it
+                result.setdefault("notes", []).append(f"plot skipped: {e}")
+        md = json_path.with_suffix(".md")
+        md.write_text(self.markdown(result, summary, names))
+        return md
+
+    def terminal_lines(self, result: Result) -> list[str]:
+        """The report's main tables and targets, for the terminal at the end of a run."""
+        if not self.terminal:
+            return []
+        return tables_under(self.markdown(result, self.summarize(result), []), self.terminal)
+
+
+class RegimeRun:
+    """The run of a regime: ``body`` does its work on the services that ``open_services``
+    opens (the bench's own stack, or those of the environment); ``main`` makes the run's
+    ``PhaseRun`` (result, work directory, JSON), prints ``intro`` and runs the body."""
+
+    name = ""  # the regime's name: its result's "phase"
+
+    def __init__(self, cfg: Any, run: PhaseRun) -> None:
+        self.cfg = cfg
+        self.run = run
+
+    def intro(self) -> str:
+        """The run's first line: what it will do."""
+        raise NotImplementedError
+
+    def pgbouncer(self) -> bool:
+        """Whether a mode of the run goes through the bench's PgBouncer."""
+        return False
+
+    async def open_services(self, work: Path) -> Services:
+        """PostgreSQL and Kafka for the run."""
+        return await open_services(work)
+
+    async def body(self, services: Services) -> None:
+        """The regime's work."""
+        raise NotImplementedError
+
+    @classmethod
+    async def main(cls, cfg: Any, out_dir: Path, *, keep: bool) -> Path:
+        """Run the regime; returns the result JSON's path (written even on failure)."""
+        run = PhaseRun(cls.name, cfg.to_json(), out_dir, keep=keep)
+        runner = cls(cfg, run)
+        run.progress.line(runner.intro())
+        return await run.run(
+            runner.open_services,
+            runner.body,
+            fsync_seconds=cfg.fsync_test_seconds,
+            pgbouncer=runner.pgbouncer(),
+        )
+
+
+class Cells(RegimeRun):
+    """A regime run as cells, one after another, each on a fresh database and topic
+    (``bench_<short>_<run id>_<n>``): ``grid`` lists them (identity, label; round first),
+    ``prepare`` runs before the first, ``cell`` measures one and returns its record (see
+    ``add_cell``: the JSON is rewritten after each)."""
+
+    short = ""
+
+    def __init__(self, cfg: Any, run: PhaseRun, modes: list[Mode]) -> None:
+        super().__init__(cfg, run)
+        self.modes = {m.name: m for m in modes}
+        self.cells: list[dict[str, Any]] = []
+        self.postmaster: int | None = None  # whose processes are the database's CPU
+        run.progress.total = len(list(self.grid()))
+        run.result["modes"] = {m.name: m.to_json() for m in modes}
+        run.result["cells"] = self.cells
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        """Every cell's identity (recorded in it) and label (its progress lines), in order."""
+        raise NotImplementedError
+
+    async def prepare(self, services: Services) -> None:
+        """Before the first cell (nothing by default)."""
+
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
+        """Measure one cell; its record."""
+        raise NotImplementedError
+
+    async def body(self, services: Services) -> None:
+        await self.prepare(services)
+        for identity, label in self.grid():
+            await add_cell(
+                self.run, self.cells, identity, label, self.cell(services, identity, label)
+            )
+
+    def names(self, cell: dict[str, Any]) -> tuple[str, str]:
+        """The database and the topic of a cell."""
+        at = f"{self.run.run_id.lower()}_{cell['cell']}"
+        return f"bench_{self.short}_{at}", f"bench-{self.short}-{at.replace('_', '-')}"
+
+    async def in_fresh_database(
+        self,
+        services: Services,
+        mode: Mode,
+        cell: dict[str, Any],
+        measure: Callable[[str], Awaitable[None]],
+    ) -> None:
+        """``measure(dsn)`` on the cell's fresh database and topic (``in_fresh_database``)."""
+        database, topic = self.names(cell)
+        await in_fresh_database(
+            self.run,
+            services,
+            mode,
+            cell,
+            database=database,
+            topic=topic,
+            partitions=self.cfg.partitions,
+            measure=measure,
+        )
 
 
 def regime_mode(name: str, alt_tree: str | None) -> Mode:
@@ -58,16 +220,28 @@ def regime_mode(name: str, alt_tree: str | None) -> Mode:
     if name == "notify-alt":
         if alt_tree is None:
             raise BenchError("mode notify-alt needs --alt-relay DIR")
-        base = MODES["notify"]
-        return dataclasses.replace(
-            base,
-            name=name,
-            description=f"{base.description}; relay code from {alt_tree}",
-            cwd=alt_tree,
-        )
+        return MODES["notify"].from_tree(alt_tree)
     if name == "poller":
-        return parse_mode("poller", None).mode
+        return POLLER
     raise BenchError(f"unknown mode {name!r}: notify, notify-alt (with --alt-relay) or poller")
+
+
+def regime_modes(args: argparse.Namespace, alt_tree: str | None) -> list[str]:
+    """``--modes`` of held-snapshot or failing-head, without repeats, with ``notify-alt``
+    after ``notify`` for ``--compare-rev``, each checked; and ``--repeat`` checked."""
+    modes = list(dict.fromkeys(args.modes))
+    if args.alt_revision:
+        modes = with_alt_modes(modes, lambda m: "notify-alt" if m == "notify" else None)
+    for m in modes:
+        regime_mode(m, alt_tree)  # fails early on a bad name
+    if args.repeat < 1:
+        raise BenchError("--repeat must be at least 1")
+    return modes
+
+
+def target(what: str, measured: str, met: bool) -> dict[str, str]:
+    """One of a summary's targets: what it asks, what was measured, and the verdict."""
+    return {"target": what, "measured": measured, "verdict": "met" if met else "MISSED"}
 
 
 def received_at(got: dict[str, array[int]]) -> dict[int, int]:
@@ -104,16 +278,6 @@ def latency_ms(h: Histogram) -> dict[str, float | None]:
         "p99": h.value_at(99.0) / 1000.0,
         "max": h.max_us / 1000.0,
     }
-
-
-def median(values: Iterable[Any]) -> float | None:
-    """The median of the numbers among ``values`` (None, NaN and missing values left out)."""
-    vs = [
-        float(v)
-        for v in values
-        if isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
-    ]
-    return statistics.median(vs) if vs else None
 
 
 class CpuMeter:
@@ -235,14 +399,11 @@ async def warm_up(
                 out=gen_path,
                 name="writers-warmup",
             )
-            end = time.monotonic() + seconds
-            while (left := end - time.monotonic()) > 0:
-                if not gen.running():
-                    raise BenchError(
-                        f"warm-up writers exited ({gen.proc.returncode}):\n{gen.tail()}"
-                    )
-                run.progress.status(f"warm-up: {seconds - left:.0f}/{seconds:g}s")
-                await asyncio.sleep(min(1.0, left))
+            await run.pace(
+                time.monotonic_ns() + int(seconds * 1e9),
+                lambda left: f"warm-up: {seconds - left:.0f}/{seconds:g}s",
+                alive=[(gen, "warm-up writers")],
+            )
             record["writers"] = await run.stop_writers(gen)
             gen = None
         finally:

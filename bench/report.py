@@ -1,27 +1,28 @@
-"""From a result JSON to the summary, the markdown table and the plots
-(``python -m bench report FILE.json``)."""
+"""From a latency run's result JSON to the summary, the markdown report and the plots
+(``python -m bench report FILE.json``; ``bench.catalog`` finds the other regimes')."""
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.revs import revision_text
+from bench.analysis import median
+from bench.fmt import environment_lines, modes_section, num, pct, profile_lines, signed, table
 from bench.stages import STAGES
 
-__all__ = ["environment_lines", "floor_lines", "mode_bullets", "summarize", "write_report"]
+__all__ = ["floor_lines", "summarize", "write_run_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
 
 def _med(values: Iterable[float | None]) -> float:
-    vs = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(vs) if vs else math.nan
+    """``median``, NaN when there is no value (the latency tables' missing figure)."""
+    m = median(values)
+    return math.nan if m is None else m
 
 
 def _majority(flags: list[bool]) -> bool:
@@ -287,14 +288,14 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ratio = r["vs_no-trigger"]
         others = ", ".join(
-            f"{_pct(r[f'vs_{ref}'])} of {ref}"
+            f"{pct(r[f'vs_{ref}'])} of {ref}"
             for ref in _PRODUCER_REFS[1:]
             if not math.isnan(r[f"vs_{ref}"])
         )
         add(
             f"producer commits/s, {variant} vs no-trigger, {writers} writer(s): >= 90% "
             "(stretch 97%)",
-            f"{_pct(ratio)} of no-trigger" + (f" ({others})" if others else ""),
+            f"{pct(ratio)} of no-trigger" + (f" ({others})" if others else ""),
             None if math.isnan(ratio) else ratio >= 0.9,
             None if math.isnan(ratio) else ratio >= 0.97,
         )
@@ -324,100 +325,6 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
 # --- markdown ---------------------------------------------------------------------------------
 
 
-def _f(v: Any, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float):
-        if abs(v) >= 100:
-            return f"{v:.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
-
-
-def profile_lines(title: str, prof: dict[str, Any]) -> list[str]:
-    """A profiled cell's functions with the most own time (``bench.profile.top_self``)."""
-    if not prof.get("samples"):
-        return []
-    lines = ["", f"## Profile: {title} (py-spy, {prof['samples']:,} samples, `{prof['file']}`)", ""]
-    return lines + _table(
-        ["function (own time)", "share"],
-        [[f"`{t['function']}`", f"{100 * t['share']:.1f}%"] for t in prof["top"]],
-    )
-
-
-def environment_lines(result: dict[str, Any]) -> list[str]:
-    """The markdown bullets describing the machine, services, revision and noise of a run."""
-    env = result.get("environment", {})
-    host = env.get("host", {})
-    pg = env.get("postgres", {}).get("settings", {})
-    git = env.get("git", {})
-    fs = env.get("fdatasync_probe", {})
-    ptf = env.get("pg_test_fsync", {})
-    pgb = env.get("pgbouncer", {})
-    pooler = (
-        [
-            f"- PgBouncer (pooled modes): {pgb.get('version')}, {pgb.get('pool_mode')} pooling, "
-            f"default_pool_size {pgb.get('settings', {}).get('default_pool_size')}"
-            + ("; it was NOT running at the end" if pgb.get("running_at_end") is False else "")
-        ]
-        if pgb.get("ran")
-        else []
-    )
-    return [
-        f"- machine: {host.get('cpu_model')} x{host.get('cores')} cores, "
-        f"{host.get('memory_gib')} GiB, kernel {host.get('kernel')}, Python {host.get('python')}",
-        f"- fsync: fdatasync probe median {fs.get('median_us')} µs"
-        + (
-            f"; pg_test_fsync fdatasync {ptf.get('fdatasync_us_per_op')} µs/op"
-            if ptf.get("fdatasync_us_per_op")
-            else ""
-        ),
-        f"- PostgreSQL {pg.get('server_version')}: "
-        f"synchronous_commit={pg.get('synchronous_commit')}, fsync={pg.get('fsync')}, "
-        f"shared_buffers={pg.get('shared_buffers')}, "
-        f"wal_sync_method={pg.get('wal_sync_method')}; Kafka "
-        f"{env.get('kafka', {}).get('version')} (one broker, acks=all, idempotent producers)",
-        *pooler,
-        f"- git {str(git.get('revision'))[:12]} on {git.get('branch')}"
-        + (" (uncommitted changes)" if git.get("dirty") else ""),
-        *_compare_lines(result),
-        f"- noise: load average {result.get('load_average_start')} at start, "
-        f"{result.get('load_average_end')} at end; host CPU busy "
-        f"{_f(100 * (result.get('host_cpu_busy') or math.nan), 0)}% over "
-        f"{_f(result.get('wall_seconds'), 0)} s",
-    ]
-
-
-def _compare_lines(result: dict[str, Any]) -> list[str]:
-    """With ``--compare-rev``: which revision ran where."""
-    alt = result.get("config", {}).get("alt_revision")
-    if not alt:
-        return []
-    git = result.get("environment", {}).get("git", {})
-    return [
-        f"- **compared** (`--compare-rev {alt['ref']}`): the `-alt` modes (recovery and "
-        f"stalled-relay: the relay itself) ran {revision_text(alt)}; the others this checkout, "
-        f"{revision_text(git)}"
-    ]
-
-
-def mode_bullets(result: dict[str, Any]) -> list[str]:
-    """One bullet per mode: its description, and with ``--compare-rev`` its revision."""
-    return [
-        f"- `{n}`: {m['description']}"
-        + (f"; {revision_text(m['revision'])}" if m.get("revision") else "")
-        for n, m in result.get("modes", {}).items()
-    ]
-
-
 def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
     """The human-readable report of one run."""
     cfg = result["config"]
@@ -443,8 +350,8 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "## Targets",
         "",
     ]
-    lines += _table(
-        ["target", "measured", "verdict", "stretch"],
+    lines += table(
+        "target | measured | verdict | stretch",
         [[t["target"], t["measured"], t["verdict"], t["stretch"]] for t in summary["targets"]],
     )
     lines += ["", "## Latency per mode and offered load", ""]
@@ -462,31 +369,20 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
             [
                 _row_label(r),
                 f"{r['load']:g}",
-                _f(r["commit_rate"]),
-                _f(r["delivered_rate"]),
-                *(_f(e[p]) for p in _PCTS),
-                _f(a["p50"]),
-                _f(a["p99"]),
-                _f(a["p99.9"]),
+                num(r["commit_rate"]),
+                num(r["delivered_rate"]),
+                *(num(e[p]) for p in _PCTS),
+                num(a["p50"]),
+                num(a["p99"]),
+                num(a["p99.9"]),
                 verdict,
             ]
         )
-    lines += _table(
-        [
-            "mode",
-            "offered ev/s",
-            "committed/s",
-            "delivered/s",
-            "e2e p50",
-            "p95",
-            "p99",
-            "p99.9",
-            "max",
-            "ack->recv p50",
-            "p99",
-            "p99.9",
-            "verdict",
-        ],
+    lines += table(
+        (
+            "mode | offered ev/s | committed/s | delivered/s | e2e p50 | p95 | p99 | p99.9 | "
+            "max | ack->recv p50 | p99 | p99.9 | verdict"
+        ),
         rows,
     )
     lines += [
@@ -500,15 +396,15 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     ]
     lines += _over_floor_section(summary)
     lines += ["", "## Maximum throughput per mode", ""]
-    lines += _table(
-        ["mode", "max sustained ev/s", "max keeping up ev/s", "highest tried", "first saturated"],
+    lines += table(
+        "mode | max sustained ev/s | max keeping up ev/s | highest tried | first saturated",
         [
             [
                 m,
-                _f(t["max_sustained"]),
-                _f(t["max_keeping_up"]),
-                _f(t["highest_tried"]),
-                _f(t["first_failing"])
+                num(t["max_sustained"]),
+                num(t["max_keeping_up"]),
+                num(t["highest_tried"]),
+                num(t["first_failing"])
                 + (f" ({t['first_failing_limit']})" if t.get("first_failing_limit") else ""),
             ]
             for m, t in summary["throughput"].items()
@@ -524,21 +420,17 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         srows.append(
             [
                 r["mode"],
-                *(f"{_f(s[k]['p50'])} / {_f(s[k]['p99'])}" for k in s),
-                _f(r["mode_cpu_us_per_event"], 0),
-                _f(100 * r["host_cpu_busy"], 0),
+                *(f"{num(s[k]['p50'])} / {num(s[k]['p99'])}" for k in s),
+                num(r["mode_cpu_us_per_event"], 0),
+                num(100 * r["host_cpu_busy"], 0),
             ]
         )
-    lines += _table(
-        [
-            "mode",
-            "schedule -> send (generator lag)",
-            "send -> commit ack",
-            "commit ack -> Kafka send (±0.5 ms)",
-            "Kafka send -> receive",
-            "relay/poller CPU µs per event",
-            "host CPU busy %",
-        ],
+    lines += table(
+        (
+            "mode | schedule -> send (generator lag) | send -> commit ack | "
+            "commit ack -> Kafka send (±0.5 ms) | Kafka send -> receive | "
+            "relay/poller CPU µs per event | host CPU busy %"
+        ),
         srows,
     )
     lines += [
@@ -551,7 +443,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         if c.get("profile"):
             lines += profile_lines(
                 f"{c['mode']} at {c['load']:g} ev/s, {c['arrival']}/{c['producer']} "
-                f"(relay CPU {_f(c.get('mode_cpu_us_per_event'), 0)} µs per event)",
+                f"(relay CPU {num(c.get('mode_cpu_us_per_event'), 0)} µs per event)",
                 c["profile"],
             )
     lines += [
@@ -559,27 +451,21 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "## Producer overhead (single-row INSERT transactions, as fast as possible)",
         "",
     ]
-    lines += _table(
-        [
-            "variant",
-            "writers",
-            "commits/s",
-            "latency p50",
-            "p99",
-            "vs no-trigger",
-            "vs no-trigger+relay",
-            "vs no-trigger+fast-relay",
-        ],
+    lines += table(
+        (
+            "variant | writers | commits/s | latency p50 | p99 | vs no-trigger | "
+            "vs no-trigger+relay | vs no-trigger+fast-relay"
+        ),
         [
             [
                 r["variant"],
                 str(r["writers"]),
-                _f(r["commits_per_s"]),
-                _f(r["p50"], 3),
-                _f(r["p99"], 3),
-                _pct(r["vs_no-trigger"]),
-                _pct(r["vs_no-trigger+relay"]),
-                _pct(r["vs_no-trigger+fast-relay"]),
+                num(r["commits_per_s"]),
+                num(r["p50"], 3),
+                num(r["p99"], 3),
+                pct(r["vs_no-trigger"]),
+                pct(r["vs_no-trigger+relay"]),
+                pct(r["vs_no-trigger+fast-relay"]),
             ]
             for r in summary["producer"]
         ],
@@ -594,14 +480,14 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "database)",
         "",
     ]
-    lines += _table(
-        ["mode", "queries/s (pg_stat_statements)", "commits/s (pg_stat_database)", "process CPU %"],
+    lines += table(
+        "mode | queries/s (pg_stat_statements) | commits/s (pg_stat_database) | process CPU %",
         [
-            [m, _f(i["queries_per_s"]), _f(i["commits_per_s"]), _f(i["cpu_percent"])]
+            [m, num(i["queries_per_s"]), num(i["commits_per_s"]), num(i["cpu_percent"])]
             for m, i in summary["idle"].items()
         ],
     )
-    lines += ["", "## Modes", "", *mode_bullets(result)]
+    lines += modes_section(result)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p}]({p})" for p in plots]
@@ -643,7 +529,7 @@ def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
         if s["status"] != "ok":
             out.append([_row_label(r), f"{r['load']:g}", s["status"], *("-" for _ in STAGES), "-"])
             continue
-        sources = ", ".join(f"{k} {_pct(v)}" for k, v in s["sources"].items())
+        sources = ", ".join(f"{k} {pct(v)}" for k, v in s["sources"].items())
         out.append(
             [
                 _row_label(r),
@@ -658,18 +544,18 @@ def _stage_log_lines(summary: dict[str, Any]) -> list[str]:
                 ),
             ]
         )
-    return lines + _table(
+    return lines + table(
         ["mode", "offered ev/s", "claims: wake sources", *STAGES.values(), "events without a line"],
         out,
     )
 
 
 def _stage_cell(st: dict[str, Any]) -> str:
-    text = f"{_f(st['p50'])} / {_f(st['p99'])}"
+    text = f"{num(st['p50'])} / {num(st['p99'])}"
     neg = st.get("negative")
     if neg is None or math.isnan(neg) or neg < 0.005:  # shown from 1 % (rounded)
         return text
-    return f"{text} ({_pct(neg)} <0)"
+    return f"{text} ({pct(neg)} <0)"
 
 
 def _over_floor_section(summary: dict[str, Any]) -> list[str]:
@@ -686,18 +572,18 @@ def _over_floor_section(summary: dict[str, Any]) -> list[str]:
         "median over rounds of the mode's value minus the floor's in the same round.",
         "",
     ]
-    return lines + _table(
-        ["offered ev/s", "mode", "p50", "floor p50", "over p50", "p99", "floor p99", "over p99"],
+    return lines + table(
+        "offered ev/s | mode | p50 | floor p50 | over p50 | p99 | floor p99 | over p99",
         [
             [
                 f"{r['load']:g}",
                 r["mode"],
-                _f(r["p50"]),
-                _f(r["floor_p50"]),
-                _signed(r["over_p50"]),
-                _f(r["p99"]),
-                _f(r["floor_p99"]),
-                _signed(r["over_p99"]),
+                num(r["p50"]),
+                num(r["floor_p50"]),
+                signed(r["over_p50"]),
+                num(r["p99"]),
+                num(r["floor_p99"]),
+                signed(r["over_p99"]),
             ]
             for r in rows
         ],
@@ -712,26 +598,10 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
     return [line for line in _over_floor_section(summarize(result)) if line.startswith("|")]
 
 
-def _signed(v: float | None) -> str:
-    text = _f(v)
-    return text if text == "-" or text.startswith("-") else f"+{text}"
-
-
-def _pct(v: float) -> str:
-    return "-" if v is None or math.isnan(v) else f"{100 * v:.0f}%"
-
-
-def write_report(json_path: Path, *, plots: bool = True) -> Path:
-    """Write ``<stem>.md`` (and the PNG plots) next to ``json_path``; returns the md path."""
+def write_run_report(json_path: Path, *, plots: bool = True) -> Path:
+    """Write ``<stem>.md`` (and the PNG plots) next to a latency run's result JSON; returns
+    the md path."""
     result = json.loads(json_path.read_text())
-    if result.get("phase") == "inbox":
-        from bench.inbox import write_inbox_report
-
-        return write_inbox_report(json_path, plots=plots)
-    if result.get("phase"):  # drain, recovery, held-snapshot, failing-head
-        from bench.phase_report import write_phase_report
-
-        return write_phase_report(json_path, plots=plots)
     summary = summarize(result)
     names: list[str] = []
     if plots:

@@ -20,9 +20,10 @@ from bench import envinfo
 from bench.analysis import analyse_cell
 from bench.arrays import load_arrays
 from bench.config import MODES, VARIANTS, Mode, RunConfig, TriggerVariant, writers_for
+from bench.fmt import ms_aligned, opt
 from bench.hist import Histogram
 from bench.loadgen import LoadConfig
-from bench.phase import PhaseRun, loadavg, slug, utc
+from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, python_argv
 from bench.profile import start_profiler, stop_profiler, top_self
@@ -40,7 +41,6 @@ from notify_outbox.pg.sqlfiles import Queries
 
 __all__ = ["Runner"]
 
-_READY_TIMEOUT = 60.0
 _QUERY_TIMEOUT = 30.0
 _EMPTY_TIMEOUT = 30.0
 
@@ -157,9 +157,10 @@ class Runner:
             )
             cpu0 = {name: c.cpu() for name, c in children.items()}
             t0 = time.monotonic()
-            while (left := seconds - (time.monotonic() - t0)) > 0:
-                self.progress.status(f"idle: measuring, {left:.0f}s left")
-                await asyncio.sleep(min(1.0, left))
+            await self._run.pace(
+                time.monotonic_ns() + int(seconds * 1e9),
+                lambda left: f"idle: measuring, {left:.0f}s left",
+            )
             elapsed = time.monotonic() - t0
             after = await db_counters(
                 services.dsn, list(names.values()), statements=self._statements
@@ -182,7 +183,8 @@ class Runner:
                 }
                 self.result["idle"].append(record)
                 self.progress.line(
-                    f"idle {name:<12} {_fmt(calls)} queries/s, {_fmt(xacts)} commits/s, "
+                    f"idle {name:<12} {opt(calls, '.2f', 'n/a')} queries/s, "
+                    f"{opt(xacts, '.2f', 'n/a')} commits/s, "
                     f"CPU {record['cpu_percent']:.2f}%"
                 )
         finally:
@@ -222,7 +224,7 @@ class Runner:
         try:
             starting = asyncio.ensure_future(self._start_mode(services, db.mode, db.dsn, extra_env))
             try:
-                ready = json.loads(await consumer.read_line(_READY_TIMEOUT))
+                ready = json.loads(await consumer.read_line(READY_TIMEOUT))
             finally:
                 process = await starting
             if not ready.get("ready"):
@@ -284,9 +286,7 @@ class Runner:
         finally:
             if conn is not None:
                 await conn.close(timeout=5)
-            with contextlib.suppress(Exception):
-                await consumer.send_line(json.dumps({"cmd": "quit"}))
-            await consumer.stop(15)
+            await self._run.quit_consumer(consumer)
             if process is not None:
                 await self._run.stop(process)
 
@@ -312,10 +312,7 @@ class Runner:
         writers = cfg.writers or writers_for(load)
         label = f"{db.mode.name} {load:g} ev/s {arrival}/{producer} rep {rep + 1}"
         self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
-        cells_dir = self.work / "cells"
-        cells_dir.mkdir(parents=True, exist_ok=True)
-        gen_path = cells_dir / f"c{n}-gen.bin"
-        got_path = cells_dir / f"c{n}-got.bin"
+        gen_path, got_path = self._run.array_paths(f"c{n}")
         lc = LoadConfig(
             dsn=db.dsn,
             topic=db.topic,
@@ -334,19 +331,10 @@ class Runner:
             sink="kafka" if db.mode.kind == "floor" else "postgres",
             bootstrap=services.bootstrap,
         )
-        config_path = cells_dir / f"c{n}-config.json"
-        lc.save(config_path)
         cpu0 = process.cpu() if process is not None else 0.0
         host0 = envinfo.cpu_times()
         started = utc()
-        gen = await Child.start(
-            f"loadgen cell {n}",
-            python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env(),
-            log_path=self._run.log_path(f"loadgen-{n}"),
-            pipes=True,
-            cwd=self.src,
-        )
+        gen = await self._run.start_loadgen(lc, name=f"loadgen-{n}")
         profiler = None
         if profile and process is not None:
             profiler = await self._start_profiler(process, n)
@@ -359,18 +347,9 @@ class Runner:
         finally:
             await gen.stop(5)
         self.progress.status(f"{label}: waiting for {summary['acked']} events at the consumer")
-        await consumer.send_line(
-            json.dumps(
-                {
-                    "cmd": "collect",
-                    "cell": n,
-                    "expect": summary["acked"],
-                    "timeout": cfg.drain_timeout,
-                    "out": str(got_path),
-                }
-            )
+        reply = await self._run.collect(
+            consumer, cell=n, expect=summary["acked"], within=cfg.drain_timeout, out=got_path
         )
-        reply = json.loads(await consumer.read_line(cfg.drain_timeout + 30))
         cpu_used = process.cpu() - cpu0 if process is not None else None
         host1 = envinfo.cpu_times()
         profile_summary: dict[str, Any] | None = None
@@ -387,7 +366,7 @@ class Runner:
             if stage_log is not None
             else None
         )
-        for p in (gen_path, got_path, config_path):
+        for p in (gen_path, got_path, gen_path.with_suffix(".config.json")):
             p.unlink(missing_ok=True)
         total_events = summary["acked"]
         cell: dict[str, Any] = {
@@ -426,9 +405,9 @@ class Runner:
         ack = cell["latency"]["ack_to_recv"]
         verdict = "sustained" if cell["sustained"] else "keeps up" if cell["keeps_up"] else "NO"
         self.progress.line(
-            f"{label:<42} commit {cell['commit_rate']:8.0f}/s  e2e p50 {_ms(lat['p50'])} "
-            f"p99 {_ms(lat['p99'])} max {_ms(lat['max'])} | ack->recv p50 {_ms(ack['p50'])} "
-            f"p99 {_ms(ack['p99'])} | {verdict}"
+            f"{label:<42} commit {cell['commit_rate']:8.0f}/s  e2e p50 {ms_aligned(lat['p50'])} "
+            f"p99 {ms_aligned(lat['p99'])} max {ms_aligned(lat['max'])} | ack->recv p50 "
+            f"{ms_aligned(ack['p50'])} p99 {ms_aligned(ack['p99'])} | {verdict}"
             + (f" missing {cell['missing']}" if cell["missing"] else "")
             + (f" | {_stages_note(stages)}" if stages is not None else ""),
             cell=True,
@@ -542,7 +521,7 @@ class Runner:
                 lat = cell["latency"]
                 self.progress.line(
                     f"{label:<46} {cell['commits_per_s']:8.0f} commits/s  "
-                    f"latency p50 {_ms(lat['p50'])} p99 {_ms(lat['p99'])}",
+                    f"latency p50 {ms_aligned(lat['p50'])} p99 {ms_aligned(lat['p99'])}",
                     cell=True,
                 )
         finally:
@@ -676,12 +655,6 @@ def _db_name(dsn: str) -> str:
     return urlsplit(dsn).path.lstrip("/")
 
 
-def _ms(v: float) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "   -   "
-    return f"{v:7.1f}" if v >= 10 else f"{v:7.2f}"
-
-
 def _stages_note(stages: dict[str, Any]) -> str:
     if stages["status"] != "ok":
         return str(stages["status"])
@@ -689,10 +662,6 @@ def _stages_note(stages: dict[str, Any]) -> str:
         f"stage log: {stages['claims']} claims, {stages['missing_lines']} of "
         f"{stages['events']} events without a line"
     )
-
-
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}"
 
 
 async def _hold_awake(dsn: str) -> asyncio.Task[None]:

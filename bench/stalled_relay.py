@@ -22,6 +22,7 @@ order) and the others. See ``bench/README.md``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
 import contextlib
@@ -30,41 +31,54 @@ import json
 import signal
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from bench import envinfo
+from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import Mode
+from bench.config import JsonRecord, Mode, common_options, from_args, phase_options
+from bench.fmt import (
+    environment_lines,
+    finish,
+    modes_section,
+    ms,
+    num,
+    pct,
+    percent,
+    share,
+    table,
+    targets_section,
+)
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, wait_mode_ready
 from bench.procs import BenchError, Child, python_argv, tcp_ports
 from bench.regimes import (
+    Cells,
     Looker,
+    Regime,
     acked_events,
-    add_cell,
     cell_record,
     event_counts,
-    in_fresh_database,
     latency_ms,
-    median,
     received_at,
     regime_mode,
+    target,
     unfinished,
 )
-from bench.services import Services, open_services
+from bench.services import Services
 from devstack.relayproc import child_env
 from notify_outbox import OutboxNames
 
 __all__ = [
     "NOTIFY_MODES",
     "StalledRelayConfig",
-    "run_stalled_relay",
-    "stalled_relay_problems",
-    "summarize_stalled_relay",
+    "problems",
+    "summarize",
 ]
 
 NOTIFY_MODES = ("gated", "always")
@@ -105,7 +119,7 @@ _KEY_BUCKETS = (
 
 
 @dataclass
-class StalledRelayConfig:
+class StalledRelayConfig(JsonRecord):
     """Everything one stalled-relay run does; recorded in the result JSON."""
 
     rate: float = 1200.0
@@ -128,10 +142,6 @@ class StalledRelayConfig:
     partitions: int = 3
     fsync_test_seconds: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
-
     def cell_seconds(self) -> float:
         """The length of a cell's load, set-up and drain left out."""
         return (
@@ -141,6 +151,64 @@ class StalledRelayConfig:
             + max(0, self.freezes - 1) * self.gap
             + self.recovery
         )
+
+
+HELP = "two relays under steady load, one of them frozen (SIGSTOP) again and again"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench stalled-relay``."""
+    p.add_argument("--rate", type=float, default=1200.0, help="writers' events/s (default 1200)")
+    p.add_argument(
+        "--keys",
+        nargs="+",
+        type=int,
+        default=[20, 5000],
+        help="key mixes: distinct keys (default 20 5000)",
+    )
+    p.add_argument(
+        "--notify-modes",
+        nargs="+",
+        choices=["gated", "always"],
+        default=["gated", "always"],
+        help="the outbox's notify_mode per cell (default gated always)",
+    )
+    p.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
+    p.add_argument(
+        "--warmup", type=float, default=2.0, help="seconds of load before the baseline (default 2)"
+    )
+    p.add_argument("--baseline", type=float, default=20.0, help="seconds before the 1st freeze")
+    p.add_argument("--freezes", type=int, default=6, help="freezes per cell (default 6)")
+    p.add_argument("--freeze", type=float, default=6.0, help="seconds per freeze (default 6)")
+    p.add_argument("--gap", type=float, default=6.0, help="seconds between freezes (default 6)")
+    p.add_argument("--recovery", type=float, default=10.0, help="seconds after the last freeze")
+    p.add_argument(
+        "--pick",
+        choices=["marker", "alternate"],
+        default="marker",
+        help="which relay to freeze: the one holding the awake marker (else in turn; default), "
+        "or always in turn",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds (cells interleaved; medians)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="after the load, seconds to wait for every committed event",
+    )
+    phase_options(p)
+
+
+def configure(args: argparse.Namespace) -> StalledRelayConfig:
+    """The config of ``python -m bench stalled-relay ...`` (a BenchError for a bad value)."""
+    common = common_options(args)
+    if args.repeat < 1 or args.freezes < 1 or args.relays < 2 or min(args.keys) < 1:
+        raise BenchError("--repeat, --freezes and --keys must be at least 1, --relays at least 2")
+    if min(args.freeze, args.rate, args.baseline) <= 0:
+        raise BenchError("--freeze, --baseline and --rate must be > 0")
+    if min(args.warmup, args.gap, args.recovery) < 0:
+        raise BenchError("--warmup, --gap and --recovery must be >= 0")
+    return from_args(StalledRelayConfig, args, **common)
 
 
 class _Fleet:
@@ -415,65 +483,62 @@ def analyse_cell(
     }
 
 
-class _StalledRelay:
+class _StalledRelay(Cells):
+    name, short = "stalled-relay", "stalled"
+    cfg: StalledRelayConfig
+
     def __init__(self, cfg: StalledRelayConfig, run: PhaseRun) -> None:
-        self.cfg = cfg
-        self.run = run
+        # A mode per notify mode: the relay (or --alt-relay's) with that notify_mode.
         base = regime_mode("notify-alt" if cfg.alt_relay else "notify", cfg.alt_relay)
-        self.modes = {
-            nm: dataclasses.replace(
+        modes = [
+            dataclasses.replace(
                 base,
                 name=nm,
                 description=f"{cfg.relays} x {base.description}; notify_mode '{nm}'",
                 notify=nm,
             )
             for nm in cfg.notify_modes
-        }
-        self.cells: list[dict[str, Any]] = []
-        run.progress.total = cfg.repeat * len(cfg.keys) * len(cfg.notify_modes)
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes.values()}
-        run.result["cells"] = self.cells
+        ]
+        super().__init__(cfg, run, modes)
 
-    async def body(self, services: Services) -> None:
+    def intro(self) -> str:
+        cfg = self.cfg
+        return (
+            f"stalled-relay: {cfg.relays} relays, notify modes {' '.join(cfg.notify_modes)}, "
+            f"keys {' '.join(str(k) for k in cfg.keys)}, {cfg.repeat} round(s): {cfg.rate:g} "
+            f"ev/s, baseline {cfg.baseline:g}s, {cfg.freezes} freezes of {cfg.freeze:g}s "
+            f"{cfg.gap:g}s apart, recovery {cfg.recovery:g}s (~{cfg.cell_seconds():.0f}s of "
+            "load per cell)"
+        )
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
         for rnd in range(self.cfg.repeat):
             for keys in self.cfg.keys:
                 for nm in self.cfg.notify_modes:
-                    label = f"{nm}, {keys} keys, round {rnd + 1}"
-                    await add_cell(
-                        self.run,
-                        self.cells,
-                        {"round": rnd, "notify_mode": nm, "keys": keys},
-                        label,
-                        self._cell(services, rnd, nm, keys, label),
-                    )
+                    identity = {"round": rnd, "notify_mode": nm, "keys": keys}
+                    yield identity, f"{nm}, {keys} keys, round {rnd + 1}"
 
-    async def _cell(
-        self, services: Services, rnd: int, nm: str, keys: int, label: str
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
     ) -> dict[str, Any]:
         run = self.run
-        n = len(self.cells) + 1
-        name = f"bench_stalled_{run.run_id.lower()}_{n}"
-        topic = f"bench-stalled-{run.run_id.lower()}-{n}"
-        cell = cell_record(n, round=rnd, notify_mode=nm, keys=keys)
+        cell = cell_record(len(self.cells) + 1, **identity)
+        topic = self.names(cell)[1]
         run.progress.status(f"{label}: database and topic")
-        mode = self.modes[nm]
-        await in_fresh_database(
-            run,
+        mode = self.modes[identity["notify_mode"]]
+        await self.in_fresh_database(
             services,
             mode,
             cell,
-            database=name,
-            topic=topic,
-            partitions=self.cfg.partitions,
-            measure=lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
+            lambda dsn: self._measure(services, mode, dsn, topic, cell, label),
         )
         ph = cell["phases"]
         run.progress.line(
-            f"{label:<26} baseline p50/p99 {_ms(ph['baseline']['p50'])} / "
-            f"{_ms(ph['baseline']['p99'])}; during freezes {_ms(ph['freeze']['p50'])} / "
-            f"{_ms(ph['freeze']['p99'])} (max {_ms(ph['freeze']['max'])}; keys not held by "
-            f"the frozen relay p99 {_ms(cell['freeze_free_keys']['p99'])}); producers "
-            f"{_pct(ph['freeze']['rate_share'])} of the rate during freezes; "
+            f"{label:<26} baseline p50/p99 {ms(ph['baseline']['p50'])} / "
+            f"{ms(ph['baseline']['p99'])}; during freezes {ms(ph['freeze']['p50'])} / "
+            f"{ms(ph['freeze']['p99'])} (max {ms(ph['freeze']['max'])}; keys not held by "
+            f"the frozen relay p99 {ms(cell['freeze_free_keys']['p99'])}); producers "
+            f"{pct(ph['freeze']['rate_share'])} of the rate during freezes; "
             f"{cell['events']['missing']} missing",
             cell=True,
         )
@@ -646,14 +711,12 @@ class _StalledRelay:
     ) -> None:
         """Wait until ``t_ns`` (this paces the schedule), failing early if the writers or a
         relay exited."""
-        while (left := (t_ns - time.monotonic_ns()) / 1e9) > 0:
-            if not gen.running():
-                raise BenchError(f"the writers exited ({gen.proc.returncode}):\n{gen.tail()}")
-            for r in relays:
-                if not r.running():
-                    raise BenchError(f"{r.name} exited ({r.proc.returncode}):\n{r.tail()}")
-            self.run.progress.status(f"{label}: {phase}, {left:.0f}s left")
-            await asyncio.sleep(min(0.5, left))
+        await self.run.pace(
+            t_ns,
+            lambda left: f"{label}: {phase}, {left:.0f}s left",
+            alive=[(gen, "the writers"), *((r, r.name) for r in relays)],
+            step=0.5,
+        )
 
 
 # When, after the SIGSTOP, the frozen relay's locks are looked at (see _freezes): after the
@@ -678,15 +741,7 @@ async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
         await conn.close(timeout=5)
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
-def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Per notify mode and key mix: medians over rounds of every phase's latency and rate,
     the freezes' split by held keys, the marker's holders; the issue's target (p99 of the
     events committed during the freezes <= 100 ms)."""
@@ -741,18 +796,18 @@ def summarize_stalled_relay(result: dict[str, Any]) -> dict[str, Any]:
             p99 = row["freeze_p99"]
             if p99 is not None:
                 targets.append(
-                    {
-                        "target": f"{nm}, {keys:,} keys: p99 of the events committed during the "
+                    target(
+                        f"{nm}, {keys:,} keys: p99 of the events committed during the "
                         "freezes <= 100 ms",
-                        "measured": f"{p99:.1f} ms (baseline {_ms(row['baseline_p99'])}; "
-                        f"keys the frozen relay did not hold {_ms(row['freeze_free_p99'])})",
-                        "verdict": "met" if p99 <= 100.0 else "MISSED",
-                    }
+                        f"{p99:.1f} ms (baseline {ms(row['baseline_p99'])}; "
+                        f"keys the frozen relay did not hold {ms(row['freeze_free_p99'])})",
+                        p99 <= 100.0,
+                    )
                 )
     return {"rows": rows, "targets": targets}
 
 
-def stalled_relay_problems(result: dict[str, Any]) -> list[str]:
+def problems(result: dict[str, Any]) -> list[str]:
     """What makes a stalled-relay result wrong (not slow): a cell that failed, committed
     events that never arrived, a freeze the kernel did not confirm."""
     problems = []
@@ -769,16 +824,169 @@ def stalled_relay_problems(result: dict[str, Any]) -> list[str]:
     return problems
 
 
-async def run_stalled_relay(cfg: StalledRelayConfig, out_dir: Path, *, keep: bool) -> Path:
-    """Run the stalled-relay regime; returns the result JSON's path (written even on
-    failure)."""
-    run = PhaseRun("stalled-relay", cfg.to_json(), out_dir, keep=keep)
-    stalled = _StalledRelay(cfg, run)
-    run.progress.line(
-        f"stalled-relay: {cfg.relays} relays, notify modes {' '.join(cfg.notify_modes)}, keys "
-        f"{' '.join(str(k) for k in cfg.keys)}, {cfg.repeat} round(s): {cfg.rate:g} ev/s, "
-        f"baseline {cfg.baseline:g}s, {cfg.freezes} freezes of {cfg.freeze:g}s "
-        f"{cfg.gap:g}s apart, recovery {cfg.recovery:g}s (~{cfg.cell_seconds():.0f}s of load "
-        "per cell)"
+def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [f"# notify-outbox stalled relay {result['run_id']}", ""]
+    lines += environment_lines(result)
+    env_bits = ", ".join(f"{k}={v}" for k, v in cfg.get("relay_env", {}).items())
+    lines += [
+        f"- {cfg['relays']} relay processes (default settings"
+        + (f", {env_bits}" if env_bits else "")
+        + f") on one database and topic; writers at {cfg['rate']:g} ev/s, open loop, "
+        f"single-row transactions; {cfg.get('warmup', 0):g} s warm-up (in no phase), "
+        f"{cfg['baseline']:g} s baseline, then {cfg['freezes']} "
+        f"times one relay frozen with SIGSTOP for {cfg['freeze']:g} s and continued, "
+        f"{cfg['gap']:g} s apart, then {cfg['recovery']:g} s of recovery; the relay frozen: "
+        + (
+            "the one holding the awake marker's current epoch (else its latest), else in turn"
+            if cfg["pick"] == "marker"
+            else "in turn"
+        )
+        + f"; {cfg['repeat']} round(s), fresh database and topic per cell, medians over rounds",
+        "",
+        "Events go into phases by their commit ack: **baseline** (from the end of the warm-up "
+        "to 1 s before the first freeze: an event committed just before a SIGSTOP may be in the "
+        "claim it freezes), **freezes** (from the SIGSTOP to the SIGCONT), **between** freezes, "
+        "**recovery** (after the last). Latency is commit ack -> consumer receipt (ms). "
+        "**Keys held** are the keys whose claim bucket the frozen relay held in an open claim "
+        "transaction (`pg_locks`, looked at 0.08 s after the SIGSTOP): per-key order makes them "
+        "wait for it, until the other relay's pulse ends the claim (frozen_relay_timeout, 0.15 s) "
+        "or PostgreSQL does (claim_idle_timeout, 2 s); "
+        "**keys free** are the others. **Rate %** is the producers' commits as a share of the "
+        "offered rate.",
+    ]
+    lines += targets_section(summary, "the stalled-relay issue: p99 <= 100 ms during the freezes")
+    lines += ["", "## Latency per phase (medians over rounds)", ""]
+    lines += table(
+        (
+            "notify mode | keys | rounds | baseline p50 / p99 / max | freezes p50 / p99 / max | "
+            "freezes, keys free p99 / max | freezes, keys held p99 (share of events %) | "
+            "between p99 | recovery p99 | rate % baseline / freezes / all | lost"
+        ),
+        [
+            [
+                r["notify_mode"],
+                f"{r['keys']:,}",
+                str(r["rounds"]),
+                " / ".join(num(r[f"baseline_{k}"], 1) for k in ("p50", "p99", "max")),
+                " / ".join(num(r[f"freeze_{k}"], 1) for k in ("p50", "p99", "max")),
+                f"{num(r['freeze_free_p99'], 1)} / {num(r['freeze_free_max'], 1)}",
+                f"{num(r['freeze_held_p99'], 1)} ({num(percent(r['freeze_held_share']), 1)})",
+                num(r["between_p99"], 1),
+                num(r["recovery_p99"], 1),
+                " / ".join(
+                    share(r[k]) for k in ("baseline_rate_share", "freeze_rate_share", "rate_share")
+                ),
+                str(r["lost"]),
+            ]
+            for r in summary["rows"]
+        ],
     )
-    return await run.run(open_services, stalled.body, fsync_seconds=cfg.fsync_test_seconds)
+    lines += [
+        "",
+        "## The frozen relay and the awake marker",
+        "",
+        "Who held the current epoch's awake marker (migration 0006), from a look at `pg_locks` "
+        "every 0.1 s, as a share of the looks during the freezes (medians over freezes): the "
+        "frozen relay, the other relay, nobody (producers notify). **Kept** is the latest look "
+        "at which the frozen relay still held it, after the SIGSTOP (max over freezes, and in "
+        "how many freezes it held it at all). **Claim open** counts the freezes in which the "
+        "frozen relay was stopped inside a transaction; **held keys** is the median number of "
+        "the writers' keys in the claim buckets it held.",
+        "",
+    ]
+    lines += table(
+        (
+            "notify mode | keys | picked by | marker: frozen / other / nobody % | "
+            "kept (s), freezes | baseline: marker held % | claim open | held keys"
+        ),
+        [
+            [
+                r["notify_mode"],
+                f"{r['keys']:,}",
+                ", ".join(f"{k} x{v}" for k, v in r["picked_by"].items()),
+                " / ".join(share(r[f"marker_{k}"]) for k in ("frozen", "other", "nobody")),
+                f"{num(r['marker_kept_max_s'])}, {r['marker_kept_freezes']} of {r['freezes']}",
+                share(r["baseline_awake"]),
+                f"{r['claim_open']} of {r['freezes']}",
+                num(r["held_keys_median"], 0),
+            ]
+            for r in summary["rows"]
+        ],
+    )
+    freezes = [(c, f) for c in result.get("cells", []) if "phases" in c for f in c["freezes"]]
+    if freezes:
+        lines += ["", "## Every freeze", ""]
+        lines += table(
+            (
+                "mode | keys | round | # | relay | picked by | p50 / p99 / max | keys free p99 | "
+                "keys held (events) | rate % | in transaction (oldest, s) | buckets held | "
+                "marker kept (s)"
+            ),
+            [
+                [
+                    c["notify_mode"],
+                    f"{c['keys']:,}",
+                    str(c["round"] + 1),
+                    str(f["n"]),
+                    str(f["relay"] + 1),
+                    f["picked_by"],
+                    " / ".join(num(f["latency"][k], 1) for k in ("p50", "p99", "max")),
+                    num(f["free_keys_latency"]["p99"], 1),
+                    f"{len(f['frozen'].get('held_keys', []))} ({f['held_keys_latency']['count']})",
+                    share(f["rate_share"]),
+                    f"{f['frozen'].get('in_transaction', '-')} "
+                    f"({num(f['frozen'].get('oldest_xact_s'))})",
+                    str(len(f["frozen"].get("claim_buckets", []))),
+                    num(f["marker"].get("frozen_held_until_s"), 3),
+                ]
+                for c, f in freezes
+            ],
+        )
+    lines += modes_section(result)
+    return finish(lines, result, plots, problems(result))
+
+
+def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
+    """Per cell (notify mode x key mix): commit ack -> receive p99 of the baseline, of the
+    events committed during the freezes, and of those of keys the frozen relay did not hold
+    (log scale; grey line: the 100 ms target)."""
+    from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
+
+    rows, cfg = summary["rows"], result["config"]
+    if not rows:
+        return False
+    bars = (
+        ("baseline_p99", "baseline"),
+        ("freeze_p99", "during the freezes"),
+        ("freeze_free_p99", "during the freezes, keys the frozen relay did not hold"),
+    )
+    fig, ax = bar_figure(max(7.0, 1.8 * len(rows)))
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [max(r[key] or 0.0, 0.1) for r in rows], width, label=label)
+    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['notify_mode']}\n{r['keys']:,} keys" for r in rows])
+    ax.set_yscale("log")
+    ax.axhline(100, color="grey", linewidth=0.8)
+    ax.set_ylabel("commit ack -> receive p99 (ms), median of rounds")
+    ax.set_title(
+        f"Stalled relay: {cfg['relays']} relays, {cfg['rate']:g} ev/s, {cfg['freezes']} "
+        f"freezes of {cfg['freeze']:g} s"
+    )
+    return save_bar_chart(fig, ax, path)
+
+
+REGIME = Regime(
+    "stalled-relay",
+    HELP,
+    arguments,
+    configure,
+    _StalledRelay.main,
+    summarize,
+    problems,
+    markdown,
+    plot,
+    terminal=("## Targets", "## Latency per phase"),
+)

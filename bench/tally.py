@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 
-from bench.consumer import assign_all, serve_lines
+from bench.consumer import assign_all, fetch_loop, serve_lines
 
 __all__ = ["Tally", "main"]
 
@@ -93,17 +92,6 @@ class Tally:
         }
 
 
-async def _fetch(consumer: AIOKafkaConsumer, tally: Tally) -> None:
-    while True:
-        batch = await consumer.getmany(timeout_ms=200, max_records=5000)
-        recv = time.monotonic_ns()
-        for records in batch.values():
-            for r in records:
-                tally.add(r.key, r.value, r.headers, recv)
-        if batch:
-            tally.changed.set()
-
-
 async def _wait(tally: Tally, fetch: asyncio.Task[None], cmd: dict[str, Any]) -> dict[str, Any]:
     expect = int(cmd["expect"])
     with contextlib.suppress(TimeoutError):
@@ -132,7 +120,14 @@ async def run(bootstrap: str, topic: str) -> None:
     try:
         await assign_all(consumer, topic, from_end=False)
         tally = Tally()
-        fetch = asyncio.create_task(_fetch(consumer, tally))
+        fetch = asyncio.create_task(
+            fetch_loop(
+                consumer,
+                lambda r, recv: tally.add(r.key, r.value, r.headers, recv),
+                max_records=5000,
+                changed=tally.changed,
+            )
+        )
         # Wakes a waiting command when the fetch task dies, so its error is reported.
         fetch.add_done_callback(lambda _: tally.changed.set())
         await serve_lines(fetch, {"ready": True}, lambda cmd: _wait(tally, fetch, cmd))
