@@ -20,11 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .drain import summarize_drain
-from .failing_head import summarize_failing_head
-from .held_snapshot import summarize_held_snapshot
+from . import drain, failing_head, held_snapshot, stalled_relay
 from .report import _find, summarize
-from .stalled_relay import summarize_stalled_relay
 
 __all__ = ["BEGIN", "END", "PAGES", "check", "main", "render", "update"]
 
@@ -85,7 +82,7 @@ def _idle_row() -> list[str]:
 
 
 def _drain_row() -> list[str]:
-    rows = {(r["mix"], r["mode"]): r for r in summarize_drain(_result(DRAIN_RUN))["rows"]}
+    rows = {(r["mix"], r["mode"]): r for r in drain.summarize(_result(DRAIN_RUN))["rows"]}
     relay, poller = rows[("keys-1000", "relay-1")], rows[("keys-1000", "poller")]
     rate, base = relay["rate_first_last"], poller["rate_first_last"]
     return [
@@ -103,7 +100,7 @@ def _measured(summary: dict[str, Any], starts: str) -> str:
 
 
 def _held_row() -> list[str]:
-    s = summarize_held_snapshot(_result(HELD_RUN))
+    s = held_snapshot.summarize(_result(HELD_RUN))
     relay, poller = s["modes"]["notify"], s["modes"]["poller"]
 
     def ratio(which: str) -> str:
@@ -125,7 +122,7 @@ def _held_row() -> list[str]:
 
 
 def _failing_row() -> list[str]:
-    rows = summarize_failing_head(_result(FAILING_RUN))["rows"]
+    rows = failing_head.summarize(_result(FAILING_RUN))["rows"]
     (relay,) = [r for r in rows if r["failing_rows"] == 100_000 and r["mode"] == "notify"]
     (poller,) = [r for r in rows if r["failing_rows"] == 100_000 and r["mode"] == "poller"]
     return [
@@ -139,7 +136,7 @@ def _failing_row() -> list[str]:
 
 
 def _stalled_row() -> list[str]:
-    rows = summarize_stalled_relay(_result(STALLED_RUN))["rows"]
+    rows = stalled_relay.summarize(_result(STALLED_RUN))["rows"]
     by_keys = {r["keys"]: r for r in rows if r["notify_mode"] == "gated"}
     few, many = by_keys[min(by_keys)], by_keys[max(by_keys)]
     return [
