@@ -8,7 +8,8 @@ import contextlib
 import logging
 import socket
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -50,14 +51,22 @@ def dsn_with_user(dsn: str, user: str, password: str) -> str:
 
 
 async def consume(
-    bootstrap: str, topic: str, *, expect: int, within: float = 60.0
+    bootstrap: str,
+    topic: str,
+    *,
+    expect: int,
+    within: float = 60.0,
+    client: Mapping[str, Any] | None = None,
 ) -> tuple[list[ConsumerRecord[bytes, bytes]], int]:
     """Read ``topic`` from the beginning until ``expect`` messages arrived (or fail after
     ``within`` seconds). Returns the messages (per partition in offset order) and the total number
     of messages the topic holds right now, from its end offsets: a check that nothing extra
-    was published, with no waiting."""
+    was published, with no waiting. ``client``: more consumer arguments (TLS, SASL)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **(client or {}),
     )
     await consumer.start()
     try:
