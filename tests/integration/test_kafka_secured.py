@@ -66,9 +66,11 @@ async def test_relay_publishes_to_the_secured_broker(
     await kafka.acl(kafka.principal(client), topic, "WRITE", "DESCRIBE")
     conn = await asyncpg.connect(db_dsn)
     try:
-        async with Relay(relay_settings(db_dsn, kafka, client)):
-            await insert_rows(conn, topic, ROWS)
-            records, total = await kafka.consume(topic, expect=ROWS)
+        # Bounded: a relay that cannot connect waits at the start forever.
+        with anyio.fail_after(60):
+            async with Relay(relay_settings(db_dsn, kafka, client)):
+                await insert_rows(conn, topic, ROWS)
+                records, total = await kafka.consume(topic, expect=ROWS)
         # A graceful stop leaves no published row unmarked.
         pending = await conn.fetchval("SELECT count(*) FROM outbox")
     finally:
@@ -107,12 +109,12 @@ async def test_rows_for_a_topic_the_relay_may_not_write_are_dead_lettered_as_una
     )
     conn = await asyncpg.connect(db_dsn)
     try:
-        async with Relay(settings) as relay:
-            await insert_rows(conn, denied, 3, key="d")
-            await insert_rows(conn, allowed, 20, key="a")
-            with anyio.fail_after(60):
+        with anyio.fail_after(60):
+            async with Relay(settings) as relay:
+                await insert_rows(conn, denied, 3, key="d")
+                await insert_rows(conn, allowed, 20, key="a")
                 await relay.events.wait_for("dead_lettered", 3)
-            _, total = await kafka.consume(allowed, expect=20)
+                _, total = await kafka.consume(allowed, expect=20)
         dead = await conn.fetch("SELECT topic, key, error, attempts FROM outbox_dead_letter")
         pending = await conn.fetchval("SELECT count(*) FROM outbox")
     finally:
@@ -150,9 +152,9 @@ async def test_rows_for_a_topic_the_relay_may_not_describe_are_dead_lettered_as_
     )
     conn = await asyncpg.connect(db_dsn)
     try:
-        async with Relay(settings) as relay:
-            await insert_rows(conn, hidden, 1, key="h")
-            with anyio.fail_after(60):
+        with anyio.fail_after(60):
+            async with Relay(settings) as relay:
+                await insert_rows(conn, hidden, 1, key="h")
                 await relay.events.wait_for("dead_lettered", 1)
         error = await conn.fetchval("SELECT error FROM outbox_dead_letter")
     finally:
@@ -218,3 +220,22 @@ async def test_a_relay_that_cannot_connect_names_the_cause_and_exits(
         code = await anyio.to_thread.run_sync(relay.wait, 60.0)
     assert code != 0
     assert not relay.matching(secret)
+
+
+@pytest.mark.xfail(strict=True, reason=f"{ISSUE_33}: exit 1 with a traceback, 'SSLError: PEM lib'")
+async def test_a_wrong_key_password_is_a_clear_error_at_start(
+    db_dsn: str, secured_kafka: SecuredKafka
+) -> None:
+    """The client certificate's key does not open with NOTIFY_OUTBOX_KAFKA_SSL_PASSWORD. The
+    relay exits at once with code 1, as it should, but through a traceback ending in
+    ``ssl.SSLError: [SSL] PEM lib (_ssl.c:...)``: neither the key file nor the password is
+    named. (Without any password, OpenSSL asks for one on the terminal: "Enter PEM pass
+    phrase:"; not tried here, a test run with a terminal would wait for it.)"""
+    secret = "not-the-key-password"
+    env = secured_kafka.relay_env("mtls", kafka_ssl_password=secret)
+    with RelayProcess(db_dsn, secured_kafka.mtls, env=env) as relay:
+        code = await anyio.to_thread.run_sync(relay.wait, 60.0)
+    assert code != 0
+    assert not relay.matching(secret)
+    assert not relay.matching("Traceback"), relay.output()
+    assert relay.matching(r"notify_outbox\.\w+: .*relaymtls\.key")
