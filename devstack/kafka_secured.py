@@ -5,7 +5,9 @@ talks to an enterprise cluster (issue #33). Three listeners, all on 127.0.0.1:
 
 - ``SASL_SSL``: TLS (server certificate only) then SASL, SCRAM-SHA-512 or PLAIN;
 - ``MTLS``: TLS with a client certificate required; also the inter-broker listener;
-- ``CONTROLLER``: TLS with the broker's own certificate as its client certificate.
+- ``CONTROLLER``: TLS with the broker's own certificate as its client certificate;
+- ``MISMATCH``: as ``SASL_SSL`` (SCRAM-SHA-512), but its certificate, signed by the same CA,
+  names another host (``elsewhere.invalid``): a client that verifies hostnames must refuse it.
 
 The standard authorizer denies whatever no ACL allows (``allow.everyone.if.no.acl.found`` is
 false). Super users: ``broker`` (its own certificate, for the controller and inter-broker
@@ -35,6 +37,7 @@ SCRAM_USER = "relayscram"  # SCRAM-SHA-512, no ACL of its own
 PLAIN_USER = "relayplain"  # PLAIN, no ACL of its own
 MTLS_CLIENT = "relaymtls"  # a client certificate (key encrypted with a password), no ACL
 _BROKER = "broker"
+_ELSEWHERE = "broker-elsewhere"  # the MISMATCH listener's certificate
 _HOSTS = ("localhost", "127.0.0.1")
 _AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
 
@@ -61,12 +64,10 @@ class SecuredKafkaBroker(KafkaBroker):
     ) -> None:
         super().__init__(base_dir, extra_config=extra_config, heap=heap)
         state = read_json(self.base_dir / "devstack-kafka.json")
-        saved = state.get("mtls_port")
-        self.mtls_port: int = (
-            saved
-            if isinstance(saved, int)
-            else free_ports(1, avoid=[self.port, self.controller_port])[0]
-        )
+        saved = [state.get("mtls_port"), state.get("mismatch_port")]
+        fresh = iter(free_ports(2, avoid=[self.port, self.controller_port]))
+        self.mtls_port: int = saved[0] if isinstance(saved[0], int) else next(fresh)
+        self.mismatch_port: int = saved[1] if isinstance(saved[1], int) else next(fresh)
         saved_secrets = state.get("secrets")
         kept: dict[str, Any] = saved_secrets if isinstance(saved_secrets, dict) else {}
         self.passwords: dict[str, str] = {
@@ -83,7 +84,7 @@ class SecuredKafkaBroker(KafkaBroker):
     def __repr__(self) -> str:
         return (
             f"SecuredKafkaBroker(base_dir={str(self.base_dir)!r}, sasl_ssl={self.port}, "
-            f"mtls={self.mtls_port})"
+            f"mtls={self.mtls_port}, mismatch={self.mismatch_port})"
         )
 
     @property
@@ -95,6 +96,11 @@ class SecuredKafkaBroker(KafkaBroker):
     def mtls_bootstrap(self) -> str:
         """host:port of the mutual TLS listener."""
         return f"127.0.0.1:{self.mtls_port}"
+
+    @property
+    def mismatch_bootstrap(self) -> str:
+        """host:port of a SASL_SSL listener whose certificate names another host."""
+        return f"127.0.0.1:{self.mismatch_port}"
 
     @property
     def ca_file(self) -> Path:
@@ -112,12 +118,13 @@ class SecuredKafkaBroker(KafkaBroker):
         """Make the certificates if they are missing, then start as ``KafkaBroker`` does."""
         if self.is_running():
             return
-        if not _port_free(self.mtls_port):
-            raise StackError(
-                f"port 127.0.0.1:{self.mtls_port} is already in use; stop whatever listens "
-                f"there or remove {self.base_dir / 'devstack-kafka.json'} to pick new ports"
-            )
-        if not (self.tls_dir / f"{_BROKER}.p12").is_file():
+        for port in (self.mtls_port, self.mismatch_port):
+            if not _port_free(port):
+                raise StackError(
+                    f"port 127.0.0.1:{port} is already in use; stop whatever listens there "
+                    f"or remove {self.base_dir / 'devstack-kafka.json'} to pick new ports"
+                )
+        if not all((self.tls_dir / f"{n}.p12").is_file() for n in (_BROKER, _ELSEWHERE)):
             self._make_certificates()
         super().start(timeout)
 
@@ -126,6 +133,8 @@ class SecuredKafkaBroker(KafkaBroker):
     def _make_certificates(self) -> None:
         broker = self.ca.issue(_BROKER, hosts=_HOSTS)
         self.ca.pkcs12(broker, self.tls_dir / f"{_BROKER}.p12", self.passwords["keystore"])
+        elsewhere = self.ca.issue(_ELSEWHERE, hosts=["elsewhere.invalid"])
+        self.ca.pkcs12(elsewhere, self.tls_dir / f"{_ELSEWHERE}.p12", self.passwords["keystore"])
         self.ca.issue(ADMIN)
         self.ca.issue(MTLS_CLIENT, key_password=self.passwords[MTLS_CLIENT])
 
@@ -133,11 +142,16 @@ class SecuredKafkaBroker(KafkaBroker):
         return {
             **super()._state(),
             "mtls_port": self.mtls_port,
+            "mismatch_port": self.mismatch_port,
             "secrets": self.passwords,
         }
 
     def _config(self) -> dict[str, str]:
         config = super()._config()
+        listeners = (
+            f"SASL_SSL://127.0.0.1:{self.port},MTLS://127.0.0.1:{self.mtls_port},"
+            f"MISMATCH://127.0.0.1:{self.mismatch_port}"
+        )
         keystore_password = self.passwords["keystore"]
         plain_jaas = (
             "org.apache.kafka.common.security.plain.PlainLoginModule required "
@@ -145,14 +159,11 @@ class SecuredKafkaBroker(KafkaBroker):
         )
         config.update(
             {
-                "listeners": (
-                    f"SASL_SSL://127.0.0.1:{self.port},MTLS://127.0.0.1:{self.mtls_port},"
-                    f"CONTROLLER://127.0.0.1:{self.controller_port}"
+                "listeners": f"{listeners},CONTROLLER://127.0.0.1:{self.controller_port}",
+                "advertised.listeners": listeners,
+                "listener.security.protocol.map": (
+                    "CONTROLLER:SSL,MTLS:SSL,SASL_SSL:SASL_SSL,MISMATCH:SASL_SSL"
                 ),
-                "advertised.listeners": (
-                    f"SASL_SSL://127.0.0.1:{self.port},MTLS://127.0.0.1:{self.mtls_port}"
-                ),
-                "listener.security.protocol.map": "CONTROLLER:SSL,MTLS:SSL,SASL_SSL:SASL_SSL",
                 "inter.broker.listener.name": "MTLS",
                 # The broker's identity, towards clients and towards its own controller.
                 "ssl.keystore.type": "PKCS12",
@@ -169,6 +180,17 @@ class SecuredKafkaBroker(KafkaBroker):
                     "org.apache.kafka.common.security.scram.ScramLoginModule required;"
                 ),
                 "listener.name.sasl_ssl.plain.sasl.jaas.config": plain_jaas,
+                "listener.name.mismatch.ssl.client.auth": "none",
+                "listener.name.mismatch.ssl.keystore.type": "PKCS12",
+                "listener.name.mismatch.ssl.keystore.location": str(
+                    self.tls_dir / f"{_ELSEWHERE}.p12"
+                ),
+                "listener.name.mismatch.ssl.keystore.password": keystore_password,
+                "listener.name.mismatch.ssl.key.password": keystore_password,
+                "listener.name.mismatch.sasl.enabled.mechanisms": "SCRAM-SHA-512",
+                "listener.name.mismatch.scram-sha-512.sasl.jaas.config": (
+                    "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+                ),
                 "authorizer.class.name": _AUTHORIZER,
                 "allow.everyone.if.no.acl.found": "false",
                 "super.users": f"User:{_BROKER};User:{ADMIN}",

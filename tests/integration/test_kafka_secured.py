@@ -201,7 +201,13 @@ async def test_rows_for_a_topic_the_relay_may_not_describe_are_dead_lettered_as_
     assert "authoriz" in error.lower(), error
 
 
-BAD_CONNECTIONS = ["wrong_password", "unknown_ca"]
+BAD_CONNECTIONS = ["wrong_password", "unknown_ca", "hostname_mismatch"]
+# What aiokafka's own log line says in each case.
+CAUSES = {
+    "wrong_password": "SaslAuthenticationFailed",
+    "unknown_ca": "CERTIFICATE_VERIFY_FAILED",
+    "hostname_mismatch": "IP address mismatch",
+}
 
 
 def bad_relay_env(kafka: SecuredKafka, case: str) -> tuple[dict[str, str], str]:
@@ -211,8 +217,10 @@ def bad_relay_env(kafka: SecuredKafka, case: str) -> tuple[dict[str, str], str]:
     if case == "wrong_password":
         secret = "not-the-password-0123456789"
         env["NOTIFY_OUTBOX_KAFKA_SASL_PASSWORD"] = secret
-    else:
+    elif case == "unknown_ca":
         env["NOTIFY_OUTBOX_KAFKA_SSL_CAFILE"] = str(kafka.broker.unknown_ca_file)
+    else:  # a listener whose certificate (from the right CA) names another host
+        env["NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"] = kafka.broker.mismatch_bootstrap
     return env, secret
 
 
@@ -220,8 +228,9 @@ def bad_relay_env(kafka: SecuredKafka, case: str) -> tuple[dict[str, str], str]:
 async def test_a_relay_that_cannot_connect_keeps_rows_pending_and_never_logs_the_secret(
     db_dsn: str, secured_kafka: SecuredKafka, case: str
 ) -> None:
-    """What holds today with a wrong password or a CA that does not sign the broker: the
-    relay waits (it logs that Kafka is not reachable), the rows stay pending with no
+    """What holds today with a wrong password, a CA that does not sign the broker, or a
+    broker certificate (from the right CA) for another host: the relay waits (it logs that
+    Kafka is not reachable; aiokafka's line has the cause), the rows stay pending with no
     attempt counted, SIGTERM stops it with exit code 0, and the password is in no log line."""
     env, secret = bad_relay_env(secured_kafka, case)
     conn = await asyncpg.connect(db_dsn)
@@ -231,6 +240,8 @@ async def test_a_relay_that_cannot_connect_keeps_rows_pending_and_never_logs_the
             await anyio.to_thread.run_sync(
                 relay.wait_for_line, "notify_outbox.publisher: Kafka not reachable yet", 60.0
             )
+            # The broker refused for the reason the case is about, not another.
+            await anyio.to_thread.run_sync(relay.wait_for_line, f"aiokafka: .*{CAUSES[case]}", 60.0)
             code = await anyio.to_thread.run_sync(relay.stop, 60.0)
         pending = await conn.fetch("SELECT attempts FROM outbox")
     finally:
@@ -246,11 +257,11 @@ async def test_a_relay_that_cannot_connect_names_the_cause_and_exits(
     db_dsn: str, secured_kafka: SecuredKafka, case: str
 ) -> None:
     """What the issue asks for: at start, a clear error in the relay's own words naming the
-    cause (authentication, certificate verification), and a non-zero exit. Today the relay's
-    own warning says only "Kafka not reachable yet (KafkaConnectionError: Unable to
-    bootstrap ...)"; the cause is in aiokafka's log line, and the relay retries forever."""
+    cause (authentication, certificate verification, hostname), and a non-zero exit. Today
+    the relay's own warning says only "Kafka not reachable yet (KafkaConnectionError: Unable
+    to bootstrap ...)"; the cause is in aiokafka's log line, and the relay retries forever."""
     env, secret = bad_relay_env(secured_kafka, case)
-    cause = "authentication" if case == "wrong_password" else "certificate"
+    cause = {"wrong_password": "authentication", "unknown_ca": "certificate"}.get(case, "hostname")
     with RelayProcess(db_dsn, secured_kafka.sasl_ssl, env=env) as relay:
         line = await anyio.to_thread.run_sync(
             relay.wait_for_line, r"notify_outbox\.\w+: .*Kafka", 60.0
