@@ -168,6 +168,9 @@ class LoggedProcess:
             with self._cond:
                 self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
+        # At EOF: else the pipe stays open until garbage collection (a ResourceWarning when
+        # a failed test's traceback keeps this object to the end of the session).
+        self.proc.stderr.close()
         with self._cond:
             self._eof = True
             self._cond.notify_all()
