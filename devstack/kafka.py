@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import time
@@ -248,9 +250,10 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 def probe_metadata(
-    port: int, timeout: float = 2.0
+    port: int, timeout: float = 2.0, *, ssl_context: ssl.SSLContext | None = None
 ) -> tuple[str | None, list[tuple[int, str, int]]]:
-    """Send a Metadata v2 request to 127.0.0.1:port; return (cluster id, brokers).
+    """Send a Metadata v2 request to 127.0.0.1:port (over TLS with ``ssl_context``);
+    return (cluster id, brokers).
 
     A raw request keeps the readiness check free of Kafka client libraries
     while still proving that the broker speaks the protocol, not just that the
@@ -261,7 +264,10 @@ def probe_metadata(
     # then an empty topic array, which asks for brokers but no topics.
     request = struct.pack(">hhi", 3, 2, correlation_id) + _kafka_string("devstack-probe")
     request += struct.pack(">i", 0)
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+    with contextlib.ExitStack() as stack:
+        sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=timeout))
+        if ssl_context is not None:
+            sock = stack.enter_context(ssl_context.wrap_socket(sock, server_hostname="127.0.0.1"))
         sock.sendall(struct.pack(">i", len(request)) + request)
         (size,) = struct.unpack(">i", _recv_exact(sock, 4))
         reader = _Reader(_recv_exact(sock, size))
@@ -483,6 +489,7 @@ class KafkaBroker(Daemon):
             self.cluster_id,
             "-c",
             str(self.properties_path),
+            *self._format_args(),
         ]
         with self.log_path.open("ab") as log:
             try:
@@ -496,6 +503,10 @@ class KafkaBroker(Daemon):
                 f"formatting Kafka storage in {self.data_dir} failed (exit {result.returncode}), "
                 f"see {self.log_path} (last lines:\n{tail(self.log_path)})"
             )
+
+    def _format_args(self) -> list[str]:
+        """More arguments for ``kafka-storage format`` (a subclass adds SCRAM users)."""
+        return []
 
     def _not_started(self, failure: NotReady, timeout: float) -> str:
         if failure.code is not None:

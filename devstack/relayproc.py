@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 __all__ = [
     "READY",
@@ -82,16 +82,18 @@ async def create_topics(
     configs: Mapping[str, str] | None = None,
     exist_ok: bool = False,
     within: float = 30.0,
+    client: Mapping[str, Any] | None = None,
 ) -> None:
     """Create topics (replication factor 1, broker-side ``configs`` if given) and return once
     every partition has a leader: a consumer or producer that starts in between sees errors.
     RelayError if Kafka refuses one (an existing topic counts only without ``exist_ok``) or
-    the whole does not finish within ``within`` seconds."""
+    the whole does not finish within ``within`` seconds. ``client``: more admin client
+    arguments (TLS, SASL) for a secured broker."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import KafkaError
 
     topic_configs = dict(configs or {})
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(client or {}))
     try:
         async with asyncio.timeout(within):
             await admin.start()

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
@@ -25,6 +26,9 @@ import pytest
 from notify_outbox import OutboxNames, migrate
 from tests.pooling import Poolers, start_poolers
 from tests.support import create_topics, dsn_with_database
+
+if TYPE_CHECKING:
+    from tests.secured_kafka import SecuredKafka
 
 TEMPLATE_DB = "notify_outbox_template"
 
@@ -83,6 +87,38 @@ def services(service_dir: Callable[[str], Path]) -> Iterator[Services]:
         yield from _containers(dsn, bootstrap)
         return
     yield from _local_stack(service_dir("stack"), dsn, bootstrap)
+
+
+@pytest.fixture(scope="session")
+def secured_kafka(service_dir: Callable[[str], Path]) -> Iterator[SecuredKafka]:
+    """A second Kafka broker, secured (issue #33): SASL_SSL with SCRAM-SHA-512 and PLAIN
+    users, a listener requiring client certificates, ACLs enforced (see
+    ``devstack.kafka_secured``). Started from the plain broker's cached jars by the first test
+    that asks for it, stopped at the end of the session; ``tests.secured_kafka`` says how to
+    connect to it and creates topics and ACLs as its super user."""
+    try:
+        from devstack import StackError
+        from devstack.kafka_secured import SecuredKafkaBroker
+        from tests.secured_kafka import SecuredKafka
+    except ImportError as e:
+        pytest.fail(
+            f"the secured Kafka broker needs the Python package {e.name!r}: "
+            "pip install -e '.[dev]'",
+            pytrace=False,
+        )
+    broker = SecuredKafkaBroker(service_dir("kafka-secured"))
+    try:
+        broker.start()
+    except StackError as e:
+        pytest.fail(
+            f"no secured Kafka broker for the tests: {e}\n"
+            "It needs Java 17 and Maven (for the Kafka jars, cached after the first run).",
+            pytrace=False,
+        )
+    try:
+        yield SecuredKafka(broker)
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import contextlib
 import logging
 import socket
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -51,16 +52,25 @@ def dsn_with_user(dsn: str, user: str, password: str) -> str:
 
 
 async def consume(
-    bootstrap: str, topic: str, *, expect: int, within: float = 60.0
+    bootstrap: str,
+    topic: str,
+    *,
+    expect: int,
+    within: float = 60.0,
+    client: Mapping[str, Any] | None = None,
 ) -> tuple[list[ConsumerRecord[bytes, bytes]], int]:
     """Read ``topic`` from the beginning until ``expect`` messages arrived (or fail after
     ``within`` seconds). Returns the messages (per partition in offset order) and the total number
     of messages the topic holds right now, from its end offsets. That total proves nothing extra
     was published only once nothing can publish to the topic any more: while a relay still
     runs, a late duplicate may come after it was read. Tests that check for duplicates count
-    with ``topic_total`` after the relay stopped."""
+    with ``topic_total`` after the relay stopped. ``client``: more consumer
+    arguments (TLS, SASL)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **(client or {}),
     )
     await consumer.start()
     try:
