@@ -44,8 +44,10 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	$(PY) -m pytest tests/faults -p no:cacheprovider --basetemp=/tmp/notify-outbox-faults-$$$$
 
+# The unit tests, and the fake store's half of the stores' contract suite (tests/contract; the
+# PostgreSQL half is marked integration).
 unit: $(STAMP)
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/contract -m "not integration" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,10 @@
 """In-memory fakes of the relay's two ports, for fast unit tests of its logic. They are never
-used by the integration tests, which talk to the real PostgreSQL and Kafka."""
+used by the integration tests, which talk to the real PostgreSQL and Kafka; ``FakeStore`` is
+held to ``PgOutboxStore``'s behaviour by the stores' contract suite (``tests/contract/``)."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -14,23 +16,55 @@ from notify_outbox import OutboxSettings
 from notify_outbox.core.outbox import BatchOutcome, ClaimedBatch, OutboxRow
 from notify_outbox.kafka.publisher import PublishResult
 
+#: A row parked behind a failed row of its key (PostgreSQL's next_attempt_at = 'infinity').
+PARKED = math.inf
+
+#: What a claim owns for a row (PostgreSQL's key bucket, without hash collisions): its key, or
+#: the row itself when it has none.
+Group = tuple[str, str | int]
+
 
 @dataclass
 class FakeRow:
     row: OutboxRow
     published: bool = False
+    #: The dead letter's error, once the row was dead-lettered.
     dead: str | None = None
-    next_attempt: float = 0.0
+    #: When the row may be claimed again, in store time (``FakeStore.now``): None while it is
+    #: fresh (never failed); set by a retry (or a test); ``PARKED`` while it waits behind a
+    #: failed row of its key. PostgreSQL's ``next_attempt_at``.
+    next_attempt: float | None = None
     errors: list[str] = field(default_factory=list)
+    #: When it was published, in store time (for ``delete_expired``).
+    published_at: float | None = None
+
+    def waits(self, now: float) -> bool:
+        """Whether it waits for its retry time (not due yet, and not parked)."""
+        return self.next_attempt is not None and now < self.next_attempt < PARKED
 
 
 class FakeBatch:
-    def __init__(self, rows: list[OutboxRow]) -> None:
+    def __init__(
+        self,
+        store: FakeStore,
+        rows: list[OutboxRow],
+        limit: int,
+        *,
+        groups: set[Group],
+        busy: int,
+        parked: bool,
+    ) -> None:
+        self._store = store
         self._rows = rows
+        self._limit = limit
+        #: What the claim owns until it commits or ends (``_group``).
+        self.groups = groups
         self.outcome: BatchOutcome | None = None
         self.keepalives = 0
-        self.busy = 0
-        self.parked = False
+        self.busy = busy
+        self.parked = parked
+        self.committed = False
+        self._more_due: bool | None = None
 
     @property
     def rows(self) -> Sequence[OutboxRow]:
@@ -38,10 +72,19 @@ class FakeBatch:
 
     @property
     def more_due(self) -> bool | None:
-        return None  # unknown: the relay claims again to find out
+        return self._more_due
 
     async def complete(self, outcome: BatchOutcome) -> None:
+        # The claim commits here, as PgOutboxStore's does: what comes after cannot undo it.
         self.outcome = outcome
+        self._store._apply(outcome, self._rows)
+        self.committed = True
+        self._store._open.discard(self)
+        # As PgOutboxStore: a full claim whose every row was settled says "more" without a
+        # look; otherwise the look after the commit says whether anything is due.
+        settled = len(outcome.published) + len(outcome.retry) + len(outcome.dead)
+        full = len(self._rows) >= self._limit and settled == len(self._rows)
+        self._more_due = True if full else await self._store.has_due()
 
     async def keepalive(self) -> None:
         self.keepalives += 1
@@ -50,13 +93,24 @@ class FakeBatch:
         return 0.0
 
 
+def _group(r: FakeRow) -> Group:
+    return ("key", r.row.key) if r.row.key is not None else ("row", r.row.id)
+
+
 class FakeStore:
-    """Claims like the SQL: per key, only the earliest pending row is a head; a worker that
-    locks a head also takes the key's later rows. Outcomes apply only if the claim 'commits'."""
+    """``OutboxStore`` in memory, claiming as the SQL does (migrations 0005 and 0006), and held
+    to the same contract as ``PgOutboxStore`` by ``tests/contract/``: a claim owns keys (the
+    SQL's key buckets, one per key here), takes each key's earliest pending rows with no gap,
+    at most ``limit`` rows in all, and skips keys other open claims own (``busy``). A failed
+    row holds its key's later rows back: a claim parks them, and they follow once it is
+    published or dead-lettered (a due retry is claimed alone). ``complete`` commits the
+    outcome; a claim left without it (or with an error) changes nothing but the rows it parked
+    (which an error undoes too)."""
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.rows: dict[int, FakeRow] = {}
-        self.locked: set[int] = set()
+        #: The claims not committed or ended yet.
+        self._open: set[FakeBatch] = set()
         self._next_id = 1
         self._clock = clock
         self._now = 0.0
@@ -64,7 +118,8 @@ class FakeStore:
         #: The idle timeout each claim was given (the relay's ClaimIdleTimeout).
         self.idle_timeouts: list[float | None] = []
         self.batches: list[FakeBatch] = []
-        #: Buckets held by other claims, as every claim reports them (ClaimedBatch.busy).
+        #: Added to every claim's ``busy`` (buckets held by other claims, as another relay's
+        #: claims would hold them).
         self.busy = 0
 
     @property
@@ -84,8 +139,22 @@ class FakeStore:
         )
         return row_id
 
+    @property
+    def locked(self) -> set[int]:
+        """The ids of the rows open claims hold."""
+        return {r.id for b in self._open for r in b.rows}
+
     def pending(self) -> list[FakeRow]:
         return [r for _, r in sorted(self.rows.items()) if not r.published and r.dead is None]
+
+    def _first_waiting(self, pending: list[FakeRow]) -> dict[str, int]:
+        """Each key's earliest waiting row (failed, or parked behind one): the key's later
+        rows are held back."""
+        first: dict[str, int] = {}
+        for r in pending:
+            if r.row.key is not None and r.next_attempt is not None:
+                first.setdefault(r.row.key, r.row.id)
+        return first
 
     @asynccontextmanager
     async def claim(
@@ -93,66 +162,167 @@ class FakeStore:
     ) -> AsyncIterator[ClaimedBatch]:
         self.claims += 1
         self.idle_timeouts.append(idle_timeout)
+        now = self.now
         pending = self.pending()
-        first_of_key: dict[str, int] = {}
+        first_waiting = self._first_waiting(pending)
+        others = {g for b in self._open for g in b.groups}
+        mine: set[Group] = set()
+        taken: list[FakeRow] = []
+        changed: list[tuple[FakeRow, float | None]] = []  # (row, its next_attempt before)
+        run_keys: set[str] = set()
+        busy = 0
+
+        def held(r: FakeRow) -> bool:
+            return r.row.key is not None and first_waiting.get(r.row.key, r.row.id) < r.row.id
+
+        def own(r: FakeRow) -> bool:
+            if _group(r) in others:
+                return False
+            mine.add(_group(r))
+            return True
+
+        def set_next(r: FakeRow, value: float) -> None:
+            changed.append((r, r.next_attempt))
+            r.next_attempt = value
+
+        # Due rows, each its key's earliest waiting row: a retry whose time came goes alone; a
+        # promoted row takes its key's following waiting rows as one run, and the row after
+        # the run is promoted.
         for r in pending:
-            if r.row.key is not None:
-                first_of_key.setdefault(r.row.key, r.row.id)
-        heads = [
-            r
-            for r in pending
-            if r.row.id not in self.locked
-            and r.next_attempt <= self.now
-            and (r.row.key is None or first_of_key[r.row.key] == r.row.id)
-        ][:limit]
-        keys = {r.row.key for r in heads if r.row.key is not None}
-        head_ids = {r.row.id for r in heads}
-        followers = [r for r in pending if r.row.key in keys and r.row.id not in head_ids][:limit]
-        claimed = sorted(heads + followers, key=lambda r: r.row.id)
-        ids = {r.row.id for r in claimed}
-        self.locked |= ids
-        batch = FakeBatch([r.row for r in claimed])
-        batch.busy = self.busy
+            if len(taken) >= limit:
+                break
+            if r.next_attempt is None or r.next_attempt > now or held(r) or not own(r):
+                continue
+            taken.append(r)
+            if r.row.key is None or r.row.attempts:
+                continue
+            later = [
+                w
+                for w in pending
+                if w.row.key == r.row.key and w.row.id > r.row.id and w.next_attempt is not None
+            ]
+            run = 0
+            for w in later:
+                if len(taken) >= limit or w.waits(now):
+                    break
+                taken.append(w)
+                run += 1
+            if run < len(later) and later[run].next_attempt == PARKED:
+                set_next(later[run], now)
+            run_keys.add(r.row.key)
+
+        # Fresh rows, a key at a time in order of its first one (a keyless row alone): each
+        # key's earliest rows up to the limit; rows held back behind a failed row of their key
+        # are parked instead (unless they wait for a run this claim took).
+        groups: dict[Group, list[FakeRow]] = {}
+        for r in pending:
+            if r.next_attempt is None:
+                groups.setdefault(_group(r), []).append(r)
+        for rows in groups.values():
+            if len(taken) >= limit:
+                break
+            if not own(rows[0]):
+                busy += 1
+                continue
+            for r in rows:
+                if held(r):
+                    if r.row.key not in run_keys:
+                        set_next(r, PARKED)
+                elif len(taken) < limit:
+                    taken.append(r)
+
+        taken.sort(key=lambda r: r.row.id)
+        batch = FakeBatch(
+            self,
+            [r.row for r in taken],
+            limit,
+            groups=mine,
+            busy=self.busy + busy,
+            parked=bool(changed),
+        )
+        self._open.add(batch)
         self.batches.append(batch)
         try:
             yield batch
-            if batch.outcome is not None:  # the claim "commits"
-                self._apply(batch.outcome)
+        except BaseException:
+            if not batch.committed:  # rolled back: what the claim itself changed, too
+                for r, before in reversed(changed):
+                    r.next_attempt = before
+            raise
         finally:
-            self.locked -= ids
+            self._open.discard(batch)
 
-    def _apply(self, outcome: BatchOutcome) -> None:
+    def _apply(self, outcome: BatchOutcome, claimed: Sequence[OutboxRow]) -> None:
+        now = self.now
         for row_id in outcome.published:
-            self.rows[row_id].published = True
+            r = self.rows[row_id]
+            r.published, r.published_at = True, now
         for row_id, error, delay in outcome.retry:
             r = self.rows[row_id]
             r.row = replace(r.row, attempts=r.row.attempts + 1)
             r.errors.append(error)
-            r.next_attempt = self.now + delay
+            r.next_attempt = now + delay
         for row_id, error in outcome.dead:
-            self.rows[row_id].dead = error
+            r = self.rows[row_id]
+            r.row = replace(r.row, attempts=r.row.attempts + 1)  # the dead letter's count
+            r.dead = error
+        # A retried row published, or any row dead-lettered, no longer holds its key's later
+        # rows back: the key's next waiting row, if parked, is due now (promote_next).
+        published, dead = set(outcome.published), {i for i, _ in outcome.dead}
+        pending = self.pending()
+        for c in claimed:
+            if c.key is None or not (c.id in dead or (c.attempts and c.id in published)):
+                continue
+            nxt = next(
+                (
+                    w
+                    for w in pending
+                    if w.row.key == c.key and w.row.id > c.id and w.next_attempt is not None
+                ),
+                None,
+            )
+            if nxt is not None and nxt.next_attempt == PARKED:
+                nxt.next_attempt = now
 
     async def has_due(self) -> bool:
-        # Like the SQL: a row counts only if a claim could take it, i.e. it is due and no
-        # earlier row of its key is pending.
-        seen: set[str] = set()
-        for r in self.pending():
-            if r.row.key is None or r.row.key not in seen:
-                if r.next_attempt <= self.now and r.row.id not in self.locked:
-                    return True
-                if r.row.key is not None:
-                    seen.add(r.row.key)
-        return False
+        # Like the SQL's look, which takes no locks: any fresh row (rows that open claims hold
+        # too; and held-back ones, which a claim parks), or a due row first of its key's
+        # waiting rows.
+        now = self.now
+        pending = self.pending()
+        first_waiting = self._first_waiting(pending)
+        return any(
+            r.next_attempt is None
+            or (
+                r.next_attempt <= now
+                and (r.row.key is None or first_waiting[r.row.key] == r.row.id)
+            )
+            for r in pending
+        )
 
     async def poll(self) -> tuple[bool, float | None]:
-        waits = [r.next_attempt - self.now for r in self.pending() if r.next_attempt > self.now]
+        # (PgOutboxStore's poll also promotes a parked row left first of its key by a row
+        # deleted by hand or an older relay: nothing here leaves one.)
+        now = self.now
+        waits = [
+            r.next_attempt - now
+            for r in self.pending()
+            if r.next_attempt is not None and r.waits(now)
+        ]
         return await self.has_due(), min(waits) if waits else None
 
     async def count_pending(self, limit: int) -> int:
         return min(limit, len(self.pending()))
 
     async def delete_expired(self, older_than: float, limit: int) -> int:
-        return 0
+        expired = [
+            row_id
+            for row_id, r in sorted(self.rows.items())
+            if r.published_at is not None and r.published_at < self.now - older_than
+        ][:limit]
+        for row_id in expired:
+            del self.rows[row_id]
+        return len(expired)
 
 
 class FakePublisher:

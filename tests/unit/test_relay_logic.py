@@ -306,8 +306,8 @@ async def test_each_retry_is_claimed_on_its_own_schedule(
     pub = FakePublisher(behaviour)
     s = settings(workers=1, poll_interval=3600.0, retry_base_delay=0.2, retry_max_delay=0.2)
     # What each retry wake-up led to: the next claim's result (one worker, so it is that
-    # wake-up's claim). The fake store cannot say whether more is due after a claim, so the
-    # relay also claims once more after each batch; those claims are not counted.
+    # wake-up's claim). Claims the relay makes after a batch because more was due are not
+    # counted.
     after_retry: list[str] = []
     woken = {"retry": False}
 
