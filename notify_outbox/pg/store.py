@@ -343,6 +343,9 @@ class PgOutboxStore:
         self._primed: list[_Primed] = []
         self._expiry: asyncio.TimerHandle | None = None
         self._unpriming: set[asyncio.Task[None]] = set()
+        # Moves on when the server turned read-only: a transaction primed before that may still
+        # write, and a claim on it would look like the server came back.
+        self._epoch = 0
 
     def _take_primed(self) -> _Primed | None:
         """The most recently primed connection still fresh, if any."""
@@ -414,6 +417,7 @@ class PgOutboxStore:
             # parameters).
             ms = max(1, round(idle_timeout * 1000))
             begin += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+        epoch = self._epoch
         primed = self._take_primed() if self._prime else None
         conn = primed.conn if primed is not None else await self._pool.acquire()
         keep = False
@@ -488,9 +492,12 @@ class PgOutboxStore:
                     raise
                 if not batch.committed:  # the caller did not complete it: rows unchanged
                     await conn.execute("COMMIT" if changed else "ROLLBACK")
-                elif batch.primed and self._prime and _open_in_transaction(conn):
-                    keep = True
-                    self._keep_primed(conn, ms if ms is not None else 0, ttl)
+                elif batch.primed and _open_in_transaction(conn):
+                    keep = True  # the connection is handed on: kept primed, or rolled back
+                    if self._prime and self._epoch == epoch:
+                        self._keep_primed(conn, ms if ms is not None else 0, ttl)
+                    else:  # closing, or the server turned read-only since the claim began
+                        self._unprime(conn)
             except _BROKEN_OR_LOST:
                 # The connection may be left mid-protocol (the pool's release no longer runs a
                 # reset query that would have caught it): never hand it out again. (When the
@@ -504,9 +511,11 @@ class PgOutboxStore:
                 if _open_in_transaction(conn):
                     await terminate(conn)
                 if read_only(e):  # every pooled session is on that read-only server too
-                    await self._pool.expire_connections()
+                    # Before any await: no other worker may take a primed one meanwhile.
+                    self._epoch += 1
                     while self._primed:
                         self._unprime(self._primed.pop().conn)
+                    await self._pool.expire_connections()
                 raise
         finally:
             if not keep:

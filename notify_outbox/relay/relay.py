@@ -431,7 +431,11 @@ class Relay:
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
                 begin_round_trip=self.claim_timeout.round_trip,
-                prime=not self.behind_pooler,
+                # Off for now: a transaction primed just before the server turned read-only
+                # can still write, and the relay then logs the outage as over and begun again
+                # (fault scenario 26 failed about one run in three with it on). The priming
+                # itself (pg/store.py) is kept and tested, for when its claim checks for that.
+                prime=False,
             )
             if s.frozen_relay_timeout > 0 and not self.behind_pooler:
                 self.pulse = Pulse(
