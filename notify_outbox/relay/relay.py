@@ -431,11 +431,9 @@ class Relay:
                 delete_on_publish=s.delete_on_publish,
                 command_timeout=s.db_command_timeout,
                 begin_round_trip=self.claim_timeout.round_trip,
-                # Off for now: a transaction primed just before the server turned read-only
-                # can still write, and the relay then logs the outage as over and begun again
-                # (fault scenario 26 failed about one run in three with it on). The priming
-                # itself (pg/store.py) is kept and tested, for when its claim checks for that.
-                prime=False,
+                # Not behind a transaction pooler: a primed transaction would pin a server
+                # connection while it waits for the next claim.
+                prime=not self.behind_pooler,
             )
             if s.frozen_relay_timeout > 0 and not self.behind_pooler:
                 self.pulse = Pulse(
@@ -710,6 +708,7 @@ class Relay:
             # Claim nothing while Kafka is away: rows stay pending, no transaction held.
             await self._wait_for_kafka()
             return None
+        began = time.monotonic()
         try:
             claimed = await self._process_batch(cause)
         except ClaimLost as e:
@@ -739,7 +738,12 @@ class Relay:
             return None
         for backoff in backoffs:
             backoff.reset()
-        if self.db_outage.active:
+        # Only a claim begun after the outage started proves it over: one begun before may
+        # have run in a transaction primed before the server turned read-only, which still
+        # writes (the store drops primed transactions at the first read-only error, but not
+        # one a claim is already using).
+        started = self.db_outage.started
+        if started is not None and began > started:
             self.db_outage.recovered(await self._count_pending())
         return claimed
 

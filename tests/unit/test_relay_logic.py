@@ -283,6 +283,62 @@ async def test_a_read_only_server_is_retried_at_the_reconnect_cadence(
     assert any("PostgreSQL available again" in r.getMessage() for r in caplog.records)
 
 
+class SwitchedDuringAClaimStore(FakeStore):
+    """The server turns read-only while the first claim runs, in a transaction begun before
+    the switch (as a primed one is): that claim still succeeds, and every later claim meets
+    the read-only server until ``after`` of them have failed since the first one ended."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        self.started = 0
+        self.refused = anyio.Event()  # a claim met the read-only server
+        self.first_done = False
+
+    @asynccontextmanager
+    async def claim(
+        self, limit: int, idle_timeout: float | None = None
+    ) -> AsyncIterator[ClaimedBatch]:
+        self.started += 1
+        if self.started > 1 and self.after:
+            if self.first_done:
+                self.after -= 1
+            self.refused.set()
+            raise asyncpg.ReadOnlySQLTransactionError(
+                "cannot execute SELECT FOR UPDATE in a read-only transaction"
+            )
+        first = self.started == 1
+        async with super().claim(limit, idle_timeout) as batch:
+            yield batch
+        if first:
+            self.first_done = True
+
+
+async def test_a_claim_begun_before_a_read_only_outage_does_not_end_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A claim that began before the outage and succeeds during it proves nothing about the
+    server now: the outage goes on (no "available again" and a second "read-only" line); the
+    first claim begun after it that succeeds ends it."""
+    store, pub = SwitchedDuringAClaimStore(after=2), FakePublisher()
+    first = store.add(key="a")
+    second = store.add(key="b")
+    pub.gate = anyio.Event()  # the first claim's rows wait in "Kafka" until a claim failed
+    s = settings(workers=2, batch_size=1, reconnect_min_delay=0.001, reconnect_max_delay=0.002)
+    caplog.set_level(logging.INFO, logger="notify_outbox")
+    async with Relay(s, store=store, publisher=pub) as relay:
+        with anyio.fail_after(5):
+            await store.refused.wait()
+            pub.gate.set()
+            while len(pub.sent) < 2:
+                await relay.events.wait_for("published", relay.events.counts["published"] + 1)
+    assert [r.id for r in pub.sent] == [first, second]
+    assert store.after == 0  # claims failed after the first one succeeded
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if "read-only" in m]) == 1, lines
+    assert len([m for m in lines if "PostgreSQL available again" in m]) == 1, lines
+
+
 async def test_each_retry_is_claimed_on_its_own_schedule(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
