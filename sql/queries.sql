@@ -48,13 +48,15 @@ WHERE o.id = ANY(ARRAY(
 
 -- name: count_pending
 -- Pending rows, counted up to $1 (bounded work at any table size): fresh rows at or above the
--- floor of the low-water mark $2..$4, and waiting ones.
-SELECT (SELECT count(*) FROM (SELECT 1 FROM @table@
-                              WHERE published_at IS NULL AND next_attempt_at IS NULL
-                                AND id >= @schema@.@prefix@_floor($2, $3, $4) LIMIT $1) AS f)
-     + (SELECT count(*) FROM (SELECT 1 FROM @table@
-                              WHERE published_at IS NULL AND next_attempt_at IS NOT NULL
-                              LIMIT $1) AS w);
+-- floor of the low-water mark $2..$4, and waiting ones (each part capped, then the sum).
+SELECT least($1, (SELECT count(*) FROM (SELECT 1 FROM @table@
+                                        WHERE published_at IS NULL AND next_attempt_at IS NULL
+                                          AND id >= @schema@.@prefix@_floor($2, $3, $4)
+                                        LIMIT $1) AS f)
+               + (SELECT count(*) FROM (SELECT 1 FROM @table@
+                                        WHERE published_at IS NULL
+                                          AND next_attempt_at IS NOT NULL
+                                        LIMIT $1) AS w));
 
 -- name: mark_published
 -- <ids> is an integer array literal built by the relay from the claimed ids, never from user

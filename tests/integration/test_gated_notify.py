@@ -234,9 +234,9 @@ async def test_thousands_of_sleep_wake_cycles_never_need_the_fallback_poll(
                     await events.wait_for("gate_sleep", cycles + 1)
             if scope.cancelled_caught:
                 pending = await admin.fetch("SELECT id, next_attempt_at, xmin FROM outbox")
-                print("DEBUG", pending, relay._store.marks.mark)
                 raise AssertionError(
                     f"round {n} stalled: committed {committed}, pending {pending}, "
+                    f"low-water mark {relay._store.marks.mark}, "
                     f"awake {relay.gate.awake}, "
                     f"counts {dict(events.counts)}"
                 )
