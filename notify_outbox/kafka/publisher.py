@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +20,13 @@ from typing import Any, Protocol
 import anyio
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
+from aiokafka.conn import create_conn
 from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from notify_outbox.core.backoff import Backoff
+from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.message import KafkaMessage, PublishResult
 from notify_outbox.core.outbox import OutboxRow
 from notify_outbox.core.settings import OutboxSettings
@@ -125,6 +128,42 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".rstrip(": ")
 
 
+# OpenSSL's verify codes for a certificate that does not name the host connected to.
+_NAME_MISMATCH = (62, 64)  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+
+
+def _settings_problem(error: BaseException, settings: OutboxSettings, host: str) -> str | None:
+    """What a broker's refusal says about the relay's settings, in words that name the
+    setting to check; None for an error that is no such refusal (a broker down, say)."""
+    if isinstance(error, kafka_errors.SaslAuthenticationFailed):
+        return (
+            f"Kafka refused the relay's credentials (SASL {settings.kafka_sasl_mechanism} "
+            f"authentication failed for user {settings.kafka_sasl_username!r}): check "
+            f"NOTIFY_OUTBOX_KAFKA_SASL_USERNAME and NOTIFY_OUTBOX_KAFKA_SASL_PASSWORD "
+            f"({_describe(error)})"
+        )
+    if isinstance(error, kafka_errors.UnsupportedSaslMechanismError):
+        return (
+            f"Kafka does not enable SASL mechanism {settings.kafka_sasl_mechanism} for this "
+            f"listener (authentication): check NOTIFY_OUTBOX_KAFKA_SASL_MECHANISM "
+            f"({_describe(error)})"
+        )
+    if isinstance(error, ssl.SSLCertVerificationError):
+        if error.verify_code in _NAME_MISMATCH:
+            return (
+                f"Kafka TLS hostname check failed: the broker's certificate does not name {host!r} "
+                f"({error.verify_message}): connect through a name the certificate carries "
+                "(NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS)"
+            )
+        cafile = settings.kafka_ssl_cafile or "the system's trust store"
+        return (
+            f"Kafka TLS certificate verification failed: the broker's certificate is not trusted "
+            f"by the CA in {cafile} ({error.verify_message}): check "
+            "NOTIFY_OUTBOX_KAFKA_SSL_CAFILE"
+        )
+    return None
+
+
 class KafkaPublisher:
     """``Publisher`` on one idempotent aiokafka producer, shared by all workers of a relay."""
 
@@ -146,38 +185,102 @@ class KafkaPublisher:
     def available(self) -> bool:
         return self._down is None and not self._broken
 
-    def _make_producer(self) -> AIOKafkaProducer:
+    @property
+    def connected(self) -> bool:
+        """Whether a producer was started (``start`` returned) and not stopped since."""
+        return self._producer is not None
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of the settings; a ConfigurationError naming the file that does
+        not load (a wrong key password surfaces here, as OpenSSL's bare "PEM lib")."""
         s = self._settings
-        ssl_context = None
-        if s.kafka_security_protocol in ("SSL", "SASL_SSL"):
-            ssl_context = create_ssl_context(
+        if s.kafka_security_protocol not in ("SSL", "SASL_SSL"):
+            return None
+        try:
+            context: ssl.SSLContext = create_ssl_context(
                 cafile=str(s.kafka_ssl_cafile) if s.kafka_ssl_cafile else None,
                 certfile=str(s.kafka_ssl_certfile) if s.kafka_ssl_certfile else None,
                 keyfile=str(s.kafka_ssl_keyfile) if s.kafka_ssl_keyfile else None,
                 password=s.kafka_ssl_password.get_secret_value() if s.kafka_ssl_password else None,
             )
+            return context
+        except (ssl.SSLError, OSError) as e:
+            files = ", ".join(
+                f"{name} {path}"
+                for name, path in (
+                    ("CA file", s.kafka_ssl_cafile),
+                    ("client certificate", s.kafka_ssl_certfile),
+                    ("client key", s.kafka_ssl_keyfile),
+                )
+                if path
+            )
+            hint = (
+                "; is NOTIFY_OUTBOX_KAFKA_SSL_PASSWORD the client key's password?"
+                if s.kafka_ssl_keyfile and isinstance(e, ssl.SSLError)
+                else ""
+            )
+            message = f"Kafka TLS settings do not load ({files}): {_describe(e)}{hint}"
+            log.error("%s", message)
+            raise ConfigurationError(message) from None
+
+    def _connection_options(self) -> dict[str, Any]:
+        """How to reach and authenticate with the brokers: the producer's, and the probe's
+        that finds why a start failed (``_diagnose``)."""
+        s = self._settings
+        return {
+            "client_id": s.kafka_client_id,
+            "request_timeout_ms": s.kafka_request_timeout_ms,
+            "security_protocol": s.kafka_security_protocol,
+            "sasl_mechanism": s.kafka_sasl_mechanism or "PLAIN",
+            "sasl_plain_username": s.kafka_sasl_username,
+            "sasl_plain_password": (
+                s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
+            ),
+            "ssl_context": self._ssl_context(),
+        }
+
+    def _make_producer(self) -> AIOKafkaProducer:
+        s = self._settings
         return AIOKafkaProducer(
             bootstrap_servers=s.kafka_bootstrap_servers.split(","),
-            client_id=s.kafka_client_id,
             acks="all",
             enable_idempotence=True,
             linger_ms=s.kafka_linger_ms,
             max_batch_size=min(s.kafka_batch_size, s.kafka_max_request_size),
             max_request_size=s.kafka_max_request_size,
-            request_timeout_ms=s.kafka_request_timeout_ms,
             compression_type=s.kafka_compression_type,
-            security_protocol=s.kafka_security_protocol,
-            sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
-            sasl_plain_username=s.kafka_sasl_username,
-            sasl_plain_password=(
-                s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
-            ),
-            ssl_context=ssl_context,
+            **self._connection_options(),
         )
 
-    async def start(self) -> None:
+    async def _diagnose(self) -> str | None:
+        """Why the brokers refuse this relay, when the reason is its settings (credentials,
+        the CA, the broker's name): aiokafka's start only says "Unable to bootstrap" and logs
+        the cause itself. One connection to each bootstrap server, with the producer's
+        options; None when none refused for such a reason (down, or not reachable)."""
+        options = self._connection_options()
+        for server in self._settings.kafka_bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            try:
+                # Short: a refusal of the settings comes at once, and a broker that does not
+                # answer (frozen) must not hold up the next attempt to connect.
+                with anyio.fail_after(_PROBE_TIMEOUT):
+                    conn = await create_conn(host.strip("[]"), int(port), **options)
+            except (kafka_errors.KafkaError, OSError, TimeoutError, ValueError) as e:
+                problem = _settings_problem(e, self._settings, host)
+                if problem is not None:
+                    return problem
+                continue
+            conn.close()
+        return None
+
+    async def start(self, *, fatal: bool = False) -> None:
         """Connect to Kafka, retrying with backoff until it answers (a relay started before
-        its broker waits instead of crashing)."""
+        its broker waits instead of crashing).
+
+        When the brokers answer but refuse the relay's settings (wrong credentials, a broker
+        certificate the CA does not sign or that names another host), the warning says so;
+        with ``fatal`` (a relay's first start), it raises ConfigurationError instead of
+        retrying. A client key or CA file that does not load always raises it."""
         s = self._settings
         backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
         while True:
@@ -191,10 +294,15 @@ class KafkaPublisher:
                 delay = backoff.next_delay()
                 # A relay started before its broker waits quietly: the first failure and one
                 # in 64 as warnings, every attempt at DEBUG.
+                loud = backoff.failures % 64 == 1
+                problem = await self._diagnose() if fatal or loud else None
+                if problem is not None and fatal:
+                    log.error("%s", problem)
+                    raise ConfigurationError(problem) from None
                 log.log(
-                    logging.WARNING if backoff.failures % 64 == 1 else logging.DEBUG,
+                    logging.WARNING if loud else logging.DEBUG,
                     "Kafka not reachable yet (%s); retrying every %.1fs or so",
-                    _describe(e),
+                    problem or _describe(e),
                     backoff.cap,
                 )
                 await anyio.sleep(delay)
@@ -537,7 +645,7 @@ class KafkaPublisher:
         broker no longer expects), instead of discovering that through a failed send.
         """
         old = self._producer
-        await self.start()
+        await self.start()  # not fatal: a running relay keeps retrying, saying why
         self._broken = False
         self._outstanding.clear()
         if old is not None:

@@ -448,7 +448,9 @@ class Relay:
         if self._publisher is None:
             kafka = KafkaPublisher(s)
             self._publisher = kafka
-            await self._until_stopped(kafka.start())
+            # A first start fails on settings Kafka refuses (credentials, TLS): exit, and
+            # say why, rather than retry forever.
+            await self._until_stopped(kafka.start(fatal=True))
         return not self._stopping
 
     async def _connect_pool(self) -> asyncpg.Pool:
