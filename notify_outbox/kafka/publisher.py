@@ -342,13 +342,15 @@ class KafkaPublisher:
             raise RuntimeError("KafkaPublisher is not started")
         return self._producer
 
-    async def _missing_topics(self, topics: set[str]) -> set[str]:
-        """Topics Kafka says do not exist. Raises TimeoutError or KafkaError when Kafka cannot
-        be asked, so that a broker outage is never mistaken for a missing topic."""
+    async def _missing_topics(self, topics: set[str]) -> dict[str, str]:
+        """Topics whose rows cannot go, with the reason: Kafka says they do not exist, or
+        will not even describe them to this relay's principal (no DESCRIBE: the metadata
+        answer is TOPIC_AUTHORIZATION_FAILED). Raises TimeoutError or KafkaError when Kafka
+        cannot be asked, so that a broker outage is never mistaken for a missing topic."""
         client = self.producer.client
         unknown = {t for t in topics if client.cluster.partitions_for_topic(t) is None}
         if not unknown:
-            return set()
+            return {}
         for topic in unknown:
             client.add_topic(topic)
         # aiokafka hands back the metadata request already in flight, if there is one, and it
@@ -360,7 +362,16 @@ class KafkaPublisher:
             unknown = {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
             if not unknown:
                 break
-        return unknown
+        denied = client.cluster.unauthorized_topics
+        return {
+            topic: (
+                f"not authorized to describe topic {topic!r} (TopicAuthorizationFailedError): "
+                "grant the relay's principal DESCRIBE and WRITE on it"
+                if topic in denied
+                else f"topic {topic!r} does not exist in Kafka"
+            )
+            for topic in unknown
+        }
 
     async def _reachable(self, topics: Iterable[str] = ()) -> bool:
         """Whether Kafka answers a metadata request within ``_PROBE_TIMEOUT`` and every
@@ -449,7 +460,7 @@ class KafkaPublisher:
         producer: AIOKafkaProducer,
         on_ack: Callable[[asyncio.Future[Any]], None],
         wave: Sequence[OutboxRow],
-        missing: set[str],
+        missing: dict[str, str],
         blocked: set[str],
         result: PublishResult,
         sent: list[_Sent],
@@ -484,7 +495,7 @@ class KafkaPublisher:
                 continue
             topic = row.topic
             if topic in missing:
-                _fail(result, blocked, row, f"topic {topic!r} does not exist in Kafka")
+                _fail(result, blocked, row, missing[topic])
                 continue
             # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
             bound = (len(value) if value is not None else 0) + (len(kb) if kb is not None else 0)
@@ -624,6 +635,14 @@ class KafkaPublisher:
         def on_ack(fut: asyncio.Future[Any]) -> None:
             error = None if fut.cancelled() else fut.exception()
             if error is None or isinstance(error, _Abandoned):
+                return
+            if isinstance(error, kafka_errors.TopicAuthorizationFailedError):
+                # A topic this principal may not write: the broker appends none of its
+                # batches, so no later batch can overtake a refused one while the ACL stands,
+                # and the other topics go on with this producer (one denied topic would
+                # otherwise replace it at every attempt, pausing them all). The rows are
+                # retried, then dead-lettered with this reason. Left open: an ACL granted in
+                # the instant between two batches of one partition queued together.
                 return
             if producer is self._producer and not self._broken:
                 self._broken = True

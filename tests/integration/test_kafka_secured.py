@@ -130,7 +130,6 @@ async def test_rows_for_a_topic_the_relay_may_not_write_are_dead_lettered_as_una
         assert "TopicAuthorizationFailed" in row["error"], row["error"]
 
 
-@pytest.mark.xfail(strict=True, reason=f"{ISSUE_33}: each refused record replaces the producer")
 async def test_a_topic_the_relay_may_not_write_leaves_the_producer_alone(
     db_dsn: str, secured_kafka: SecuredKafka
 ) -> None:
@@ -169,7 +168,6 @@ async def test_a_topic_the_relay_may_not_write_leaves_the_producer_alone(
     assert not replaced.is_set()
 
 
-@pytest.mark.xfail(strict=True, reason=f"{ISSUE_33}: without DESCRIBE the topic 'does not exist'")
 async def test_rows_for_a_topic_the_relay_may_not_describe_are_dead_lettered_as_unauthorized(
     db_dsn: str, secured_kafka: SecuredKafka
 ) -> None:

@@ -138,6 +138,8 @@ class _LateCluster:
         self.partitions = {0}
         self.answers = 0
         self.learned = 2
+        #: Topics the principal may not describe (the metadata answer's own error).
+        self.unauthorized_topics: set[str] = set()
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
         if topic == "new" and self.answers < self.learned:
@@ -165,11 +167,16 @@ async def test_a_topic_missing_from_a_stale_metadata_answer_is_asked_for_again()
     producer = FakeProducer()
     client = producer.client = _LateClient()  # type: ignore[assignment]
     pub = publisher(producer)
-    assert await pub._missing_topics({"new", "a"}) == set()
+    assert await pub._missing_topics({"new", "a"}) == {}
     assert client.added == {"new"}
     assert client.cluster.answers == 2
     # A topic that is truly missing: two answers without it, then the row fails.
-    assert await pub._missing_topics({"gone"}) == {"gone"}
+    assert await pub._missing_topics({"gone"}) == {"gone": "topic 'gone' does not exist in Kafka"}
+    # One the principal may not describe is no missing topic: the reason says so.
+    client.cluster.unauthorized_topics = {"gone"}
+    reason = (await pub._missing_topics({"gone"}))["gone"]
+    assert "not authorized" in reason, reason
+    assert "TopicAuthorizationFailedError" in reason
 
 
 async def test_a_malformed_row_is_rejected_at_once_even_for_a_missing_topic() -> None:
