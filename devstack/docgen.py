@@ -201,7 +201,11 @@ def render_configuration() -> str:
         "name, and otherwise ignored; its value is never logged. The test suites' and dev "
         "tools' own variables (`NOTIFY_OUTBOX_TEST_*`, `_FAULT_SEED`, `_PG_VERSION`, ...) are "
         "known and cause no warning.\n"
-        "- **Secrets** (the DSNs, the Kafka passwords) are never logged or echoed.\n"
+        "- **Secrets** (the DSNs, the Kafka passwords) are never logged or echoed. Each can "
+        "also come from a file, as Kubernetes mounts a Secret: `NOTIFY_OUTBOX_<NAME>_FILE=/path` "
+        "(for example `NOTIFY_OUTBOX_DSN_FILE`); the file's content without its trailing "
+        "newline is the value. Setting both the variable and its `_FILE` is an error, and so is "
+        "a file that does not read (the error names the path, never the content).\n"
         "- The Kafka producer is always idempotent with `acks=all`; that is not configurable.\n",
         "## Database and names\n",
         "Read by every command that connects (`DatabaseSettings`).\n",

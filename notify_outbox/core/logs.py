@@ -82,11 +82,21 @@ class Redactor:
 
 def secrets_from_env(*extra: str | None, env: Mapping[str, str] | None = None) -> list[str]:
     """The secrets the command line may know: every ``NOTIFY_OUTBOX_*DSN`` (and its password)
-    and ``NOTIFY_OUTBOX_*PASSWORD*`` variable, plus ``extra`` DSNs (a ``--dsn`` flag)."""
+    and ``NOTIFY_OUTBOX_*PASSWORD*`` variable, or the file its ``*_FILE`` variable names, plus
+    ``extra`` DSNs (a ``--dsn`` flag)."""
     source = os.environ if env is None else env
-    ours = {k: v for k, v in source.items() if k.startswith("NOTIFY_OUTBOX_")}
-    values = [v for k, v in ours.items() if "PASSWORD" in k]
-    for dsn in (*(v for k, v in ours.items() if k.endswith("DSN")), *extra):
+    ours = [(k, v) for k, v in source.items() if k.startswith("NOTIFY_OUTBOX_")]
+    # A secret given through a file (NOTIFY_OUTBOX_<NAME>_FILE, settings.py) is as secret.
+    for key, path in list(ours):
+        name = key.removesuffix("_FILE")
+        if name != key and path and ("PASSWORD" in name or name.endswith("DSN")):
+            with (
+                contextlib.suppress(OSError, UnicodeDecodeError),
+                open(path, encoding="utf-8") as f,
+            ):
+                ours.append((name, f.read().rstrip("\r\n")))
+    values = [v for k, v in ours if "PASSWORD" in k and not k.endswith("_FILE")]
+    for dsn in (*(v for k, v in ours if k.endswith("DSN")), *extra):
         if not dsn:
             continue
         values.append(dsn)

@@ -19,7 +19,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .errors import ConfigurationError
 from .names import OutboxNames, validate_identifier
@@ -30,6 +31,7 @@ __all__ = [
     "OutboxSettings",
     "Seconds",
     "load_settings",
+    "read_secret_file",
     "unknown_variables",
     "warn_unknown_variables",
 ]
@@ -89,6 +91,60 @@ def _valid_dsn(v: SecretStr) -> SecretStr:
     return v
 
 
+_FILE_SUFFIX = "_FILE"
+
+
+def _secret_fields(cls: type[BaseSettings]) -> list[str]:
+    """The fields a ``NOTIFY_OUTBOX_<FIELD>_FILE`` variable may give: the secrets."""
+    return [
+        name
+        for name, field in cls.model_fields.items()
+        if field.annotation is not None and "SecretStr" in str(field.annotation)
+    ]
+
+
+def read_secret_file(variable: str, path: str) -> str:
+    """The secret in the file a ``*_FILE`` variable names (as Kubernetes mounts a Secret),
+    without its trailing newline; a ConfigurationError naming the variable and the path (never
+    the content) when it does not read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ConfigurationError(f"{variable}: cannot read {path}: {reason}") from None
+
+
+class _SecretFiles(PydanticBaseSettingsSource):
+    """``NOTIFY_OUTBOX_<FIELD>_FILE=/path``: the secret ``<field>`` read from that file. Setting
+    a secret both directly and through its file is an error (which one wins would be a guess)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], given: Iterable[str] = ()) -> None:
+        super().__init__(settings_cls)
+        self._prefix = str(settings_cls.model_config.get("env_prefix", "")).upper()
+        self._given = set(given)  # passed in code: neither file nor variable is read
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # all the work is in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        env = {k.upper(): v for k, v in os.environ.items()}
+        values: dict[str, Any] = {}
+        for name in _secret_fields(self.settings_cls):
+            if name in self._given:
+                continue
+            variable = f"{self._prefix}{name.upper()}"
+            path = env.get(variable + _FILE_SUFFIX)
+            if not path:
+                continue
+            if env.get(variable):
+                raise ConfigurationError(
+                    f"{variable} and {variable}{_FILE_SUFFIX} are both set: set one of them"
+                )
+            values[name] = read_secret_file(variable + _FILE_SUFFIX, path)
+        return values
+
+
 class DatabaseSettings(BaseSettings):
     """Where the outbox lives: enough for ``migrate``, ``verify`` and ``status``.
     Every field maps to ``NOTIFY_OUTBOX_<FIELD>``.
@@ -103,6 +159,24 @@ class DatabaseSettings(BaseSettings):
         hide_input_in_errors=True,
         frozen=True,
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keywords first, then the secrets' ``*_FILE`` variables, then the environment."""
+        return (
+            init_settings,
+            _SecretFiles(settings_cls, getattr(init_settings, "init_kwargs", {})),
+            env_settings,
+            dotenv_settings,
+            file_secret_settings,
+        )
 
     dsn: SecretStr = Field(
         description="PostgreSQL URL, postgresql://user:password@host/db; it may list several "
@@ -538,6 +612,7 @@ def _setting_suffixes(classes: Iterable[type[BaseSettings]]) -> set[str]:
         prefix = str(cls.model_config.get("env_prefix", "")).upper()
         if prefix == _PREFIX:
             names.update(field.upper() for field in cls.model_fields)
+            names.update(field.upper() + _FILE_SUFFIX for field in _secret_fields(cls))
     return names
 
 

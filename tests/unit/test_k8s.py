@@ -175,10 +175,22 @@ def test_secrets_come_from_the_secret() -> None:
     kit = _kit()
     assert not [key for key in _relay_env() if SECRET_VARIABLES.match(key)]
     for kind, key in (("Deployment", "dsn"), ("Job", "migrate-dsn")):
-        env = {e["name"]: e for e in _container(kit[kind])["env"]}
-        dsn = env["NOTIFY_OUTBOX_DSN"]
-        assert "value" not in dsn
-        assert dsn["valueFrom"]["secretKeyRef"] == {"name": "notify-outbox", "key": key}
+        container = _container(kit[kind])
+        env = {e["name"]: e for e in container["env"]}
+        # The DSN as a file of the Secret (NOTIFY_OUTBOX_DSN_FILE), never a value in the
+        # environment.
+        assert "NOTIFY_OUTBOX_DSN" not in env
+        path = env["NOTIFY_OUTBOX_DSN_FILE"]["value"]
+        directory, _, file = path.rpartition("/")
+        assert file == key
+        pod = kit[kind]["spec"]["template"]["spec"]
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == directory)
+        assert mount["readOnly"] is True
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "notify-outbox"
+        # Readable by the relay's group only (the files are root's; the pod runs as 10001).
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
         assert all("value" not in e for n, e in env.items() if SECRET_VARIABLES.match(n))
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from notify_outbox.core.errors import ConfigurationError
-from notify_outbox.core.settings import OutboxSettings, load_settings
+from notify_outbox.core.logs import secrets_from_env
+from notify_outbox.core.settings import OutboxSettings, load_settings, unknown_variables
 
 DSN = "postgresql://app:hunter2-secret@127.0.0.1:5432/app"
 
@@ -175,3 +179,68 @@ def test_an_unknown_keyword_is_refused_with_the_closest_setting() -> None:
         OutboxSettings(**base, no_such_thing=1)  # type: ignore[call-arg]
     # pydantic-settings' own init arguments still work.
     assert OutboxSettings(**base, _env_file=None).batch_size == 1000  # type: ignore[arg-type]
+
+
+def test_secrets_are_read_from_the_files_their_file_variables_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``NOTIFY_OUTBOX_<SECRET>_FILE`` (a Kubernetes Secret mounted as files): the value is
+    the file's content without its trailing newline, for every secret setting."""
+    _clear_environment(monkeypatch)
+    files = {
+        "DSN": f"{DSN}\n",
+        "LISTEN_DSN": "postgresql://l:listen-pw@pg/db\n",
+        "KAFKA_SASL_PASSWORD": "sasl-pw\r\n",
+        "KAFKA_SSL_PASSWORD": "ssl-pw",
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+        monkeypatch.setenv(f"NOTIFY_OUTBOX_{name}_FILE", str(tmp_path / name))
+    monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    s = OutboxSettings()
+    assert s.dsn.get_secret_value() == DSN
+    assert s.listen_dsn is not None
+    assert s.listen_dsn.get_secret_value() == "postgresql://l:listen-pw@pg/db"
+    assert s.kafka_sasl_password is not None
+    assert s.kafka_sasl_password.get_secret_value() == "sasl-pw"
+    assert s.kafka_ssl_password is not None
+    assert s.kafka_ssl_password.get_secret_value() == "ssl-pw"
+    # Known variables: no "unknown environment variable" warning for them.
+    assert unknown_variables() == []
+    # And as secret as the variables themselves: the logs redact what the files hold.
+    found = secrets_from_env()
+    assert {"sasl-pw", "ssl-pw", "listen-pw", DSN} <= set(found)
+    assert str(tmp_path / "DSN") not in found  # a path is no secret
+
+
+def test_a_secret_set_twice_or_in_an_unreadable_file_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clear_environment(monkeypatch)
+    secret = tmp_path / "pw"
+    secret.write_text("the-password")
+    monkeypatch.setenv("NOTIFY_OUTBOX_DSN", DSN)
+    monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_SASL_PASSWORD", "inline")
+    monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_SASL_PASSWORD_FILE", str(secret))
+    with pytest.raises(ConfigurationError, match="both set") as both:
+        OutboxSettings()
+    assert "the-password" not in str(both.value)
+    assert "inline" not in str(both.value)
+    monkeypatch.delenv("NOTIFY_OUTBOX_KAFKA_SASL_PASSWORD")
+    monkeypatch.setenv("NOTIFY_OUTBOX_KAFKA_SASL_PASSWORD_FILE", str(tmp_path / "missing"))
+    with pytest.raises(
+        ConfigurationError, match=r"KAFKA_SASL_PASSWORD_FILE: cannot read .*missing"
+    ):
+        OutboxSettings()
+    # A keyword in code wins over the environment, as for every setting.
+    s = OutboxSettings(kafka_sasl_password="from-code")
+    assert s.kafka_sasl_password is not None
+    assert s.kafka_sasl_password.get_secret_value() == "from-code"
+
+
+def _clear_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No setting from the shell (the test stack exports NOTIFY_OUTBOX_DSN, say)."""
+    for name in list(os.environ):
+        if name.upper().startswith("NOTIFY_OUTBOX_"):
+            monkeypatch.delenv(name)
