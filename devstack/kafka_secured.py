@@ -3,7 +3,8 @@
 Beside the plain ``KafkaBroker`` (same jars, same lifecycle), for the tests of a relay that
 talks to an enterprise cluster (issue #33). Three listeners, all on 127.0.0.1:
 
-- ``SASL_SSL``: TLS (server certificate only) then SASL, SCRAM-SHA-512 or PLAIN;
+- ``SASL_SSL``: TLS (server certificate only) then SASL, SCRAM-SHA-512, PLAIN or OAUTHBEARER
+  (unsecured JWTs: Kafka's test validator);
 - ``MTLS``: TLS with a client certificate required; also the inter-broker listener;
 - ``CONTROLLER``: TLS with the broker's own certificate as its client certificate;
 - ``MISMATCH``: as ``SASL_SSL`` (SCRAM-SHA-512), but its certificate, signed by the same CA,
@@ -175,7 +176,13 @@ class SecuredKafkaBroker(KafkaBroker):
                 "ssl.client.auth": "required",
                 "listener.name.sasl_ssl.ssl.client.auth": "none",
                 "ssl.principal.mapping.rules": "RULE:^CN=([^,]+)$/$1/,DEFAULT",
-                "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
+                "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN,OAUTHBEARER",
+                # OAUTHBEARER with Kafka's unsecured validator (the default without a server
+                # callback handler): unsigned JWTs, the principal is their "sub" claim.
+                "listener.name.sasl_ssl.oauthbearer.sasl.jaas.config": (
+                    "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule "
+                    'required unsecuredLoginStringClaim_sub="broker";'
+                ),
                 "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": (
                     "org.apache.kafka.common.security.scram.ScramLoginModule required;"
                 ),

@@ -8,7 +8,10 @@ aiokafka's admin client has no ACL calls, so ACLs go as raw CreateAcls requests 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import ssl
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,10 +23,28 @@ from aiokafka.protocol.admin import CreateAclsRequest, DescribeAclsRequest
 from devstack.kafka_secured import ADMIN, MTLS_CLIENT, PLAIN_USER, SCRAM_USER, SecuredKafkaBroker
 from tests.support import consume, create_topics
 
-__all__ = ["Client", "SecuredKafka"]
+__all__ = ["OAUTH_USER", "Client", "SecuredKafka", "unsecured_token"]
 
-# How a relay connects: SASL_SSL with SCRAM-SHA-512 or PLAIN, or a client certificate.
-Client = Literal["scram", "plain", "mtls"]
+# How a relay connects: SASL_SSL with SCRAM-SHA-512, PLAIN or OAUTHBEARER, or a client
+# certificate.
+Client = Literal["scram", "plain", "oauth", "mtls"]
+#: The "sub" of the tokens unsecured_token makes: the OAUTHBEARER relay's principal.
+OAUTH_USER = "relay-oauth"
+
+
+def unsecured_token() -> str:
+    """An unsigned JWT (``alg: none``) for ``OAUTH_USER``, valid for an hour: what the broker's
+    unsecured validator accepts. The OAUTHBEARER relays' token provider
+    (``NOTIFY_OUTBOX_KAFKA_SASL_OAUTH_TOKEN_PROVIDER=tests.secured_kafka:unsecured_token``)."""
+
+    def part(value: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+    now = int(time.time())
+    claims = {"sub": OAUTH_USER, "iat": now, "exp": now + 3600}
+    return f"{part({'alg': 'none'})}.{part(claims)}."
+
+
 Operation = Literal["READ", "WRITE", "DESCRIBE"]
 
 # Kafka's protocol codes (org.apache.kafka.common.acl / resource).
@@ -54,7 +75,9 @@ class SecuredKafka:
     @staticmethod
     def principal(client: Client) -> str:
         """The ACL principal a relay connecting as ``client`` has."""
-        user = {"scram": SCRAM_USER, "plain": PLAIN_USER, "mtls": MTLS_CLIENT}[client]
+        user = {"scram": SCRAM_USER, "plain": PLAIN_USER, "oauth": OAUTH_USER, "mtls": MTLS_CLIENT}[
+            client
+        ]
         return f"User:{user}"
 
     def relay_settings(self, client: Client) -> dict[str, Any]:
@@ -70,6 +93,14 @@ class SecuredKafka:
                 "kafka_ssl_certfile": cert.cert_file,
                 "kafka_ssl_keyfile": cert.key_file,
                 "kafka_ssl_password": cert.key_password,
+            }
+        if client == "oauth":
+            return {
+                "kafka_bootstrap_servers": self.sasl_ssl,
+                "kafka_security_protocol": "SASL_SSL",
+                "kafka_sasl_mechanism": "OAUTHBEARER",
+                "kafka_sasl_oauth_token_provider": "tests.secured_kafka:unsecured_token",
+                "kafka_ssl_cafile": b.ca_file,
             }
         user = SCRAM_USER if client == "scram" else PLAIN_USER
         return {

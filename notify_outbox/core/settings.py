@@ -262,8 +262,15 @@ class OutboxSettings(DatabaseSettings):
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT", description="How the producer talks to the brokers"
     )
-    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
-        None, description="SASL mechanism; required with a SASL_* security protocol"
+    kafka_sasl_mechanism: (
+        Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None
+    ) = Field(None, description="SASL mechanism; required with a SASL_* security protocol")
+    kafka_sasl_oauth_token_provider: str | None = Field(
+        None,
+        description="OAUTHBEARER: where the relay gets its tokens, as `package.module:function`; "
+        "the function takes no argument and returns the token (or an awaitable of it), and is "
+        "called at each authentication. In code, `Relay(kafka_token_provider=...)` takes the "
+        "function itself",
     )
     kafka_sasl_username: str | None = Field(None, description="SASL user name")
     kafka_sasl_password: SecretStr | None = Field(
@@ -500,7 +507,9 @@ class OutboxSettings(DatabaseSettings):
                     f"{_var('kafka_sasl_mechanism')} is required with a SASL_* "
                     f"{_var('kafka_security_protocol')}"
                 )
-            if not self.kafka_sasl_username or self.kafka_sasl_password is None:
+            oauth = self.kafka_sasl_mechanism == "OAUTHBEARER"
+            # OAUTHBEARER's tokens come from a provider (the setting, or one given in code).
+            if not oauth and (not self.kafka_sasl_username or self.kafka_sasl_password is None):
                 raise ValueError(
                     f"{_var('kafka_sasl_username')} and {_var('kafka_sasl_password')} are "
                     "required for SASL"

@@ -9,17 +9,20 @@ with idempotence never expires a batch on its own and would wait forever for a d
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import anyio
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
+from aiokafka.abc import AbstractTokenProvider
 from aiokafka.conn import create_conn
 from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import murmur2
@@ -40,6 +43,8 @@ __all__ = [
     "PublishResult",
     "Publisher",
     "RowRejected",
+    "TokenProvider",
+    "load_token_provider",
     "to_message",
 ]
 
@@ -136,6 +141,11 @@ def _settings_problem(error: BaseException, settings: OutboxSettings, host: str)
     """What a broker's refusal says about the relay's settings, in words that name the
     setting to check; None for an error that is no such refusal (a broker down, say)."""
     if isinstance(error, kafka_errors.SaslAuthenticationFailed):
+        if settings.kafka_sasl_mechanism == "OAUTHBEARER":
+            return (
+                "Kafka refused the relay's OAUTHBEARER token (authentication failed): check "
+                f"what the token provider returns ({_describe(error)})"
+            )
         return (
             f"Kafka refused the relay's credentials (SASL {settings.kafka_sasl_mechanism} "
             f"authentication failed for user {settings.kafka_sasl_username!r}): check "
@@ -164,11 +174,71 @@ def _settings_problem(error: BaseException, settings: OutboxSettings, host: str)
     return None
 
 
-class KafkaPublisher:
-    """``Publisher`` on one idempotent aiokafka producer, shared by all workers of a relay."""
+#: An OAUTHBEARER token source: no argument, the token (or an awaitable of it).
+TokenProvider = Callable[[], "str | Awaitable[str]"]
 
-    def __init__(self, settings: OutboxSettings) -> None:
+
+class _Tokens(AbstractTokenProvider):  # type: ignore[misc]  # aiokafka has no type hints
+    """aiokafka's token provider around a plain function."""
+
+    def __init__(self, get: TokenProvider, where: str) -> None:
+        self._get = get
+        self._where = where
+
+    async def token(self) -> str:
+        value = self._get()
+        if inspect.isawaitable(value):
+            value = await value
+        if not isinstance(value, str) or not value:
+            # Never the value itself: it may be a token.
+            raise ConfigurationError(
+                f"the OAUTHBEARER token provider {self._where} returned "
+                f"{type(value).__name__}, not a token string"
+            )
+        return value
+
+
+def load_token_provider(path: str) -> TokenProvider:
+    """The function a ``package.module:function`` path names (the
+    ``kafka_sasl_oauth_token_provider`` setting); a ConfigurationError when there is none."""
+    module, _, name = path.partition(":")
+    variable = "NOTIFY_OUTBOX_KAFKA_SASL_OAUTH_TOKEN_PROVIDER"
+    if not module or not name:
+        raise ConfigurationError(f"{variable}: {path!r} is not `package.module:function`")
+    try:
+        target: Any = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigurationError(f"{variable}: cannot load {path!r}: {_describe(e)}") from None
+    if not callable(target):
+        raise ConfigurationError(f"{variable}: {path!r} is not callable")
+    return cast(TokenProvider, target)
+
+
+class KafkaPublisher:
+    """``Publisher`` on one idempotent aiokafka producer, shared by all workers of a relay.
+
+    ``token_provider``: OAUTHBEARER's token source, given in code (else the
+    ``kafka_sasl_oauth_token_provider`` setting names one)."""
+
+    def __init__(
+        self, settings: OutboxSettings, *, token_provider: TokenProvider | None = None
+    ) -> None:
         self._settings = settings
+        self._tokens: _Tokens | None = None
+        if settings.kafka_sasl_mechanism == "OAUTHBEARER":
+            path = settings.kafka_sasl_oauth_token_provider
+            if token_provider is not None:
+                self._tokens = _Tokens(token_provider, repr(token_provider))
+            elif path:
+                self._tokens = _Tokens(load_token_provider(path), path)
+            else:
+                raise ConfigurationError(
+                    "NOTIFY_OUTBOX_KAFKA_SASL_OAUTH_TOKEN_PROVIDER (or a kafka_token_provider "
+                    "given to the Relay) is required with NOTIFY_OUTBOX_KAFKA_SASL_MECHANISM="
+                    "OAUTHBEARER"
+                )
         self._producer: AIOKafkaProducer | None = None
         # Acks of batches whose deadline passed: they may still complete when Kafka returns.
         self._outstanding: set[asyncio.Future[Any]] = set()
@@ -236,6 +306,7 @@ class KafkaPublisher:
             "sasl_plain_password": (
                 s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
             ),
+            "sasl_oauth_token_provider": self._tokens,
             "ssl_context": self._ssl_context(),
         }
 

@@ -43,7 +43,7 @@ from notify_outbox.core.errors import (
 from notify_outbox.core.events import RelayEvents
 from notify_outbox.core.logs import redact
 from notify_outbox.core.settings import OutboxSettings
-from notify_outbox.kafka.publisher import KafkaPublisher, Publisher, PublishResult
+from notify_outbox.kafka.publisher import KafkaPublisher, Publisher, PublishResult, TokenProvider
 from notify_outbox.pg.db import (
     DATABASE_ERRORS,
     UNREACHABLE_ERRORS,
@@ -144,6 +144,9 @@ class Relay:
 
     ``store`` and ``publisher`` are the two ports; leave them out to use PostgreSQL (through
     ``settings.dsn``) and Kafka (through ``settings.kafka_bootstrap_servers``).
+    ``kafka_token_provider``: with SASL OAUTHBEARER, a function that returns a token (or an
+    awaitable of one), called at each authentication; instead of the
+    ``kafka_sasl_oauth_token_provider`` setting.
     """
 
     def __init__(
@@ -153,8 +156,10 @@ class Relay:
         store: OutboxStore | None = None,
         publisher: Publisher | None = None,
         fault_hook: FaultHook | None = None,
+        kafka_token_provider: TokenProvider | None = None,
     ) -> None:
         self.settings = settings
+        self._kafka_token_provider = kafka_token_provider
         self.events = RelayEvents()
         self.outcome: Literal["running", "stopped", "forced", "aborted", "failed"] = "running"
         self._store = store
@@ -446,7 +451,7 @@ class Relay:
                 self._store.reaped_after = s.frozen_relay_timeout
                 self.pulse.start()
         if self._publisher is None:
-            kafka = KafkaPublisher(s)
+            kafka = KafkaPublisher(s, token_provider=self._kafka_token_provider)
             self._publisher = kafka
             # A first start fails on settings Kafka refuses (credentials, TLS): exit, and
             # say why, rather than retry forever.

@@ -19,8 +19,9 @@ import asyncpg
 import pytest
 
 from notify_outbox import OutboxSettings, Relay
+from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.kafka.publisher import KafkaPublisher
-from tests.secured_kafka import Client, SecuredKafka
+from tests.secured_kafka import Client, SecuredKafka, unsecured_token
 from tests.support import RelayProcess, logged
 
 pytestmark = pytest.mark.anyio
@@ -54,11 +55,12 @@ async def insert_rows(conn: asyncpg.Connection, topic: str, count: int, *, key: 
     )
 
 
-@pytest.mark.parametrize("client", ["scram", "plain", "mtls"])
+@pytest.mark.parametrize("client", ["scram", "plain", "oauth", "mtls"])
 async def test_relay_publishes_to_the_secured_broker(
     db_dsn: str, secured_kafka: SecuredKafka, client: Client
 ) -> None:
-    """SCRAM-SHA-512 and PLAIN over SASL_SSL, and a client certificate (its key encrypted,
+    """SCRAM-SHA-512, PLAIN and OAUTHBEARER (tokens from the provider the settings name) over
+    SASL_SSL, and a client certificate (its key encrypted,
     with kafka_ssl_password) over mutual TLS; the broker's certificate verified against the
     stack's CA each time. The relay's principal may write and describe the topic, nothing
     else. Every row arrives once, each key's rows in order, and the rows are marked
@@ -222,6 +224,55 @@ def bad_relay_env(kafka: SecuredKafka, case: str) -> tuple[dict[str, str], str]:
     else:  # a listener whose certificate (from the right CA) names another host
         env["NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS"] = kafka.broker.mismatch_bootstrap
     return env, secret
+
+
+async def test_an_embedded_relay_takes_its_oauth_tokens_from_a_function(
+    db_dsn: str, secured_kafka: SecuredKafka
+) -> None:
+    """``Relay(kafka_token_provider=...)``: an async function in the application's code, no
+    setting naming it; the broker authenticates its token's subject."""
+    kafka = secured_kafka
+    topic = await kafka.create_topic("oauth-fn")
+    await kafka.acl(kafka.principal("oauth"), topic, "WRITE", "DESCRIBE")
+    calls = 0
+
+    async def token() -> str:
+        nonlocal calls
+        calls += 1
+        return unsecured_token()
+
+    settings = relay_settings(db_dsn, kafka, "oauth", kafka_sasl_oauth_token_provider=None)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(settings, kafka_token_provider=token):
+                await insert_rows(conn, topic, 20)
+                records, _ = await kafka.consume(topic, expect=20)
+    finally:
+        await conn.close()
+    assert len(records) == 20
+    assert calls >= 1
+
+
+async def test_an_oauth_relay_without_a_usable_token_provider_is_told_why(db_dsn: str) -> None:
+    """No provider, one that does not import, or one that is not a function: a configuration
+    error at start naming the setting."""
+    base = {
+        "dsn": db_dsn,
+        "kafka_bootstrap_servers": "127.0.0.1:9",
+        "kafka_security_protocol": "SASL_SSL",
+        "kafka_sasl_mechanism": "OAUTHBEARER",
+    }
+    for path, words in (
+        (None, "is required with"),
+        ("tests.no_such_module:token", "cannot load"),
+        ("tests.secured_kafka:OAUTH_USER", "is not callable"),
+        ("no-colon", "package.module:function"),
+    ):
+        settings = OutboxSettings(**base, kafka_sasl_oauth_token_provider=path)
+        with pytest.raises(ConfigurationError, match=words) as error:
+            await Relay(settings).run()
+        assert "KAFKA_SASL_OAUTH_TOKEN_PROVIDER" in str(error.value)
 
 
 @pytest.mark.parametrize("case", BAD_CONNECTIONS)
