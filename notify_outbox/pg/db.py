@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
@@ -83,6 +84,18 @@ def never_heals(error: BaseException) -> str | None:
     that refuses a start-up parameter), or None for errors that may pass (an outage)."""
     if isinstance(error, asyncpg.ClientConfigurationError):
         return "the connection settings are invalid"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        # sslmode=verify-ca or verify-full: a server that shows this certificate now will
+        # show it at the next attempt too.
+        if error.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_
+            return (
+                "TLS hostname check failed: the server's certificate does not name the host "
+                f"connected to ({error.verify_message})"
+            )
+        return (
+            "TLS certificate verification failed: the server's certificate is not trusted "
+            f"by the CA in sslrootcert ({error.verify_message})"
+        )
     code = getattr(error, "sqlstate", None)
     if code in _NEVER_HEALS:
         return _NEVER_HEALS[code]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,15 @@ def test_connection_errors_that_no_retry_cures_are_told_apart() -> None:
     assert never_heals(error(asyncpg.ProtocolViolationError, "pgbouncer cannot connect")) is None
     assert never_heals(error(asyncpg.CannotConnectNowError, "starting up")) is None
     assert never_heals(ConnectionRefusedError(111, "refused")) is None
+    # sslmode=verify-full: the certificate the server shows now, it shows next time too.
+    for code, words in ((20, "not trusted by the CA"), (62, "does not name the host")):
+        unverified = ssl.SSLCertVerificationError(1, "certificate verify failed")
+        unverified.verify_code = code
+        unverified.verify_message = "as OpenSSL says"
+        why = never_heals(unverified)
+        assert why is not None
+        assert words in why
+    assert never_heals(ssl.SSLError(1, "unexpected eof")) is None  # a connection cut short
     assert statement_cache_size(None, pooled=True) == 0
     assert statement_cache_size(None, pooled=False) == 100
     assert statement_cache_size(50, pooled=True) == 50
