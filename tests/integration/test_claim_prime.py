@@ -15,6 +15,7 @@ import pytest
 from notify_outbox import OutboxNames
 from notify_outbox.pg.sqlfiles import Queries
 from notify_outbox.pg.store import PRIME_TTL, BatchOutcome, PgOutboxStore
+from tests.faults.harness import connect
 
 pytestmark = pytest.mark.anyio
 
@@ -48,11 +49,8 @@ async def pool_and_log(db_dsn: str) -> AsyncIterator[tuple[asyncpg.Pool, Stateme
 @pytest.fixture
 async def admin(db_dsn: str) -> AsyncIterator[asyncpg.Connection]:
     """A session of the test's own: inserts rows, and reads the workers' sessions."""
-    conn = await asyncpg.connect(db_dsn)
-    try:
+    async with connect(db_dsn) as conn:
         yield conn
-    finally:
-        await conn.close()
 
 
 def _store(pool: asyncpg.Pool, *, prime: bool = True, prime_ttl: float = 60.0) -> PgOutboxStore:
