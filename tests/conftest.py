@@ -92,10 +92,11 @@ def services(service_dir: Callable[[str], Path]) -> Iterator[Services]:
 @pytest.fixture(scope="session")
 def secured_kafka(service_dir: Callable[[str], Path]) -> Iterator[SecuredKafka]:
     """A second Kafka broker, secured (issue #33): SASL_SSL with SCRAM-SHA-512 and PLAIN
-    users, a listener requiring client certificates, ACLs enforced (see
-    ``devstack.kafka_secured``). Started from the plain broker's cached jars by the first test
-    that asks for it, stopped at the end of the session; ``tests.secured_kafka`` says how to
-    connect to it and creates topics and ACLs as its super user."""
+    users and OAUTHBEARER (unsecured JWTs), a listener requiring client certificates, ACLs
+    enforced (see ``devstack.kafka_secured``). Started from the plain broker's cached jars by
+    the first test that asks for it, stopped at the end of the session;
+    ``tests.secured_kafka`` says how to connect to it and creates topics and ACLs as its
+    super user."""
     try:
         from devstack import StackError
         from devstack.kafka_secured import SecuredKafkaBroker

@@ -64,7 +64,7 @@ class SecuredKafka:
 
     @property
     def sasl_ssl(self) -> str:
-        """host:port of the SASL_SSL listener (SCRAM-SHA-512 and PLAIN users)."""
+        """host:port of the SASL_SSL listener (SCRAM-SHA-512 and PLAIN users, OAUTHBEARER)."""
         return self.broker.sasl_ssl_bootstrap
 
     @property

@@ -1,10 +1,7 @@
-"""The relay against a secured Kafka broker (issue #33, part 1): SASL_SSL with SCRAM-SHA-512
-or PLAIN, mutual TLS, ACLs enforced by the standard authorizer, certificate verification on.
-Only the documented settings (``NOTIFY_OUTBOX_KAFKA_*``) are used.
-
-What the issue asks for but the relay does not do yet is written down as ``xfail(strict=True)``
-tests: they fail today, and an XPASS (the relay does it now) fails the run until the marker
-goes.
+"""The relay against a secured Kafka broker (issue #33, part 1): SASL_SSL with SCRAM-SHA-512,
+PLAIN or OAUTHBEARER, mutual TLS, ACLs enforced by the standard authorizer, certificate
+verification on. Only the documented settings (``NOTIFY_OUTBOX_KAFKA_*``) are used, and the
+relay's own token provider hook for OAUTHBEARER.
 """
 
 from __future__ import annotations
