@@ -392,7 +392,8 @@ def compare_rev_option(group: argparse._MutuallyExclusiveGroup) -> None:
         metavar="REV",
         help="a git revision (main, HEAD~1, a hash): checked out as a detached worktree for "
         "this run and run as --alt-relay runs a tree; adds the -alt counterpart of every "
-        "selected relay mode unless an -alt mode is named",
+        "selected relay mode unless an -alt mode is named. recovery and stalled-relay have no "
+        "-alt mode: there the relay itself runs REV (compare with a run without the option)",
     )
 
 
