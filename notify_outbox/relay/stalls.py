@@ -89,6 +89,8 @@ class ClaimIdleTimeout:
         self._clock = clock
         self._told = AUTO_CEILING  # the value last logged
         self._claimed_at = -REST_AFTER  # when a claim last asked for the timeout
+        #: The timeout the latest claim was given (``for_claim``); None before the first.
+        self.given: float | None = None
         self._claiming = asyncio.Event()  # set while claims come
 
     @property
@@ -106,11 +108,13 @@ class ClaimIdleTimeout:
     def for_claim(self) -> float:
         """``current()`` for a claim about to start (which also wakes a resting watch)."""
         if self.fixed is not None:
+            self.given = self.fixed
             return self.fixed
         self._claimed_at = self._clock()
         if not self._claiming.is_set():
             self._claiming.set()
-        return self.current()
+        self.given = self.current()
+        return self.given
 
     def round_trip(self, seconds: float) -> None:
         if self.fixed is None:  # a fixed timeout needs no measure
