@@ -92,7 +92,8 @@ async def test_rows_for_a_topic_the_relay_may_not_write_are_dead_lettered_as_una
 ) -> None:
     """The relay may describe the topic but not write to it (an ACL allows DESCRIBE only):
     its rows are retried, then dead-lettered with the broker's answer,
-    TopicAuthorizationFailedError, while rows for a topic it may write arrive."""
+    TopicAuthorizationFailedError, while rows for a topic it may write arrive; a refusal
+    neither replaces the producer nor pauses the other topics (issue #33)."""
     kafka = secured_kafka
     allowed = await kafka.create_topic("allowed")
     denied = await kafka.create_topic("denied")
@@ -110,7 +111,10 @@ async def test_rows_for_a_topic_the_relay_may_not_write_are_dead_lettered_as_una
     )
     conn = await asyncpg.connect(db_dsn)
     try:
-        with anyio.fail_after(60):
+        with (
+            logged("notify_outbox.publisher", "replacing the producer") as replaced,
+            anyio.fail_after(60),
+        ):
             async with Relay(settings) as relay:
                 await insert_rows(conn, denied, 3, key="d")
                 await insert_rows(conn, allowed, 20, key="a")
@@ -120,6 +124,8 @@ async def test_rows_for_a_topic_the_relay_may_not_write_are_dead_lettered_as_una
         pending = await conn.fetchval("SELECT count(*) FROM outbox")
     finally:
         await conn.close()
+    assert not replaced.is_set()
+    assert relay.events.counts["kafka_unavailable"] == 0
     assert total == 20
     assert pending == 0
     assert {r["key"] for r in dead} == {f"d{n % KEYS}" for n in (1, 2, 3)}
@@ -127,44 +133,6 @@ async def test_rows_for_a_topic_the_relay_may_not_write_are_dead_lettered_as_una
         assert row["topic"] == denied
         assert row["attempts"] == 3
         assert "TopicAuthorizationFailed" in row["error"], row["error"]
-
-
-async def test_a_topic_the_relay_may_not_write_leaves_the_producer_alone(
-    db_dsn: str, secured_kafka: SecuredKafka
-) -> None:
-    """The issue asks that a failure on one topic neither replace the producer nor pause
-    sending for the other topics. Today every refused batch makes the publisher log "a
-    record failed at Kafka (TopicAuthorizationFailedError ...); replacing the producer so
-    that nothing queued behind it is sent out of order" (seen once per attempt)."""
-    kafka = secured_kafka
-    allowed = await kafka.create_topic("allowed")
-    denied = await kafka.create_topic("denied")
-    principal = kafka.principal("scram")
-    await kafka.acl(principal, allowed, "WRITE", "DESCRIBE")
-    await kafka.acl(principal, denied, "DESCRIBE")
-    settings = relay_settings(
-        db_dsn,
-        kafka,
-        "scram",
-        max_attempts=2,
-        retry_base_delay=0.05,
-        retry_max_delay=0.1,
-        poll_interval=0.2,
-    )
-    conn = await asyncpg.connect(db_dsn)
-    try:
-        with (
-            logged("notify_outbox.publisher", "replacing the producer") as replaced,
-            anyio.fail_after(60),
-        ):
-            async with Relay(settings) as relay:
-                await insert_rows(conn, denied, 1, key="d")
-                await insert_rows(conn, allowed, 20, key="a")
-                await relay.events.wait_for("dead_lettered", 1)
-                await kafka.consume(allowed, expect=20)
-    finally:
-        await conn.close()
-    assert not replaced.is_set()
 
 
 async def test_rows_for_a_topic_the_relay_may_not_describe_are_dead_lettered_as_unauthorized(
