@@ -1,7 +1,8 @@
 """Local PostgreSQL + Kafka services for notify-outbox's tests, without Docker.
 
 Not part of the shipped library: it drives the PostgreSQL binaries installed on
-the machine and a Kafka broker whose jars Maven fetches once into a cache.
+the machine and a Kafka broker whose jars Maven fetches once into a cache (likewise an
+Apicurio schema registry, for the tests that need one).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from devstack._common import StackError, free_ports
 from devstack.kafka import KAFKA_VERSION, KafkaBroker, kafka_classpath
 from devstack.pgbouncer import PgBouncer
 from devstack.postgres import PostgresServer, PostgresStandby
+from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
 
 __all__ = [
+    "APICURIO_VERSION",
     "KAFKA_VERSION",
     "KafkaBroker",
     "PgBouncer",
     "PostgresServer",
     "PostgresStandby",
+    "SchemaRegistryServer",
     "Stack",
     "StackError",
     "kafka_classpath",
