@@ -28,6 +28,7 @@ from tests.pooling import Poolers, start_poolers
 from tests.support import create_topics, dsn_with_database
 
 if TYPE_CHECKING:
+    from devstack.schema_registry import SchemaRegistryServer
     from tests.secured_kafka import SecuredKafka
 
 TEMPLATE_DB = "notify_outbox_template"
@@ -120,6 +121,29 @@ def secured_kafka(service_dir: Callable[[str], Path]) -> Iterator[SecuredKafka]:
         yield SecuredKafka(broker)
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def schema_registry(service_dir: Callable[[str], Path]) -> Iterator[SchemaRegistryServer]:
+    """A Confluent-compatible Schema Registry (Apicurio Registry 3.0.9, its ``ccompat`` API,
+    BACKWARD compatibility as Confluent's default), fetched once from Maven Central and run
+    on the local Java; its schemas survive a ``restart()`` (issue #33, part 2)."""
+    from devstack import StackError
+    from devstack.schema_registry import SchemaRegistryServer
+
+    server = SchemaRegistryServer(service_dir("schema-registry"))
+    try:
+        server.start()
+    except StackError as e:
+        pytest.fail(
+            f"no Schema Registry for the tests: {e}\n"
+            "It needs Java 17 and Maven (for Apicurio's distribution, cached after the first run).",
+            pytrace=False,
+        )
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -321,6 +321,44 @@ class OutboxSettings(DatabaseSettings):
     kafka_send_timeout: Seconds = Field(
         15.0, gt=0, description="Deadline in seconds for a batch's acks (aiokafka can wait forever)"
     )
+    # --- Schema Registry (the schema-registry extra) --------------------------------------------
+    schema_registry_url: str | None = Field(
+        None,
+        description="Base URL of a Confluent-compatible Schema Registry (Confluent, Karapace, "
+        "Apicurio's /apis/ccompat/v7). Set: the JSON events of the governed topics are sent "
+        "as Avro or JSON Schema records in Confluent's wire format, encoded with their "
+        "subject's latest schema; an event that does not match it is dead-lettered at once",
+    )
+    schema_registry_username: str | None = Field(
+        None, description="Schema Registry: HTTP basic user (Confluent Cloud: the API key)"
+    )
+    schema_registry_password: SecretStr | None = Field(
+        None, description="Schema Registry: HTTP basic password (the API secret). A secret"
+    )
+    schema_registry_cafile: Path | None = Field(
+        None, description="Schema Registry: the CA that verifies an https registry"
+    )
+    schema_registry_topics: str = Field(
+        "*",
+        description="Schema Registry: the governed topics, comma-separated glob patterns "
+        "(orders.*,payments); other topics are sent as before",
+    )
+    schema_registry_subject_strategy: Literal["topic", "record", "topic-record"] = Field(
+        "topic",
+        description="Schema Registry: the value subject of an event: <topic>-value; its "
+        "event_type (the record's full name); or <topic>-<event_type>",
+    )
+    schema_registry_keys: bool = Field(
+        False,
+        description="Schema Registry: encode keys too, with the <topic>-key subject's schema "
+        "(else keys stay UTF-8 text)",
+    )
+    schema_registry_refresh: Seconds = Field(
+        30.0,
+        gt=0,
+        description="Schema Registry: how long a subject's latest schema is used before it is "
+        "read again (a mismatch re-reads it at once)",
+    )
     claim_idle_timeout: AutoSeconds = Field(
         2.0,
         description="A claim's transaction left idle this long is ended by PostgreSQL "

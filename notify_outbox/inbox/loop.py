@@ -5,6 +5,7 @@ commit, with a rebalance listener (``InboxRebalanceListener``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,6 +27,10 @@ from .core import (
     _refuse_open_transaction,
 )
 from .errors import InboxError
+
+#: A record value's decoder for the consume loops (plain or async): bytes (or None) in,
+#: the value the handler sees out.
+Deserializer = Callable[[bytes | None], Any]
 
 __all__ = [
     "InboxRebalanceListener",
@@ -116,6 +121,7 @@ async def consume(
     topics: Sequence[str] | None = None,
     listener: ConsumerRebalanceListener | None = None,
     concurrency: int = 1,
+    deserializer: Deserializer | None = None,
 ) -> None:
     """Run an aiokafka consumer through the inbox until cancelled, one message at a time for
     the handler: ``handler(conn, message)`` for each fresh message.
@@ -142,6 +148,11 @@ async def consume(
     per partition at a time); the handler may then run for different partitions
     concurrently, so it must not rely on the order between partitions, which Kafka does not
     give anyway. Default 1: one batch after the other.
+
+    ``deserializer``: called with each record's value (bytes, or None), plain or async; the
+    handler sees its result as ``message.value``. For records of a Schema Registry,
+    ``notify_outbox.schemaregistry.RegistryDeserializer``. A value it cannot decode stops the
+    loop with its error, before that batch's transaction (nothing of it is applied).
     """
     await _consume(
         consumer,
@@ -152,6 +163,7 @@ async def consume(
         topics=topics,
         listener=listener,
         concurrency=concurrency,
+        deserializer=deserializer,
     )
 
 
@@ -167,11 +179,12 @@ async def consume_batches(
     topics: Sequence[str] | None = None,
     listener: ConsumerRebalanceListener | None = None,
     concurrency: int = 1,
+    deserializer: Deserializer | None = None,
 ) -> None:
     """``consume`` for a batch handler: ``handler(conn, fresh_messages)`` once per fetched
     partition batch, with only the messages not applied before (``Inbox.apply_batch``), so it
     can write them in one statement. The offsets move after the database commit. ``topics``,
-    ``listener`` and ``concurrency``: as in ``consume``."""
+    ``listener``, ``concurrency`` and ``deserializer``: as in ``consume``."""
     await _consume(
         consumer,
         db,
@@ -181,7 +194,20 @@ async def consume_batches(
         topics=topics,
         listener=listener,
         concurrency=concurrency,
+        deserializer=deserializer,
     )
+
+
+async def _decoded(records: list[Any], deserializer: Deserializer) -> list[Any]:
+    """The records with their values decoded (aiokafka's records are mutable dataclasses;
+    copies, so that the consumer's own are untouched)."""
+    out = []
+    for record in records:
+        value = deserializer(record.value)
+        if inspect.isawaitable(value):
+            value = await value
+        out.append(dataclasses.replace(record, value=value))
+    return out
 
 
 async def _consume(
@@ -194,6 +220,7 @@ async def _consume(
     topics: Sequence[str] | None,
     listener: ConsumerRebalanceListener | None,
     concurrency: int,
+    deserializer: Deserializer | None = None,
 ) -> None:
     if getattr(consumer, "_enable_auto_commit", False):
         raise ConfigurationError(
@@ -221,6 +248,8 @@ async def _consume(
         async with limiter:
             if tp not in consumer.assignment() or tp in inbox_listener.revoked:
                 return  # revoked meanwhile: its next owner has it
+            if deserializer is not None:
+                records = await _decoded(records, deserializer)
             await _apply_partition(apply, tp, records, offsets, errors)
 
     while True:

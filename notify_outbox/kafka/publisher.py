@@ -17,7 +17,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -36,6 +36,9 @@ from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.core.tracing import record_send_spans
 
 from .records import RowRejected, _record, to_message
+
+if TYPE_CHECKING:
+    from notify_outbox.kafka.registry import RowEncoder
 
 __all__ = [
     "KafkaMessage",
@@ -250,6 +253,9 @@ class KafkaPublisher:
         # max.message.bytes is below kafka_batch_size): Kafka refuses a whole batch whose
         # size is over the topic's limit, however small its records.
         self._batch_limits: dict[str, int] = {}
+        #: Encodes the governed topics' events (schema_registry_url), else None.
+        self.encoder = _row_encoder(settings)
+        self._registry_down = False  # _down is the Schema Registry's outage, not Kafka's
 
     @property
     def available(self) -> bool:
@@ -385,13 +391,34 @@ class KafkaPublisher:
                     await producer.stop()
                 raise
             self._producer = producer
+            await self._probe_registry(fatal=fatal)
             return
+
+    async def _probe_registry(self, *, fatal: bool) -> None:
+        """At start: a registry that refuses the relay (credentials, TLS) is a setting to
+        fix (with ``fatal``, ConfigurationError); one that does not answer yet only delays
+        the governed topics' rows, which wait for it."""
+        if self.encoder is None:
+            return
+        from notify_outbox.kafka.registry import RegistryError, RegistryRefused
+
+        try:
+            await self.encoder.client.probe()
+        except RegistryRefused as e:
+            if fatal:
+                log.error("%s", e)
+                raise
+            log.warning("%s", e)
+        except RegistryError as e:
+            log.warning("%s; rows of its topics wait for it", e)
 
     async def stop(self, grace: float) -> bool:
         """Flush and stop the producer within ``grace`` seconds; False if it was abandoned.
 
         Cancelling the caller (an abort during a graceful stop) abandons it at once."""
         producer, self._producer = self._producer, None
+        if self.encoder is not None:
+            await self.encoder.client.aclose()
         if producer is None:
             return True
         stopped = False
@@ -486,6 +513,8 @@ class KafkaPublisher:
         if not self.available:
             result.unavailable = self._down or "the Kafka producer must be replaced"
             return result
+        if self.encoder is not None and not await self._schemas_ready(rows, result):
+            return result
         # One producer for the whole claim: records of one key must not be split between an
         # abandoned producer (which sends nothing more) and its replacement.
         producer = self.producer
@@ -526,6 +555,41 @@ class KafkaPublisher:
             self._down = result.unavailable
         return result
 
+    async def _schemas_ready(self, rows: Sequence[OutboxRow], result: PublishResult) -> bool:
+        """Load the schemas the rows need; False (an outage: the rows wait, no attempt
+        counted) when one was never loaded and the registry does not answer."""
+        from notify_outbox.kafka.registry import RegistryError
+
+        assert self.encoder is not None
+        try:
+            await self.encoder.prepare(rows)
+        except RegistryError as e:
+            result.unavailable = self._down = str(e)
+            self._registry_down = True
+            return False
+        return True
+
+    async def _encode(
+        self, row: OutboxRow, key: bytes | None, value: bytes | None
+    ) -> tuple[bytes | None, bytes | None]:
+        """A governed row's key and value in the registry's wire format. Raises
+        ``_NotEncoded``: the row fails now (its subject has no schema yet) or for good (it
+        does not match the schema)."""
+        from notify_outbox.kafka.registry import RegistryError, SchemaMismatch
+
+        assert self.encoder is not None
+        try:
+            try:
+                return self.encoder.encode(row, key, value)
+            except SchemaMismatch:
+                # The producer may have registered a newer version: re-read, then decide.
+                return await self.encoder.encode_rechecked(row, key, value)
+        except RegistryError as e:  # before ValueError: RegistryRefused is one
+            raise _NotEncoded(f"schema: {e}", permanent=False) from None
+        except ValueError as e:
+            # A mismatch, a schema this library cannot encode, a payload that is not JSON.
+            raise _NotEncoded(f"schema: {e}", permanent=True) from None
+
     async def _send_wave(
         self,
         producer: AIOKafkaProducer,
@@ -541,6 +605,7 @@ class KafkaPublisher:
         each to ``sent``. A row that cannot be sent fails here and holds back its key's
         later rows."""
         debezium = self._settings.header_style == "debezium"
+        encoder = self.encoder
         max_request = self._settings.kafka_max_request_size
         # Below this many bytes of key, value and header text, a record cannot exceed the
         # request size: the exact estimate is only worth its cost above it.
@@ -568,6 +633,12 @@ class KafkaPublisher:
             if topic in missing:
                 _fail(result, blocked, row, missing[topic])
                 continue
+            if encoder is not None and encoder.governs(topic):
+                try:
+                    kb, value = await self._encode(row, kb, value)
+                except _NotEncoded as e:
+                    _fail(result, blocked, row, e.reason, permanent=e.permanent)
+                    continue
             # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
             bound = (len(value) if value is not None else 0) + (len(kb) if kb is not None else 0)
             for text in (row.headers, row.event_type, row.aggregate_type, row.aggregate_id):
@@ -759,9 +830,58 @@ class KafkaPublisher:
             backoff = Backoff(_RECOVERY_FIRST, _RECOVERY_CAP)
             while not await self._reachable():
                 await backoff.sleep()
+            while self._registry_down and not await self._registry_answers():
+                await backoff.sleep()
+            self._registry_down = False
             if self._broken or any(not f.done() for f in self._outstanding):
                 await self._replace()
             self._down = None
+
+    async def _registry_answers(self) -> bool:
+        from notify_outbox.kafka.registry import RegistryError
+
+        assert self.encoder is not None
+        try:
+            await self.encoder.client.probe()
+        except RegistryError:
+            return False
+        return True
+
+
+class _NotEncoded(Exception):
+    """A governed row that cannot be encoded: ``reason``, and whether it never will be."""
+
+    def __init__(self, reason: str, *, permanent: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.permanent = permanent
+
+
+def _row_encoder(settings: OutboxSettings) -> RowEncoder | None:
+    """The Schema Registry's encoder of the settings (None without a registry URL)."""
+    if not settings.schema_registry_url:
+        return None
+    try:
+        from notify_outbox.kafka.registry import RegistryClient, RowEncoder
+    except ImportError as e:
+        raise ConfigurationError(
+            f"NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL needs the schema-registry extra "
+            f"(pip install 'notify-outbox[schema-registry]'): {e}"
+        ) from None
+    password = settings.schema_registry_password
+    client = RegistryClient(
+        settings.schema_registry_url,
+        username=settings.schema_registry_username,
+        password=password.get_secret_value() if password is not None else None,
+        cafile=settings.schema_registry_cafile,
+    )
+    return RowEncoder(
+        client,
+        topics=settings.schema_registry_topics,
+        strategy=settings.schema_registry_subject_strategy,
+        keys=settings.schema_registry_keys,
+        refresh=settings.schema_registry_refresh,
+    )
 
 
 def _abandon(producer: AIOKafkaProducer) -> None:

@@ -21,6 +21,7 @@ from notify_outbox.core.errors import EventValidationError
 from notify_outbox.core.message import RESERVED_HEADERS
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.core.tracing import with_trace_context
+from notify_outbox.kafka.registry.serde import EventToCheck, SchemaCheck
 from notify_outbox.pg.sqlfiles import Queries
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "enqueue",
     "enqueue_many",
     "prepare_events",
+    "to_check",
 ]
 
 # Kafka's default max.message.bytes is about 1 MiB; leave room for the record overhead.
@@ -160,6 +162,20 @@ def insertion_order(prepared: list[PreparedEvent]) -> list[PreparedEvent]:
     return sorted(prepared, key=lambda e: (e.key is not None, e.key or ""))
 
 
+def to_check(events: Iterable[OutboxEvent]) -> list[EventToCheck]:
+    """What a schema check (``schemas=``) sees of each event."""
+    return [
+        EventToCheck(
+            topic=e.topic,
+            event_type=e.event_type,
+            payload=None if e.payload is _UNSET else e.payload,
+            value_bytes=e.value_bytes,
+            has_payload=e.payload is not _UNSET or e.value_bytes is not None,
+        )
+        for e in events
+    ]
+
+
 @cache
 def _queries(names: OutboxNames) -> Queries:
     return Queries(names)
@@ -171,15 +187,21 @@ async def enqueue_many(
     *,
     names: OutboxNames | None = None,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    schemas: SchemaCheck | None = None,
 ) -> list[uuid.UUID]:
     """Insert events in one round trip; returns their event ids in the order given.
 
     Call it inside your transaction (``async with conn.transaction():``) so the events commit
-    or roll back with your business change.
+    or roll back with your business change. ``schemas`` (``EventSchemas``, ``StaticSchema``
+    from ``notify_outbox.schemaregistry``): each event must match its topic's schema, or
+    ``SchemaMismatch`` (an ``EventValidationError``) is raised before anything is written.
     """
+    events = list(events)
     prepared = prepare_events(events, max_event_bytes=max_event_bytes)
     if not prepared:
         return []
+    if schemas is not None:
+        await schemas.check_events(to_check(events))
     rows = insertion_order(prepared)
     await conn.execute(
         _queries(names or OutboxNames())["insert_events"],
@@ -211,6 +233,7 @@ async def enqueue(
     idempotency_key: str | None = None,
     names: OutboxNames | None = None,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    schemas: SchemaCheck | None = None,
 ) -> uuid.UUID:
     """Insert one event in the caller's transaction and return its event id.
 
@@ -227,5 +250,7 @@ async def enqueue(
         aggregate_id=aggregate_id,
         idempotency_key=idempotency_key,
     )
-    (event_id,) = await enqueue_many(conn, [event], names=names, max_event_bytes=max_event_bytes)
+    (event_id,) = await enqueue_many(
+        conn, [event], names=names, max_event_bytes=max_event_bytes, schemas=schemas
+    )
     return event_id

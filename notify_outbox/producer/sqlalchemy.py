@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from notify_outbox.core.names import OutboxNames
+from notify_outbox.kafka.registry.serde import SchemaCheck, StaticSchema
 
 from .enqueue import (
     _UNSET,
@@ -50,6 +51,7 @@ from .enqueue import (
     PreparedEvent,
     insertion_order,
     prepare_events,
+    to_check,
 )
 
 __all__ = [
@@ -103,9 +105,17 @@ def enqueue_many(
     *,
     names: OutboxNames | None = None,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    schemas: StaticSchema | None = None,
 ) -> list[uuid.UUID]:
-    """Write events through a sync ``Session``; returns their event ids in the order given."""
+    """Write events through a sync ``Session``; returns their event ids in the order given.
+    ``schemas``: a ``StaticSchema`` every event must match (a registry's ``EventSchemas``
+    needs the async helpers)."""
+    events = list(events)
     prepared = prepare_events(events, max_event_bytes=max_event_bytes)
+    if prepared and schemas is not None:
+        if not isinstance(schemas, StaticSchema):
+            raise TypeError("the sync helpers take a StaticSchema: use enqueue_many_async")
+        schemas.check_events_now(to_check(events))
     if prepared:
         session.execute(_insert(names or OutboxNames()), _params(prepared))
     return [e.event_id for e in prepared]
@@ -119,11 +129,12 @@ def enqueue(
     key: str | None = None,
     headers: Mapping[str, str] | None = None,
     names: OutboxNames | None = None,
+    schemas: StaticSchema | None = None,
     **fields: Any,
 ) -> uuid.UUID:
     """Write one event through a sync ``Session`` (fields as in ``OutboxEvent``)."""
     event = _event(topic, payload, key, headers=headers, **fields)
-    return enqueue_many(session, [event], names=names)[0]
+    return enqueue_many(session, [event], names=names, schemas=schemas)[0]
 
 
 async def enqueue_many_async(
@@ -132,9 +143,14 @@ async def enqueue_many_async(
     *,
     names: OutboxNames | None = None,
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    schemas: SchemaCheck | None = None,
 ) -> list[uuid.UUID]:
-    """Write events through an ``AsyncSession``; returns their event ids in the order given."""
+    """Write events through an ``AsyncSession``; returns their event ids in the order given.
+    ``schemas``: as in ``notify_outbox.enqueue_many``."""
+    events = list(events)
     prepared = prepare_events(events, max_event_bytes=max_event_bytes)
+    if prepared and schemas is not None:
+        await schemas.check_events(to_check(events))
     if prepared:
         await session.execute(_insert(names or OutboxNames()), _params(prepared))
     return [e.event_id for e in prepared]
@@ -148,11 +164,12 @@ async def enqueue_async(
     key: str | None = None,
     headers: Mapping[str, str] | None = None,
     names: OutboxNames | None = None,
+    schemas: SchemaCheck | None = None,
     **fields: Any,
 ) -> uuid.UUID:
     """Write one event through an ``AsyncSession`` (fields as in ``OutboxEvent``)."""
     event = _event(topic, payload, key, headers=headers, **fields)
-    return (await enqueue_many_async(session, [event], names=names))[0]
+    return (await enqueue_many_async(session, [event], names=names, schemas=schemas))[0]
 
 
 @dataclass(frozen=True)

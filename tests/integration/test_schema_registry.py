@@ -1,0 +1,427 @@
+"""Topics governed by a Schema Registry (issue #33, part 2), against a real registry (Apicurio
+Registry's Confluent-compatible API), PostgreSQL and Kafka: the relay encodes JSON events in
+Confluent's wire format (read back with confluent-kafka's own deserializers), producers are
+refused a bad event before their commit, a plain-SQL bad row is dead-lettered at once, a
+subject registered late is picked up, and a registry outage only makes rows wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import anyio
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaConsumer
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from devstack.schema_registry import SchemaRegistryServer
+from notify_outbox import OutboxSettings, Relay, enqueue
+from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.inbox import Inbox, consume_batches
+from notify_outbox.schemaregistry import (
+    EventSchemas,
+    RegistryClient,
+    RegistryDeserializer,
+    SchemaIncompatible,
+    SchemaMismatch,
+    unframe,
+)
+from tests.conftest import Services
+from tests.integration.test_inbox_batch import pool, until_committed
+from tests.support import consume, logged
+
+pytestmark = pytest.mark.anyio
+
+__all__ = ["pool"]  # the inbox's fixture, used here
+
+ORDER = {
+    "type": "record",
+    "name": "OrderPlaced",
+    "namespace": "acme",
+    "fields": [
+        {"name": "order", "type": "long"},
+        {"name": "total", "type": "double"},
+        {"name": "note", "type": ["null", "string"], "default": None},
+    ],
+}
+ORDER_JSON_SCHEMA = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {"order": {"type": "integer"}, "total": {"type": "number"}},
+    "required": ["order", "total"],
+}
+
+
+def relay_settings(db_dsn: str, services: Services, url: str, **kw: Any) -> OutboxSettings:
+    fields: dict[str, Any] = {
+        "dsn": db_dsn,
+        "kafka_bootstrap_servers": services.bootstrap,
+        "schema_registry_url": url,
+        "workers": 2,
+        "poll_interval": 0.2,
+        "retry_base_delay": 0.05,
+        "retry_max_delay": 0.2,
+    }
+    fields.update(kw)
+    return OutboxSettings(**fields)
+
+
+@pytest.fixture
+async def registry(schema_registry: SchemaRegistryServer) -> AsyncIterator[RegistryClient]:
+    client = RegistryClient(schema_registry.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def confluent(schema_registry: SchemaRegistryServer) -> Iterator[SchemaRegistryClient]:
+    """confluent-kafka's own registry client, for its deserializers."""
+    with SchemaRegistryClient({"url": schema_registry.url}) as client:
+        yield client
+
+
+async def test_the_relay_sends_avro_records_that_confluent_deserializers_read(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+    confluent: SchemaRegistryClient,
+) -> None:
+    """Events checked by the producer against the topic's subject, encoded by the relay with
+    it: each record is magic byte 0, the registered id, the Avro body; confluent-kafka's
+    AvroDeserializer reads every event back as written, each key's in commit order."""
+    schema_id = await registry.register(f"{topic}-value", json.dumps(ORDER))
+    schemas = EventSchemas(registry)
+    events: list[dict[str, Any]] = [
+        {"order": n, "total": n * 1.5, "note": None if n % 2 else f"n{n}"} for n in range(60)
+    ]
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(relay_settings(db_dsn, services, schema_registry.url)):
+                for n, event in enumerate(events):
+                    async with conn.transaction():
+                        await enqueue(
+                            conn,
+                            topic=topic,
+                            key=f"k{n % 3}",
+                            payload=event,
+                            schemas=schemas,
+                        )
+                records, total = await consume(services.bootstrap, topic, expect=len(events))
+    finally:
+        await conn.close()
+    assert total == len(events)
+    deserialize = AvroDeserializer(confluent)
+    per_key: dict[bytes | None, list[dict[str, Any]]] = collections.defaultdict(list)
+    for record in sorted(records, key=lambda r: (r.partition, r.offset)):
+        assert record.value is not None
+        assert unframe(record.value)[0] == schema_id
+        value = deserialize(record.value, SerializationContext(topic, MessageField.VALUE))
+        per_key[record.key].append(value)
+    for key, values in per_key.items():
+        orders = [v["order"] for v in values]
+        assert orders == sorted(orders), f"key {key!r} out of order"
+    decoded = sorted((v for vs in per_key.values() for v in vs), key=lambda v: v["order"])
+    assert decoded == events
+
+
+async def test_json_schema_topics_carry_the_json_text_behind_the_schema_id(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+    confluent: SchemaRegistryClient,
+) -> None:
+    """A JSON Schema subject: the record is the prefix and the event's JSON, which
+    confluent-kafka's JSONDeserializer and this library's RegistryDeserializer both read."""
+    schema_id = await registry.register(
+        f"{topic}-value", json.dumps(ORDER_JSON_SCHEMA), schema_type="JSON"
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(relay_settings(db_dsn, services, schema_registry.url)):
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k', "
+                    "jsonb_build_object('order', n, 'total', n * 2) FROM generate_series(1, 5) n",
+                    topic,
+                )
+                records, _ = await consume(services.bootstrap, topic, expect=5)
+    finally:
+        await conn.close()
+    ours = RegistryDeserializer(registry)
+    theirs = JSONDeserializer(None, schema_registry_client=confluent)
+    values = []
+    for record in sorted(records, key=lambda r: r.offset):
+        assert record.value is not None
+        assert unframe(record.value)[0] == schema_id
+        value = await ours(record.value)
+        assert theirs(record.value, SerializationContext(topic, MessageField.VALUE)) == value
+        values.append(value)
+    assert values == [{"order": n, "total": n * 2} for n in range(1, 6)]
+
+
+async def test_a_producer_is_refused_an_event_that_does_not_match_before_its_commit(
+    db_dsn: str, topic: str, registry: RegistryClient
+) -> None:
+    """``schemas=``: a missing field, a wrong type, a field the schema does not have, an
+    event of a topic with no subject: each raises SchemaMismatch naming the problem, and the
+    transaction writes nothing."""
+    await registry.register(f"{topic}-value", json.dumps(ORDER))
+    schemas = EventSchemas(registry)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        for payload, expected in [
+            ({"order": 1}, "total"),
+            ({"order": "one", "total": 1.0}, "order"),
+            ({"order": 1, "total": 1.0, "extra": 1}, "extra"),
+        ]:
+            with pytest.raises(SchemaMismatch, match=expected):
+                async with conn.transaction():
+                    await enqueue(conn, topic=topic, payload=payload, schemas=schemas)
+        with pytest.raises(SchemaMismatch, match="no schema registered under subject"):
+            await enqueue(conn, topic=f"{topic}-none", payload={}, schemas=schemas)
+        async with conn.transaction():
+            await enqueue(conn, topic=topic, payload={"order": 1, "total": 2.0}, schemas=schemas)
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 1
+    finally:
+        await conn.close()
+
+
+async def test_a_plain_sql_row_that_does_not_match_is_dead_lettered_at_once(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+    confluent: SchemaRegistryClient,
+) -> None:
+    """A row written by plain SQL that does not match its subject's schema is dead-lettered
+    at its first attempt with the reason (it will never match); its key's later row is held
+    behind it, then sent; other keys flow."""
+    await registry.register(f"{topic}-value", json.dumps(ORDER))
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(
+                relay_settings(db_dsn, services, schema_registry.url, max_attempts=5)
+            ) as relay:
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) VALUES "
+                    "($1, 'bad', '{\"order\": 1}'), "
+                    "($1, 'bad', '{\"order\": 2, \"total\": 2.0}'), "
+                    "($1, 'good', '{\"order\": 3, \"total\": 3.0}')",
+                    topic,
+                )
+                await relay.events.wait_for("dead_lettered", 1)
+                records, _ = await consume(services.bootstrap, topic, expect=2)
+            dead = await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
+    finally:
+        await conn.close()
+    assert [(d["key"], d["attempts"]) for d in dead] == [("bad", 1)]
+    assert "schema" in dead[0]["error"]
+    assert "total" in dead[0]["error"]
+    deserialize = AvroDeserializer(confluent)
+    sent = {
+        r.key: deserialize(r.value, SerializationContext(topic, MessageField.VALUE))["order"]
+        for r in records
+    }
+    assert sent == {b"bad": 2, b"good": 3}
+
+
+async def test_a_subject_registered_after_its_first_event_is_picked_up(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+) -> None:
+    """A row of a governed topic whose subject has no schema yet fails with the reason and
+    is retried (not dead-lettered while attempts remain); once the schema is registered, the
+    row goes out encoded with it."""
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(
+                relay_settings(db_dsn, services, schema_registry.url, max_attempts=1000)
+            ) as relay:
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) "
+                    "VALUES ($1, 'k', '{\"order\": 7, \"total\": 1.0}')",
+                    topic,
+                )
+                await relay.events.wait_for("retried", 1)
+                error = await conn.fetchval("SELECT last_error FROM outbox")
+                schema_id = await registry.register(f"{topic}-value", json.dumps(ORDER))
+                records, _ = await consume(services.bootstrap, topic, expect=1)
+    finally:
+        await conn.close()
+    assert f"no schema registered under subject '{topic}-value'" in error
+    assert records[0].value is not None
+    assert unframe(records[0].value)[0] == schema_id
+
+
+async def test_the_registry_down_rows_wait_uncounted_and_flow_once_it_answers(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+) -> None:
+    """The registry stops while the relay runs, and a row comes for a subject the relay has
+    not loaded yet: one outage line, the row stays pending with no attempt counted; when
+    the registry is back (its schemas kept), the row goes out."""
+    await registry.register(f"{topic}-value", json.dumps(ORDER))
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(120):
+            async with Relay(relay_settings(db_dsn, services, schema_registry.url)) as relay:
+                with logged("notify_outbox", "Schema Registry at") as outage:
+                    schema_registry.stop()
+                    try:
+                        await conn.execute(
+                            "INSERT INTO outbox (topic, key, payload) "
+                            "VALUES ($1, 'k', '{\"order\": 1, \"total\": 1.0}')",
+                            topic,
+                        )
+                        await outage.wait()
+                        await relay.events.wait_for("kafka_unavailable", 1)
+                        row = await conn.fetchrow("SELECT attempts, published_at FROM outbox")
+                    finally:
+                        await asyncio.to_thread(schema_registry.start)
+                answered = time.monotonic()
+                records, _ = await consume(services.bootstrap, topic, expect=1)
+                back = time.monotonic() - answered
+    finally:
+        await conn.close()
+    assert row is not None
+    assert row["attempts"] == 0
+    assert row["published_at"] is None
+    assert records[0].value is not None
+    assert records[0].value[0] == 0
+    # Recovery probes back off up to 0.2 s; consuming adds a consumer's start.
+    assert back < 10, f"the row came {back:.1f}s after the registry answered"
+
+
+async def test_an_incompatible_schema_is_refused_at_registration(registry: RegistryClient) -> None:
+    """BACKWARD compatibility (the test registry's, as Confluent's default): a new required
+    field without a default is refused with a clear error."""
+    subject = f"c-{uuid.uuid4().hex[:8]}-value"
+    await registry.register(subject, json.dumps(ORDER))
+    changed = {**ORDER, "fields": [*ORDER["fields"], {"name": "currency", "type": "string"}]}
+    with pytest.raises(SchemaIncompatible, match=r"refused the schema \(HTTP 409"):
+        await registry.register(subject, json.dumps(changed))
+
+
+async def test_the_inbox_loop_decodes_registry_records(
+    pool: asyncpg.Pool,
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+) -> None:
+    """``consume_batches(deserializer=RegistryDeserializer(...))``: the handler sees each
+    event's decoded value; the inbox still deduplicates by the relay's event id header."""
+    await registry.register(f"{topic}-value", json.dumps(ORDER))
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(relay_settings(db_dsn, services, schema_registry.url)):
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || (n % 3), "
+                    "jsonb_build_object('order', n, 'total', 1.0) FROM generate_series(1, 20) n",
+                    topic,
+                )
+                await consume(services.bootstrap, topic, expect=20)
+    finally:
+        await conn.close()
+    seen: list[dict[str, Any]] = []
+
+    async def handler(conn: asyncpg.Connection, messages: list[Any]) -> None:
+        seen.extend(m.value for m in messages)
+
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=services.bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        loop = consume_batches(
+            consumer,
+            pool,
+            handler,
+            inbox=Inbox(consumer=group),
+            deserializer=RegistryDeserializer(registry),
+        )
+        await until_committed(consumer, topic, loop)
+    finally:
+        await consumer.stop()
+    assert sorted(v["order"] for v in seen) == list(range(1, 21))
+    assert all(v["total"] == 1.0 and v["note"] is None for v in seen)
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b'{"error_code": 40101, "message": "Unauthorized"}'
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing_registry() -> Iterator[str]:
+    """An HTTP server on loopback that answers every request 401 (wrong credentials)."""
+    server = HTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_registry_that_refuses_the_credentials_stops_the_start(
+    db_dsn: str, services: Services, refusing_registry: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Wrong registry credentials are a setting to fix: the relay's start raises
+    ConfigurationError naming the registry and the settings to check, never the password."""
+    settings = relay_settings(
+        db_dsn,
+        services,
+        refusing_registry,
+        schema_registry_username="relay",
+        schema_registry_password="s3cret-pw",
+    )
+    with anyio.fail_after(60), pytest.raises(ConfigurationError) as raised:
+        await Relay(settings).run()
+    message = str(raised.value)
+    assert "refused the client (HTTP 401" in message
+    assert "SCHEMA_REGISTRY_USERNAME" in message
+    assert "s3cret-pw" not in message
+    assert "s3cret-pw" not in caplog.text
