@@ -84,6 +84,23 @@ _TOO_LARGE: tuple[type[Exception], ...] = (
 )
 
 
+# What a broker, then aiokafka after its retries, answers for a topic deleted under the relay.
+_TOPIC_GONE_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.UnknownTopicOrPartitionError,
+    kafka_errors.NotLeaderForPartitionError,
+)
+
+
+def _topic_gone(producer: AIOKafkaProducer, topic: str, error: BaseException) -> bool:
+    """Whether ``error`` says ``topic`` no longer exists: an error of a missing partition
+    while the producer's metadata (refreshed by aiokafka on that error) no longer lists the
+    topic. A leader change of a topic that exists is not that: it stays an outage."""
+    return (
+        isinstance(error, _TOPIC_GONE_ERRORS)
+        and producer.client.cluster.partitions_for_topic(topic) is None
+    )
+
+
 class _Abandoned(kafka_errors.KafkaError):  # type: ignore[misc]  # aiokafka has no type hints
     """What the records an abandoned producer still held fail with: they were never sent."""
 
@@ -544,13 +561,13 @@ class KafkaPublisher:
                 ):
                     result.unavailable = "Kafka stopped answering"
                 if result.unavailable is None:
-                    self._classify(unsettled, result, blocked)
+                    self._classify(producer, unsettled, result, blocked)
                     unsettled = []
         if scope.cancelled_caught and result.unavailable is None:
             result.unavailable = (
                 f"Kafka did not acknowledge within {self._settings.kafka_send_timeout}s"
             )
-        self._classify(unsettled, result, blocked)
+        self._classify(producer, unsettled, result, blocked)
         if result.unavailable is not None and self._down is None:
             self._down = result.unavailable
         return result
@@ -593,7 +610,7 @@ class KafkaPublisher:
     async def _send_wave(
         self,
         producer: AIOKafkaProducer,
-        on_ack: Callable[[asyncio.Future[Any]], None],
+        on_ack: Callable[[asyncio.Future[Any], str], None],
         wave: Sequence[OutboxRow],
         missing: dict[str, str],
         blocked: set[str],
@@ -710,7 +727,13 @@ class KafkaPublisher:
         if errors and not isinstance(errors[0], _Abandoned):
             result.unavailable = _describe(errors[0])
 
-    def _classify(self, sent: Sequence[_Sent], result: PublishResult, blocked: set[str]) -> None:
+    def _classify(
+        self,
+        producer: AIOKafkaProducer,
+        sent: Sequence[_Sent],
+        result: PublishResult,
+        blocked: set[str],
+    ) -> None:
         """Sort the rows of sent batches by their batch's ack: delivered, failed (retry with
         backoff), or Kafka unavailable. A batch whose ack is still out is parked: nobody
         waits for it any more, but it may still complete when Kafka returns."""
@@ -732,6 +755,10 @@ class KafkaPublisher:
                 self._broken = True
                 if result.unavailable is None:
                     result.unavailable = f"Kafka producer session broken: {_describe(error)}"
+            elif _topic_gone(producer, batch.topic, error):
+                # Deleted while its rows were on their way: theirs, not Kafka's, failure.
+                for row in batch.rows:
+                    _fail(result, blocked, row, f"topic {batch.topic!r} does not exist in Kafka")
             elif isinstance(error, _TOO_LARGE) and len(batch.rows) > 1:
                 # The batch was too large for the topic, not its rows: they stay pending,
                 # with no attempt counted, and go again in smaller batches.
@@ -760,7 +787,7 @@ class KafkaPublisher:
             limit,
         )
 
-    def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any]], None]:
+    def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any], str], None]:
         """A done-callback for ``producer``'s acks: the first record that fails abandons it.
 
         aiokafka numbers a partition's record batches when it sends them and never takes a
@@ -774,17 +801,20 @@ class KafkaPublisher:
         records fail with ``_Abandoned`` and stay pending for the next producer.
         """
 
-        def on_ack(fut: asyncio.Future[Any]) -> None:
+        def on_ack(fut: asyncio.Future[Any], topic: str) -> None:
             error = None if fut.cancelled() else fut.exception()
             if error is None or isinstance(error, _Abandoned):
                 return
-            if isinstance(error, kafka_errors.TopicAuthorizationFailedError):
-                # A topic this principal may not write: the broker appends none of its
-                # batches, so no later batch can overtake a refused one while the ACL stands,
-                # and the other topics go on with this producer (one denied topic would
-                # otherwise replace it at every attempt, pausing them all). The rows are
-                # retried, then dead-lettered with this reason. Left open: an ACL granted in
-                # the instant between two batches of one partition queued together.
+            if isinstance(error, kafka_errors.TopicAuthorizationFailedError) or _topic_gone(
+                producer, topic, error
+            ):
+                # A topic this principal may not write, or one deleted under the relay: the
+                # broker appends none of its batches, so no later batch can overtake a
+                # refused one while the ACL stands or the topic is gone, and the other topics
+                # go on with this producer (one such topic would otherwise replace it at every
+                # attempt, pausing them all). The rows are retried, then dead-lettered with
+                # the reason. Left open: an ACL granted, or the topic created again, in the
+                # instant between two batches of one partition queued together.
                 return
             if producer is self._producer and not self._broken:
                 self._broken = True
@@ -935,13 +965,14 @@ async def _submit(
     producer: AIOKafkaProducer,
     batch: _Batch,
     tp: tuple[str, int],
-    on_ack: Callable[[asyncio.Future[Any]], None],
+    on_ack: Callable[[asyncio.Future[Any], str], None],
 ) -> _Sent:
     """Hand a batch to the producer, and watch its ack at once: the next batch of its
     partition may wait for this one to be taken, and ``on_ack`` must see a failure before
     the producer sends anything after it (see ``KafkaPublisher._watch``)."""
     future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
-    future.add_done_callback(on_ack)
+    topic = tp[0]
+    future.add_done_callback(lambda fut: on_ack(fut, topic))
     return _Sent(batch.rows, future, tp[0], batch.builder.size())
 
 

@@ -11,11 +11,12 @@ from typing import Any
 import anyio
 import asyncpg
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
 from notify_outbox import OutboxSettings, Relay, enqueue
 from tests.conftest import Services
 from tests.faults.harness import eventually
-from tests.support import consume, create_topics, header, topic_total
+from tests.support import consume, create_topics, header, logged, topic_total
 
 pytestmark = pytest.mark.anyio
 
@@ -360,3 +361,50 @@ async def relay_isolation(dsn: str) -> str:
         return str(await conn.fetchval("SHOW default_transaction_isolation"))
     finally:
         await conn.close()
+
+
+async def test_a_topic_deleted_under_the_relay_fails_its_rows_and_nothing_else(
+    db_dsn: str, services: Services
+) -> None:
+    """Rows for a topic deleted while the relay runs (its metadata still cached) are retried
+    and dead-lettered as missing; the producer is not replaced, sending is never paused, and
+    another topic's rows flow meanwhile (issue #33: one such topic slowed every topic)."""
+    gone, other = f"gone-{uuid.uuid4().hex[:8]}", f"ok-{uuid.uuid4().hex[:8]}"
+    await create_topics(services.bootstrap, [gone, other])
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.bootstrap)
+    await admin.start()
+    settings = make_settings(
+        db_dsn,
+        services,
+        max_attempts=3,
+        retry_base_delay=0.05,
+        retry_max_delay=0.1,
+        poll_interval=0.2,
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with (
+            logged("notify_outbox.publisher", "replacing the producer") as replaced,
+            logged("notify_outbox.relay", "Kafka unavailable") as paused,
+            anyio.fail_after(90),
+        ):
+            async with Relay(settings) as relay:
+                insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
+                await conn.execute(insert, gone, "warm")
+                await consume(services.bootstrap, gone, expect=1)  # the relay knows the topic
+                await admin.delete_topics([gone])
+                for n in range(3):
+                    await conn.execute(insert, gone, f"d{n}")
+                for n in range(10):
+                    await conn.execute(insert, other, f"a{n}")
+                records, _ = await consume(services.bootstrap, other, expect=10)
+                await relay.events.wait_for("dead_lettered", 3)
+            dead = await conn.fetch("SELECT key, error FROM outbox_dead_letter ORDER BY key")
+    finally:
+        await conn.close()
+        await admin.close()
+    assert len(records) == 10
+    assert [d["key"] for d in dead] == ["d0", "d1", "d2"]
+    assert all(f"topic '{gone}' does not exist in Kafka" in d["error"] for d in dead)
+    assert not replaced.is_set()
+    assert not paused.is_set()
