@@ -617,16 +617,29 @@ class KafkaPublisher:
         result: PublishResult,
         sent: list[_Sent],
     ) -> None:
-        """Map a wave's rows to records, append them to batches per partition (in row
-        order, so a key's rows keep theirs), and hand the batches to the producer, adding
-        each to ``sent``. A row that cannot be sent fails here and holds back its key's
-        later rows."""
+        """Map a wave's rows to records in batches per partition (``_batch_wave``), then hand
+        the batches to the producer (``_hand_over``), adding each to ``sent``."""
+        batches = await self._batch_wave(producer, wave, missing, blocked, result)
+        if batches:
+            await self._hand_over(producer, on_ack, batches, result, sent)
+
+    async def _batch_wave(
+        self,
+        producer: AIOKafkaProducer,
+        wave: Sequence[OutboxRow],
+        missing: dict[str, str],
+        blocked: set[str],
+        result: PublishResult,
+    ) -> dict[tuple[str, int], list[_Batch]]:
+        """Map a wave's rows to records and append them to batches per partition, in row
+        order (so a key's rows keep theirs). A row that cannot be sent fails here and holds
+        back its key's later rows. Once per event: nothing is called per row that the common
+        row does not need."""
         debezium = self._settings.header_style == "debezium"
         encoder = self.encoder
-        max_request = self._settings.kafka_max_request_size
         # Below this many bytes of key, value and header text, a record cannot exceed the
         # request size: the exact estimate is only worth its cost above it.
-        surely_fits = max_request // 2 - 1024
+        surely_fits = self._settings.kafka_max_request_size // 2 - 1024
         choose = self._partitions.choose
         batches: dict[tuple[str, int], list[_Batch]] = {}
         # Per topic, each key's partition's batches: one dict look-up per row once the key
@@ -661,16 +674,9 @@ class KafkaPublisher:
             for text in (row.headers, row.event_type, row.aggregate_type, row.aggregate_id):
                 if text is not None:
                     bound += 4 * len(text)
-            if bound >= surely_fits:
-                size = DefaultRecordBatchBuilder.estimate_size_in_bytes(kb, value, headers)
-                if size > max_request:
-                    error = kafka_errors.MessageSizeTooLargeError(
-                        f"The message is {size} bytes when serialized which is larger than "
-                        "the maximum request size you have configured with the "
-                        "max_request_size configuration"
-                    )
-                    _fail(result, blocked, row, _describe(error))
-                    continue
+            if bound >= surely_fits and (too_large := self._too_large(kb, value, headers)):
+                _fail(result, blocked, row, too_large)
+                continue
             if topic != last_topic:
                 last_topic, chain_of = topic, chains.setdefault(topic, {})
                 limit = self._batch_limits.get(topic)
@@ -698,6 +704,33 @@ class KafkaPublisher:
                 chain.append(batch)
                 batch.builder.append(timestamp=None, key=kb, value=value, headers=headers)
             batch.rows.append(row)
+        return batches
+
+    def _too_large(
+        self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes | None]]
+    ) -> str | None:
+        """Why a record cannot be sent at all (over the producer's request size), or None."""
+        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers)
+        if size <= self._settings.kafka_max_request_size:
+            return None
+        return _describe(
+            kafka_errors.MessageSizeTooLargeError(
+                f"The message is {size} bytes when serialized which is larger than "
+                "the maximum request size you have configured with the "
+                "max_request_size configuration"
+            )
+        )
+
+    async def _hand_over(
+        self,
+        producer: AIOKafkaProducer,
+        on_ack: Callable[[asyncio.Future[Any], str], None],
+        batches: dict[tuple[str, int], list[_Batch]],
+        result: PublishResult,
+        sent: list[_Sent],
+    ) -> None:
+        """Hand the batches to the producer, the partitions side by side, each partition's
+        in order; what was not handed over stays pending (Kafka unavailable)."""
         errors: list[kafka_errors.KafkaError] = []
 
         async def submit(tp: tuple[str, int], chain: list[_Batch]) -> None:
@@ -720,10 +753,9 @@ class KafkaPublisher:
 
         if len(batches) == 1:
             await submit(*next(iter(batches.items())))
-        elif batches:
+        else:
             await asyncio.gather(*(submit(tp, chain) for tp, chain in batches.items()))
-        # Whatever was not handed over stays pending; an abandoned producer's records go
-        # with the next one.
+        # An abandoned producer's records go with the next one.
         if errors and not isinstance(errors[0], _Abandoned):
             result.unavailable = _describe(errors[0])
 
