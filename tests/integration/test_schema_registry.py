@@ -24,7 +24,9 @@ from aiokafka import AIOKafkaConsumer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer
+from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from devstack.schema_registry import SchemaRegistryServer
 from notify_outbox import OutboxSettings, Relay, enqueue
@@ -36,6 +38,7 @@ from notify_outbox.schemaregistry import (
     RegistryDeserializer,
     SchemaIncompatible,
     SchemaMismatch,
+    frame,
     unframe,
 )
 from tests.conftest import Services
@@ -425,3 +428,66 @@ async def test_a_registry_that_refuses_the_credentials_stops_the_start(
     assert "SCHEMA_REGISTRY_USERNAME" in message
     assert "s3cret-pw" not in message
     assert "s3cret-pw" not in caplog.text
+
+
+def order_placed_message() -> Any:
+    """A Protobuf message class ``shop.OrderPlaced`` built at run time (no protoc here)."""
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name=f"shop/order_{uuid.uuid4().hex[:6]}.proto", package="shop", syntax="proto3"
+    )
+    message = fdp.message_type.add(name="OrderPlaced")
+    field = descriptor_pb2.FieldDescriptorProto
+    message.field.add(name="order_id", number=1, type=field.TYPE_STRING)
+    message.field.add(name="total_cents", number=2, type=field.TYPE_INT64)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.OrderPlaced"))
+
+
+async def test_protobuf_events_encoded_by_the_producer_go_out_as_written(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+    confluent: SchemaRegistryClient,
+) -> None:
+    """Protobuf: the producer encodes with confluent-kafka's ProtobufSerializer (which
+    registers the schema) and writes value_bytes; the producer check and the relay accept
+    them because their id is registered under the topic's subject, the relay sends them
+    unchanged, and ProtobufDeserializer reads them. Bytes carrying another subject's id are
+    refused by the producer check and dead-lettered by the relay (written by plain SQL)."""
+    order = order_placed_message()
+    context = SerializationContext(topic, MessageField.VALUE)
+    serialize = ProtobufSerializer(order, confluent, {"use.deprecated.format": False})
+    encoded = [serialize(order(order_id=f"o-{n}", total_cents=100 * n), context) for n in range(5)]
+    other = await registry.register(f"{topic}-other", json.dumps(ORDER))
+    foreign = frame(other, b"\x02\x00")
+    schemas = EventSchemas(registry)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with pytest.raises(SchemaMismatch, match=f"schema id {other}, which is not registered"):
+            await enqueue(conn, topic=topic, key="k", value_bytes=foreign, schemas=schemas)
+        with anyio.fail_after(60):
+            async with Relay(relay_settings(db_dsn, services, schema_registry.url)) as relay:
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload_bytes) VALUES ($1, 'x', $2)",
+                    topic,
+                    foreign,
+                )
+                for value in encoded:
+                    async with conn.transaction():
+                        await enqueue(
+                            conn, topic=topic, key="k", value_bytes=value, schemas=schemas
+                        )
+                records, _ = await consume(services.bootstrap, topic, expect=5)
+                await relay.events.wait_for("dead_lettered", 1)
+            dead = await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
+    finally:
+        await conn.close()
+    deserialize = ProtobufDeserializer(order, {"use.deprecated.format": False})
+    values = [r.value for r in sorted(records, key=lambda r: r.offset)]
+    assert values == encoded
+    assert [deserialize(v, context).total_cents for v in values] == [0, 100, 200, 300, 400]
+    assert [(d["key"], d["attempts"]) for d in dead] == [("x", 1)]
+    assert f"schema id {other}, which is not registered under subject" in dead[0]["error"]

@@ -70,6 +70,12 @@ class FakeRegistry(RegistryClient):
             raise SubjectNotFound(f"no schema registered under subject {subject!r}")
         return self.subjects[subject]
 
+    async def subjects_of(self, schema_id: int) -> set[str]:
+        self.calls.append(f"subjects:{schema_id}")
+        if self.down:
+            raise RegistryUnavailable("registry down")
+        return {name for name, s in self.subjects.items() if s.id == schema_id}
+
     async def by_id(self, schema_id: int) -> RegisteredSchema:
         self.calls.append(f"id:{schema_id}")
         return next(s for s in self.subjects.values() if s.id == schema_id)
@@ -153,7 +159,14 @@ async def test_the_encoder_caches_subjects_and_encodes_only_governed_topics() ->
     with pytest.raises(SchemaMismatch, match="value_bytes must be in the registry's wire"):
         encoder.encode(row("orders", payload_bytes=b"raw"), b"k", b"raw")
     framed = frame(9, b"\x02\x00")
-    assert encoder.encode(row("orders", payload_bytes=framed), b"k", framed)[1] == framed
+    pre_encoded = row("orders", payload_bytes=framed)
+    await encoder.prepare([pre_encoded])
+    assert encoder.encode(pre_encoded, b"k", framed)[1] == framed
+    # An id of another subject (or none the registry knows) is refused.
+    foreign = row("orders", payload_bytes=frame(8, b"\x02\x00"))
+    await encoder.prepare([foreign])
+    with pytest.raises(SchemaMismatch, match="schema id 8, which is not registered under"):
+        encoder.encode(foreign, b"k", foreign.payload_bytes)
 
 
 async def test_a_known_schema_is_kept_through_an_outage_and_a_new_one_is_not_invented() -> None:
@@ -231,6 +244,8 @@ async def test_producer_checks_refuse_mismatches_and_frameless_bytes() -> None:
             EventToCheck("o", None, value_bytes=frame(1, b"\x02\x00")),
         ]
     )
+    with pytest.raises(SchemaMismatch, match="schema id 2, which is not registered under"):
+        await schemas.check_events([EventToCheck("o", None, value_bytes=frame(2, b""))])
     with pytest.raises(SchemaMismatch, match="topic 'o' does not match Avro schema"):
         await schemas.check_events([EventToCheck("o", None, {"order": "x"})])
     with pytest.raises(SchemaMismatch, match="wire format"):

@@ -219,6 +219,15 @@ class RegistryClient:
             id=int(schema_id), schema=found["schema"], schema_type=found.get("schemaType") or "AVRO"
         )
 
+    async def subjects_of(self, schema_id: int) -> set[str]:
+        """The subjects under which the schema with this id is registered (none: an id the
+        registry does not know)."""
+        try:
+            found = await self._call("GET", f"/schemas/ids/{int(schema_id)}/versions")
+        except SubjectNotFound:
+            return set()
+        return {str(item["subject"]) for item in found}
+
     async def register(self, subject: str, schema: str, schema_type: str = "AVRO") -> int:
         """Register ``schema`` under ``subject`` (the registry checks compatibility) and
         return its id; the same schema again returns the same id."""

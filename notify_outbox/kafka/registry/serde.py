@@ -86,6 +86,24 @@ class _Subjects:
         self.client = client
         self._refresh = refresh
         self._entries: dict[str, _Entry] = {}
+        # Per schema id, the subjects it is registered under (an id never changes; a subject
+        # a producer's id was not found under is looked up again after _MISSING_RETRY_S).
+        self._ids: dict[int, tuple[set[str], float]] = {}
+
+    async def ensure_ids(self, pairs: Iterable[tuple[str, int]]) -> None:
+        """Learn the subjects of the ids in ``pairs`` (subject, id) not known to match yet.
+        Raises ``RegistryUnavailable`` when the registry does not answer."""
+        now = time.monotonic()
+        for subject, schema_id in pairs:
+            known = self._ids.get(schema_id)
+            if known is not None and (subject in known[0] or now - known[1] < _MISSING_RETRY_S):
+                continue
+            self._ids[schema_id] = (await self.client.subjects_of(schema_id), now)
+
+    def id_under(self, schema_id: int, subject: str) -> bool:
+        """Whether the id is registered under the subject (after ``ensure_ids``)."""
+        known = self._ids.get(schema_id)
+        return known is not None and subject in known[0]
 
     def entry(self, subject: str) -> _Entry | None:
         return self._entries.get(subject)
@@ -124,6 +142,27 @@ class _Subjects:
             assert entry.error is not None
             raise entry.error
         return entry.codec
+
+
+def _framed_id(data: bytes) -> int | None:
+    """The schema id of a record in the wire format, or None if it is not one."""
+    return unframe(data)[0] if is_framed(data) else None
+
+
+def _check_bytes(subjects: _Subjects, topic: str, data: bytes, subject: str) -> None:
+    """Raise ``SchemaMismatch`` unless ``data`` is in the wire format with an id registered
+    under ``subject`` (after ``ensure_ids``)."""
+    schema_id = _framed_id(data)
+    if schema_id is None:
+        raise SchemaMismatch(
+            f"topic {topic!r} is governed by the Schema Registry: its value_bytes must be in "
+            "the registry's wire format (magic byte 0, schema id, body)"
+        )
+    if not subjects.id_under(schema_id, subject):
+        raise SchemaMismatch(
+            f"value_bytes for topic {topic!r} carry schema id {schema_id}, which is not "
+            f"registered under subject {subject!r}"
+        )
 
 
 def _patterns(topics: str | Sequence[str]) -> tuple[str, ...]:
@@ -173,6 +212,7 @@ class RowEncoder:
         """Load the schemas these rows need (most claims: none, they are cached). Raises
         ``RegistryUnavailable`` when one was never loaded and the registry does not answer."""
         needed: set[str] = set()
+        ids: set[tuple[str, int]] = set()
         for row in rows:
             if not self.governs(row.topic):
                 continue
@@ -180,10 +220,17 @@ class RowEncoder:
                 # No subject (no event_type under a record strategy): encode() says so.
                 with contextlib.suppress(SchemaMismatch):
                     needed.add(self._value_subject(row))
+            elif row.payload_bytes is not None:
+                schema_id = _framed_id(row.payload_bytes)
+                if schema_id is not None:
+                    with contextlib.suppress(SchemaMismatch):
+                        ids.add((self._value_subject(row), schema_id))
             if self._keys and row.key is not None:
                 needed.add(subject_name(self._strategy, row.topic, None, key=True))
         if needed:
             await self._subjects.ensure(needed)
+        if ids:
+            await self._subjects.ensure_ids(ids)
 
     def encode(
         self, row: OutboxRow, key: bytes | None, value: bytes | None
@@ -196,11 +243,8 @@ class RowEncoder:
             if row.payload is not None:
                 codec = self._subjects.codec(self._value_subject(row))
                 value = codec.encode(json.loads(row.payload), value)
-            elif not is_framed(value):
-                raise SchemaMismatch(
-                    f"topic {row.topic!r} is governed by the Schema Registry: its value_bytes "
-                    "must be in the registry's wire format (magic byte 0, schema id, body)"
-                )
+            else:
+                _check_bytes(self._subjects, row.topic, value, self._value_subject(row))
         if self._keys and row.key is not None:
             codec = self._subjects.codec(subject_name(self._strategy, row.topic, None, key=True))
             key = codec.encode(row.key)
@@ -255,7 +299,7 @@ def _check_one(codec_of: Any, event: EventToCheck, subject: str) -> None:
                 f"event for topic {event.topic!r}: value_bytes must be in the Schema Registry's "
                 "wire format (magic byte 0, schema id, body)"
             )
-        return
+        return  # its id: checked by EventSchemas against the registry
     if not event.has_payload:
         return  # a tombstone
     try:
@@ -296,8 +340,17 @@ class EventSchemas:
                 )
         if not subjects:
             return
-        await self._subjects.ensure({s for _, s in subjects})
+        await self._subjects.ensure({s for e, s in subjects if e.value_bytes is None})
+        ids = {
+            (s, i)
+            for e, s in subjects
+            if e.value_bytes is not None and (i := _framed_id(e.value_bytes)) is not None
+        }
+        await self._subjects.ensure_ids(ids)
         for event, subject in subjects:
+            if event.value_bytes is not None:
+                _check_bytes(self._subjects, event.topic, event.value_bytes, subject)
+                continue
             try:
                 _check_one(self._subjects.codec, event, subject)
             except SubjectNotFound as e:
