@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -283,3 +284,11 @@ async def test_a_registry_that_refuses_connections_is_unavailable_not_misconfigu
             await client.probe()
         await client.aclose()
     assert "pw" not in str(raised.value)
+
+
+def test_a_registry_ca_file_that_does_not_load_is_a_configuration_error(tmp_path: Path) -> None:
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    for cafile in (bad, tmp_path / "missing.pem"):
+        with pytest.raises(ConfigurationError, match=r"CA file .* cannot be read"):
+            RegistryClient("https://registry:8081", cafile=cafile)
