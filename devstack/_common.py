@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pwd
+import shutil
 import socket
 import stat
 import subprocess
@@ -234,3 +235,38 @@ def apt_install(
                     )
         stop_service()
         return find()
+
+
+def maven_copy(artifact: str, staging: Path, log_path: Path, *, what: str, timeout: float) -> Path:
+    """Fetch one Maven Central ``artifact`` (``group:name:version[:type[:classifier]]``)
+    into ``staging`` with ``mvn dependency:copy`` and return the file. ``what`` names it in
+    the errors (a StackError that says what to install or where the log is)."""
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise StackError(
+            f"mvn not found: install Maven 3 (apt-get install maven); it fetches {what} "
+            f"({artifact}) from Maven Central once"
+        )
+    cmd = [mvn, "-q", "-B", "dependency:copy", f"-Dartifact={artifact}"]
+    cmd.append(f"-DoutputDirectory={staging}")
+    try:
+        with log_path.open("w") as log:
+            result = run_logged(cmd, log, cwd=staging, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise StackError(
+            f"Maven did not fetch {what} within {timeout:.0f}s, see {log_path}"
+        ) from None
+    if result.returncode != 0:
+        raise StackError(
+            f"Maven could not fetch {what} ({artifact}, exit {result.returncode}); check the "
+            f"version and access to Maven Central, see {log_path} (last lines:\n"
+            f"{tail(log_path)})"
+        )
+    parts = artifact.split(":")
+    name, version = parts[1], parts[2]
+    kind = parts[3] if len(parts) > 3 else "jar"
+    classifier = f"-{parts[4]}" if len(parts) > 4 else ""
+    found = staging / f"{name}-{version}{classifier}.{kind}"
+    if not found.is_file():
+        raise StackError(f"Maven finished but {found} is missing, see {log_path}")
+    return found

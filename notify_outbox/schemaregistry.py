@@ -5,46 +5,5 @@ encodes governed topics itself (``NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL``). Needs th
 ``schema-registry`` extra.
 """
 
-from notify_outbox.kafka.registry import (
-    EventSchemas,
-    EventToCheck,
-    RegisteredSchema,
-    RegistryClient,
-    RegistryDeserializer,
-    RegistryError,
-    RegistryRefused,
-    RegistryUnavailable,
-    RowEncoder,
-    SchemaCheck,
-    SchemaIncompatible,
-    SchemaMismatch,
-    StaticSchema,
-    SubjectNotFound,
-    SubjectStrategy,
-    UnsupportedSchema,
-    frame,
-    subject_name,
-    unframe,
-)
-
-__all__ = [
-    "EventSchemas",
-    "EventToCheck",
-    "RegisteredSchema",
-    "RegistryClient",
-    "RegistryDeserializer",
-    "RegistryError",
-    "RegistryRefused",
-    "RegistryUnavailable",
-    "RowEncoder",
-    "SchemaCheck",
-    "SchemaIncompatible",
-    "SchemaMismatch",
-    "StaticSchema",
-    "SubjectNotFound",
-    "SubjectStrategy",
-    "UnsupportedSchema",
-    "frame",
-    "subject_name",
-    "unframe",
-]
+from notify_outbox.kafka.registry import *  # noqa: F403 (this module is that package's face)
+from notify_outbox.kafka.registry import __all__ as __all__

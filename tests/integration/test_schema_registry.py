@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import asyncpg
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import ConsumerRecord
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer
@@ -42,7 +42,7 @@ from notify_outbox.schemaregistry import (
     unframe,
 )
 from tests.conftest import Services
-from tests.integration.test_inbox_batch import pool, until_committed
+from tests.integration.test_inbox_batch import group_consumer, pool, until_committed
 from tests.support import consume, logged
 
 pytestmark = pytest.mark.anyio
@@ -93,6 +93,22 @@ def confluent(schema_registry: SchemaRegistryServer) -> Iterator[SchemaRegistryC
     """confluent-kafka's own registry client, for its deserializers."""
     with SchemaRegistryClient({"url": schema_registry.url}) as client:
         yield client
+
+
+async def relay_sql(
+    db_dsn: str, services: Services, url: str, topic: str, sql: str, expect: int
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Run a relay (on registry ``url``), write rows with ``sql`` ($1: the topic), and return
+    the ``expect`` records that reach ``topic``."""
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            async with Relay(relay_settings(db_dsn, services, url)):
+                await conn.execute(sql, topic)
+                records, _ = await consume(services.bootstrap, topic, expect=expect)
+    finally:
+        await conn.close()
+    return records
 
 
 async def test_the_relay_sends_avro_records_that_confluent_deserializers_read(
@@ -155,18 +171,15 @@ async def test_json_schema_topics_carry_the_json_text_behind_the_schema_id(
     schema_id = await registry.register(
         f"{topic}-value", json.dumps(ORDER_JSON_SCHEMA), schema_type="JSON"
     )
-    conn = await asyncpg.connect(db_dsn)
-    try:
-        with anyio.fail_after(60):
-            async with Relay(relay_settings(db_dsn, services, schema_registry.url)):
-                await conn.execute(
-                    "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k', "
-                    "jsonb_build_object('order', n, 'total', n * 2) FROM generate_series(1, 5) n",
-                    topic,
-                )
-                records, _ = await consume(services.bootstrap, topic, expect=5)
-    finally:
-        await conn.close()
+    records = await relay_sql(
+        db_dsn,
+        services,
+        schema_registry.url,
+        topic,
+        "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k', "
+        "jsonb_build_object('order', n, 'total', n * 2) FROM generate_series(1, 5) n",
+        expect=5,
+    )
     ours = RegistryDeserializer(registry)
     theirs = JSONDeserializer(None, schema_registry_client=confluent)
     values = []
@@ -342,38 +355,28 @@ async def test_the_inbox_loop_decodes_registry_records(
     """``consume_batches(deserializer=RegistryDeserializer(...))``: the handler sees each
     event's decoded value; the inbox still deduplicates by the relay's event id header."""
     await registry.register(f"{topic}-value", json.dumps(ORDER))
-    conn = await asyncpg.connect(db_dsn)
-    try:
-        with anyio.fail_after(60):
-            async with Relay(relay_settings(db_dsn, services, schema_registry.url)):
-                await conn.execute(
-                    "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || (n % 3), "
-                    "jsonb_build_object('order', n, 'total', 1.0) FROM generate_series(1, 20) n",
-                    topic,
-                )
-                await consume(services.bootstrap, topic, expect=20)
-    finally:
-        await conn.close()
+    await relay_sql(
+        db_dsn,
+        services,
+        schema_registry.url,
+        topic,
+        "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || (n % 3), "
+        "jsonb_build_object('order', n, 'total', 1.0) FROM generate_series(1, 20) n",
+        expect=20,
+    )
     seen: list[dict[str, Any]] = []
 
     async def handler(conn: asyncpg.Connection, messages: list[Any]) -> None:
         seen.extend(m.value for m in messages)
 
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=services.bootstrap,
-        group_id=group,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
+    consumer = group_consumer(services, topic)
     await consumer.start()
     try:
         loop = consume_batches(
             consumer,
             pool,
             handler,
-            inbox=Inbox(consumer=group),
+            inbox=Inbox(consumer="decoding"),
             deserializer=RegistryDeserializer(registry),
         )
         await until_committed(consumer, topic, loop)
