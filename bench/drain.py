@@ -4,7 +4,9 @@ that filled up while nothing was relaying?
 Per cell (one key mix x one mode x one round): a fresh database migrated with the CLI and a
 fresh topic (3 partitions); ``rows`` committed rows inserted with the mode stopped, then
 ``VACUUM ANALYZE``; then the tally consumer (``bench/tally.py``) reads the topic from the
-beginning while the mode's processes start, all at once. See ``bench/README.md``.
+beginning while the mode's processes start, all at once. The ``-avro`` modes' relays encode the
+payloads as Avro through a Schema Registry the run starts (``devstack.schema_registry``). See
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncpg
 from bench import envinfo
 from bench.analysis import median
 from bench.config import POLLER, JsonRecord, Mode, common_options, from_args, phase_options
+from bench.drain_schema import DRAIN_AVRO_SCHEMA
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
 from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
@@ -32,7 +35,9 @@ from bench.profile import start_profiler, stop_profiler, top_self
 from bench.regimes import Regime, RegimeRun
 from bench.revs import with_alt_modes
 from bench.services import Services, prepare_mode
+from devstack._common import StackError
 from devstack.relayproc import child_env
+from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
 
 __all__ = [
     "DEFAULT_MIXES",
@@ -41,6 +46,7 @@ __all__ = [
     "DrainConfig",
     "DrainMode",
     "alt_drain_mode",
+    "mode_env",
     "parse_mode",
 ]
 
@@ -68,7 +74,8 @@ _PAYLOAD_BYTES = 200
 _PAYLOAD_OVERHEAD = 23
 _QUERY_TIMEOUT = 300.0  # a 100,000-row chunked insert or VACUUM on a busy 2-core machine
 _EMPTY_TIMEOUT = 30.0
-_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?$")
+_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?(-avro)?$")
+_REGISTRY_URL = "NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL"
 
 
 @dataclass(frozen=True)
@@ -78,25 +85,35 @@ class DrainMode:
     name: str
     mode: Mode
     processes: int
+    # The relay encodes values as Avro with the subject <topic>-value's schema, which the
+    # bench registers per cell: the registry's URL is known only once the run started it.
+    avro: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description."""
-        return {"name": self.name, "processes": self.processes, **self.mode.to_json()}
+        return {
+            "name": self.name,
+            "processes": self.processes,
+            "avro": self.avro,
+            **self.mode.to_json(),
+        }
 
 
 def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
     """``relay-N`` (N relay processes, default settings), ``relay-N-alt`` (the same from the
     ``--alt-relay`` tree), either with ``-pgbouncer`` (workers through the run's
-    transaction-pooling PgBouncer, the listening connection direct) or ``poller`` (the outbox
-    literature's plain poller)."""
+    transaction-pooling PgBouncer, the listening connection direct), any of these with
+    ``-avro`` last (values encoded as Avro through the run's Schema Registry) or ``poller``
+    (the outbox literature's plain poller)."""
     if name == "poller":
         return DrainMode(name, POLLER, 1)
     m = _MODE_RE.match(name)
     if m is None or int(m.group(1)) < 1:
         raise BenchError(
-            f"unknown drain mode {name!r}: relay-N, relay-N-alt, relay-N[-alt]-pgbouncer or poller"
+            f"unknown drain mode {name!r}: relay-N, relay-N-alt, relay-N[-alt]-pgbouncer, "
+            "relay-N[-alt][-pgbouncer]-avro or poller"
         )
-    n, alt, pooled = int(m.group(1)), bool(m.group(2)), bool(m.group(3))
+    n, alt, pooled, avro = int(m.group(1)), bool(m.group(2)), bool(m.group(3)), bool(m.group(4))
     if alt and alt_tree is None:
         raise BenchError(f"mode {name} needs --alt-relay DIR")
     where = f"; relay code from {alt_tree}" if alt else ""
@@ -104,6 +121,11 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
         where += (
             "; workers through a transaction-pooling PgBouncer (no statement cache), the "
             "listening connection direct (NOTIFY_OUTBOX_LISTEN_DSN)"
+        )
+    if avro:
+        where += (
+            "; values encoded as Avro in Confluent's wire format through the run's Schema "
+            f"Registry (Apicurio {APICURIO_VERSION}, {_REGISTRY_URL}), subject <topic>-value"
         )
     mode = Mode(
         name,
@@ -113,15 +135,28 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
         pgbouncer=pooled,
         listen_direct=pooled,
     )
-    return DrainMode(name, mode, n)
+    return DrainMode(name, mode, n, avro=avro)
 
 
 def alt_drain_mode(name: str) -> str | None:
-    """The ``-alt`` counterpart of a ``relay-N[-pgbouncer]`` mode (None for the others)."""
+    """The ``-alt`` counterpart of a ``relay-N[-pgbouncer][-avro]`` mode (None for the
+    others)."""
     m = _MODE_RE.match(name)
     if m is None or m.group(2):
         return None
-    return f"relay-{m.group(1)}-alt{m.group(3) or ''}"
+    return f"relay-{m.group(1)}-alt{m.group(3) or ''}{m.group(4) or ''}"
+
+
+def mode_env(dm: DrainMode, relay_env: dict[str, str], registry_url: str | None) -> dict[str, str]:
+    """The extra environment of ``dm``'s processes: ``--relay-env`` for a relay, plus the
+    registry's URL for an ``-avro`` mode (merged: the other settings still apply)."""
+    if dm.mode.kind != "relay":
+        return {}
+    if not dm.avro:
+        return relay_env
+    if registry_url is None:
+        raise BenchError(f"mode {dm.name} needs the run's Schema Registry, which is not running")
+    return {**relay_env, _REGISTRY_URL: registry_url}
 
 
 @dataclass
@@ -156,7 +191,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         nargs="+",
         help="relay-N (N relay processes), relay-N-alt (with --alt-relay), "
-        "relay-N[-alt]-pgbouncer (through a transaction-pooling PgBouncer), poller "
+        "relay-N[-alt]-pgbouncer (through a transaction-pooling PgBouncer), any relay mode "
+        "with -avro last (values as Avro through a Schema Registry the run starts), poller "
         "(default: relay-1 relay-2 relay-4 poller)",
     )
     p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
@@ -270,6 +306,7 @@ class _Drain(RegimeRun):
         run.result["mixes"] = {m: MIXES[m][0] for m in cfg.mixes}
         run.result["modes"] = {m.name: m.to_json() for m in self.modes}
         run.result["cells"] = self.cells
+        self.registry_url: str | None = None
 
     def intro(self) -> str:
         cfg = self.cfg
@@ -282,6 +319,46 @@ class _Drain(RegimeRun):
         return needs_pgbouncer(m.mode for m in self.modes)
 
     async def body(self, services: Services) -> None:
+        if not any(m.avro for m in self.modes):
+            await self._rounds(services)
+            return
+        # One registry for the whole run (a JVM: ~5 s to start), in the run's work directory,
+        # so that no cell pays for its start-up; it idles through the JSON modes' cells too.
+        registry = SchemaRegistryServer(self.run.work / "schema-registry")
+        self.run.progress.status(f"starting the Schema Registry (Apicurio {APICURIO_VERSION})")
+        try:
+            try:
+                await asyncio.to_thread(registry.start)
+            except StackError as e:
+                raise BenchError(f"the Schema Registry did not start: {e}") from None
+            self.registry_url = registry.url
+            self.run.result["schema_registry"] = {
+                "server": f"Apicurio Registry {APICURIO_VERSION}",
+                "url": registry.url,
+                "schema": DRAIN_AVRO_SCHEMA,
+            }
+            await self._rounds(services)
+        finally:
+            self.registry_url = None
+            try:
+                await asyncio.to_thread(registry.stop)
+            except Exception as e:  # reported, without hiding what the rounds raised
+                self.run.errors.append(f"stopping the Schema Registry: {type(e).__name__}: {e}")
+
+    async def _register(self, topic: str) -> int:
+        """Register the drain payloads' Avro schema under ``<topic>-value``; its id."""
+        from notify_outbox.schemaregistry import RegistryClient, RegistryError
+
+        assert self.registry_url is not None
+        client = RegistryClient(self.registry_url)
+        try:
+            return await client.register(f"{topic}-value", json.dumps(DRAIN_AVRO_SCHEMA))
+        except RegistryError as e:
+            raise BenchError(f"registering the schema of {topic}: {e}") from None
+        finally:
+            await client.aclose()
+
+    async def _rounds(self, services: Services) -> None:
         for rnd in range(self.cfg.repeat):
             for mix in self.cfg.mixes:
                 for mode in self.modes:
@@ -327,6 +404,9 @@ class _Drain(RegimeRun):
                 services, dm.mode, name, topic, partitions=cfg.partitions
             )
             cell.update(await fill_backlog(dsn, topic, mix, cfg.rows))
+            if dm.avro:
+                # Before the relay starts: a governed topic without a schema fails its rows.
+                cell["schema_id"] = await self._register(topic)
             await self._measure(services, dsn, topic, dm, cell, label)
         finally:
             await run.drop_database(services, name)
@@ -371,7 +451,7 @@ class _Drain(RegimeRun):
             ready = json.loads(await tally.read_line(READY_TIMEOUT))
             if not ready.get("ready"):
                 raise BenchError(f"tally consumer of {label} did not get ready: {ready}")
-            extra = cfg.relay_env if dm.mode.kind == "relay" else {}
+            extra = mode_env(dm, cfg.relay_env, self.registry_url)
             host0 = envinfo.cpu_times()
             run.progress.status(f"{label}: draining")
             t_start = time.monotonic_ns()
@@ -426,6 +506,7 @@ class _Drain(RegimeRun):
                 "keyed": got["keyed"],
                 "keys": got["keys"],
                 "keyed_without_seq": got["keyed_without_seq"],
+                "avro_records": got.get("avro_records", 0),
                 "ready_after_start_s": (t_ready - t_start) / 1e9,
                 "first_after_start_s": (first - t_start) / 1e9 if first else None,
                 "drain_s": (last - first) / 1e9 if first and last else None,
@@ -468,11 +549,19 @@ def problems(result: dict[str, Any]) -> list[str]:
             problems.append(f"{where}: {c['keyed_without_seq']} keyed events without a sequence")
         if c.get("pending_after"):
             problems.append(f"{where}: {c['pending_after']} rows still pending")
+        m = _MODE_RE.match(c["mode"])
+        avro = bool(m and m.group(4)) and not c.get("timed_out", True)
+        if avro and c.get("avro_records") != c.get("unique"):
+            # Some records went out as JSON: the cell did not measure what its mode says.
+            problems.append(
+                f"{where}: {c.get('avro_records')} of {c.get('unique')} events Avro-encoded"
+            )
     return problems
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians over rounds per (mix, mode), and the targets of issue 10 where they apply."""
+    """Medians over rounds per (mix, mode), and the targets of issues 10 and 33 where they
+    apply."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for c in result.get("cells", []):
         groups.setdefault((c["mix"], c["mode"]), []).append(c)
@@ -521,12 +610,26 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         m = _MODE_RE.match(relay)
         if m is None or m.group(1) == "1":
             continue
-        one = f"relay-1{m.group(2) or ''}{m.group(3) or ''}"
+        one = f"relay-1{m.group(2) or ''}{m.group(3) or ''}{m.group(4) or ''}"
         for mix in result["config"]["mixes"]:
             r, base = by.get((mix, relay)), by.get((mix, one))
             if r is not None and base is not None:
                 targets.append(
                     _ratio_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0)
+                )
+    for relay in relays:
+        m = _MODE_RE.match(relay)
+        if m is None or not m.group(4):
+            continue
+        plain = relay.removesuffix("-avro")
+        for mix in result["config"]["mixes"]:
+            r, base = by.get((mix, relay)), by.get((mix, plain))
+            # Issue 33 names the keyed drain: the NULL-key mix has no target of its own.
+            if mix != "null" and r is not None and base is not None:
+                targets.append(
+                    _ratio_target(
+                        f"{relay} vs {plain}, {mix}: >= 0.8x its JSON rate", r / base, 0.8
+                    )
                 )
     return {"rows": rows, "targets": targets}
 
@@ -542,7 +645,8 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines += environment_lines(result)
     env_bits = ", ".join(f"{k}={v}" for k, v in cfg.get("relay_env", {}).items())
     lines += [
-        f"- {cfg['rows']:,} committed rows per cell (~200-byte JSON payloads), inserted with "
+        f"- {cfg['rows']:,} committed rows per cell (~200-byte JSON payloads; the `-avro` modes' "
+        "relays send them as Avro records), inserted with "
         "the mode stopped, then `VACUUM ANALYZE`; a fresh database and a 3-partition topic per "
         f"cell; {cfg['repeat']} round(s), modes interleaved per round, medians over rounds"
         + (f"; relay settings: {env_bits}" if env_bits else ""),
@@ -566,7 +670,7 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         ],
     )
     if summary["targets"]:
-        lines += ["", "## Targets (issue 10; ratios within this run)", ""]
+        lines += ["", "## Targets (issues 10 and 33; ratios within this run)", ""]
         lines += table(
             "target | ratio | verdict",
             [[t["target"], f"{t['ratio']:.2f}x", t["verdict"]] for t in summary["targets"]],

@@ -4,7 +4,9 @@ It reads every partition of one topic from the *beginning* and tallies what arri
 ``outbox-event-id`` headers (repeats are counted, not tallied twice), the monotonic time of
 the first arrival and of the arrival that brought the last new event, and per-key order: the
 payload of a keyed event carries ``"s"``, its sequence number within its key, so an event whose
-``s`` is below the highest already seen for its key is an order violation. A line protocol on
+``s`` is below the highest already seen for its key is an order violation. The payload is JSON,
+or (the drain's ``-avro`` modes) a record in Confluent's wire format: byte 0, a 4-byte schema
+id, then the Avro body of ``bench.drain_schema.DRAIN_AVRO_SCHEMA``. A line protocol on
 stdin/stdout:
 
     -> {"ready": true}                                     once positioned at the beginning
@@ -17,17 +19,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
+from fastavro import parse_schema, schemaless_reader
 
 from bench.consumer import assign_all, fetch_loop, serve_lines
+from bench.drain_schema import DRAIN_AVRO_SCHEMA
 
-__all__ = ["Tally", "main"]
+__all__ = ["Tally", "framed", "main", "sequence"]
 
 _START_TIMEOUT = 30.0
 _HEADER = "outbox-event-id"
+# Confluent's wire format: magic byte 0 and a 4-byte schema id before the body. A JSON
+# payload starts with "{", so the first byte alone tells the two apart.
+_MAGIC = 0
+_PREFIX = 5
+# Parsed once: schemaless_reader would otherwise parse the schema on every record.
+_AVRO = parse_schema(DRAIN_AVRO_SCHEMA)
+
+
+def framed(value: bytes | None) -> bool:
+    """Whether ``value`` is in Confluent's wire format (else it is read as JSON)."""
+    return value is not None and len(value) >= _PREFIX and value[0] == _MAGIC
+
+
+def sequence(value: bytes | None) -> int:
+    """``s`` of a drain payload, JSON or Avro-framed (ValueError, TypeError or KeyError when
+    it has none)."""
+    raw = value or b""
+    if framed(raw):
+        try:
+            record = schemaless_reader(io.BytesIO(raw[_PREFIX:]), _AVRO, None)
+        except (EOFError, StopIteration, IndexError, UnicodeDecodeError) as e:
+            # A truncated or foreign body: counted as unreadable like bad JSON.
+            raise ValueError(f"not a drain Avro record: {e!r}") from None
+        if not isinstance(record, dict):
+            raise TypeError("Avro body is not a record")
+        return int(record["s"])
+    return int(json.loads(raw)["s"])
 
 
 class Tally:
@@ -43,6 +75,7 @@ class Tally:
         self.keyed = 0
         self.violations = 0
         self.unordered = 0  # keyed events without a readable "s"
+        self.avro = 0  # unique events in the wire format: an -avro mode's proof of encoding
         self.last_seq: dict[bytes, int] = {}
         self.changed = asyncio.Event()
 
@@ -61,11 +94,13 @@ class Tally:
             return
         self.seen.add(event_id)
         self.last_ns = recv_ns
+        if framed(value):
+            self.avro += 1
         if key is None:
             return
         self.keyed += 1
         try:
-            seq = int(json.loads(value or b"")["s"])
+            seq = sequence(value)
         except (ValueError, TypeError, KeyError):
             self.unordered += 1
             return
@@ -89,6 +124,7 @@ class Tally:
             "keys": len(self.last_seq),
             "order_violations": self.violations,
             "keyed_without_seq": self.unordered,
+            "avro_records": self.avro,
         }
 
 
