@@ -17,7 +17,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import anyio
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -36,9 +36,7 @@ from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.core.tracing import record_send_spans
 
 from .records import RowRejected, _record, to_message
-
-if TYPE_CHECKING:
-    from notify_outbox.kafka.registry import RowEncoder
+from .registry import RegistryClient, RegistryError, RegistryRefused, RowEncoder, SchemaMismatch
 
 __all__ = [
     "KafkaMessage",
@@ -417,8 +415,6 @@ class KafkaPublisher:
         the governed topics' rows, which wait for it."""
         if self.encoder is None:
             return
-        from notify_outbox.kafka.registry import RegistryError, RegistryRefused
-
         try:
             await self.encoder.client.probe()
         except RegistryRefused as e:
@@ -575,8 +571,6 @@ class KafkaPublisher:
     async def _schemas_ready(self, rows: Sequence[OutboxRow], result: PublishResult) -> bool:
         """Load the schemas the rows need; False (an outage: the rows wait, no attempt
         counted) when one was never loaded and the registry does not answer."""
-        from notify_outbox.kafka.registry import RegistryError
-
         assert self.encoder is not None
         try:
             await self.encoder.prepare(rows)
@@ -586,21 +580,18 @@ class KafkaPublisher:
             return False
         return True
 
-    async def _encode(
-        self, row: OutboxRow, key: bytes | None, value: bytes | None
+    async def _encode_again(
+        self, row: OutboxRow, key: bytes | None, value: bytes | None, error: Exception
     ) -> tuple[bytes | None, bytes | None]:
-        """A governed row's key and value in the registry's wire format. Raises
-        ``_NotEncoded``: the row fails now (its subject has no schema yet) or for good (it
-        does not match the schema)."""
-        from notify_outbox.kafka.registry import RegistryError, SchemaMismatch
-
+        """What a governed row whose encoding raised ``error`` becomes: encoded after all
+        (a mismatch against a schema since replaced), or ``_NotEncoded``: the row fails now
+        (its subject has no schema yet) or for good (it does not match the schema)."""
         assert self.encoder is not None
         try:
-            try:
-                return self.encoder.encode(row, key, value)
-            except SchemaMismatch:
+            if isinstance(error, SchemaMismatch):
                 # The producer may have registered a newer version: re-read, then decide.
                 return await self.encoder.encode_rechecked(row, key, value)
+            raise error
         except RegistryError as e:  # before ValueError: RegistryRefused is one
             raise _NotEncoded(f"schema: {e}", permanent=False) from None
         except ValueError as e:
@@ -648,6 +639,7 @@ class KafkaPublisher:
         last_topic: str | None = None
         chain_of: dict[bytes | None, list[_Batch]] = {}
         limit: int | None = None
+        governed = False  # the topic's events are encoded by the Schema Registry's schemas
         for row in wave:
             key = row.key
             if key is not None and key in blocked:
@@ -663,12 +655,20 @@ class KafkaPublisher:
             if topic in missing:
                 _fail(result, blocked, row, missing[topic])
                 continue
-            if encoder is not None and encoder.governs(topic):
+            if topic != last_topic:
+                last_topic, chain_of = topic, chains.setdefault(topic, {})
+                limit = self._batch_limits.get(topic)
+                governed = encoder is not None and encoder.governs(topic)
+            if governed:
+                assert encoder is not None
                 try:
-                    kb, value = await self._encode(row, kb, value)
-                except _NotEncoded as e:
-                    _fail(result, blocked, row, e.reason, permanent=e.permanent)
-                    continue
+                    kb, value = encoder.encode(row, kb, value)
+                except (RegistryError, ValueError) as error:
+                    try:
+                        kb, value = await self._encode_again(row, kb, value, error)
+                    except _NotEncoded as e:
+                        _fail(result, blocked, row, e.reason, permanent=e.permanent)
+                        continue
             # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
             bound = (len(value) if value is not None else 0) + (len(kb) if kb is not None else 0)
             for text in (row.headers, row.event_type, row.aggregate_type, row.aggregate_id):
@@ -677,9 +677,6 @@ class KafkaPublisher:
             if bound >= surely_fits and (too_large := self._too_large(kb, value, headers)):
                 _fail(result, blocked, row, too_large)
                 continue
-            if topic != last_topic:
-                last_topic, chain_of = topic, chains.setdefault(topic, {})
-                limit = self._batch_limits.get(topic)
             chain = chain_of.get(kb)
             if chain is None:
                 tp = (topic, choose(producer, topic, kb))
@@ -900,8 +897,6 @@ class KafkaPublisher:
             self._down = None
 
     async def _registry_answers(self) -> bool:
-        from notify_outbox.kafka.registry import RegistryError
-
         assert self.encoder is not None
         try:
             await self.encoder.client.probe()
@@ -924,7 +919,10 @@ def _row_encoder(settings: OutboxSettings) -> RowEncoder | None:
     if not settings.schema_registry_url:
         return None
     try:
-        from notify_outbox.kafka.registry import RegistryClient, RowEncoder
+        # The extra's packages, imported by the client and the codecs when first used.
+        import fastavro  # noqa: F401
+        import httpx  # noqa: F401
+        import jsonschema  # noqa: F401
     except ImportError as e:
         raise ConfigurationError(
             f"NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL needs the schema-registry extra "

@@ -88,11 +88,14 @@ class AvroCodec:
             self._parsed = fastavro.parse_schema(json.loads(schema.schema))
         except (ValueError, TypeError, KeyError) as e:
             raise UnsupportedSchema(f"schema {schema.id} is not a valid Avro schema: {e}") from None
-        self._prefix = _PREFIX.pack(_MAGIC, schema.id)
+        # One buffer for every record (a codec serves one event loop, and encoding does not
+        # await): its first bytes are the prefix, the body is written after them each time.
+        self._out = io.BytesIO(_PREFIX.pack(_MAGIC, schema.id))
 
     def _write(self, value: Any) -> bytes:
-        out = io.BytesIO()
-        out.write(self._prefix)
+        out = self._out
+        out.seek(_PREFIX.size)
+        out.truncate()
         try:
             self._fastavro.schemaless_writer(out, self._parsed, value, strict_allow_default=True)
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:

@@ -204,15 +204,30 @@ class RowEncoder:
         self._strategy = strategy
         self._keys = keys
         self._subjects = _Subjects(client, refresh)
+        # The topic strategy's subjects, per topic: no string is built per event.
+        self._topic_subjects: dict[str, str] | None = {} if strategy == "topic" else None
 
     def _value_subject(self, row: OutboxRow) -> str:
-        return subject_name(self._strategy, row.topic, row.event_type)
+        by_topic = self._topic_subjects
+        if by_topic is None:
+            return subject_name(self._strategy, row.topic, row.event_type)
+        subject = by_topic.get(row.topic)
+        if subject is None:
+            subject = by_topic[row.topic] = subject_name("topic", row.topic, None)
+        return subject
 
-    async def prepare(self, rows: Iterable[OutboxRow]) -> None:
+    async def prepare(self, rows: Sequence[OutboxRow]) -> None:
         """Load the schemas these rows need (most claims: none, they are cached). Raises
-        ``RegistryUnavailable`` when one was never loaded and the registry does not answer."""
+        ``RegistryUnavailable`` when one was never loaded and the registry does not answer.
+        Once per claim: with the topic strategy, per topic rather than per row."""
         needed: set[str] = set()
         ids: set[tuple[str, int]] = set()
+        if self._topic_subjects is not None and not self._keys:
+            for topic in {row.topic for row in rows}:
+                if self.governs(topic):
+                    needed.add(subject_name("topic", topic, None))
+            # The producers' pre-encoded rows: their ids are checked against the subject.
+            rows = [row for row in rows if row.payload is None and row.payload_bytes is not None]
         for row in rows:
             if not self.governs(row.topic):
                 continue
