@@ -12,7 +12,7 @@ import contextlib
 import fnmatch
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -53,6 +53,18 @@ _MISSING_RETRY_S = 1.0
 # A mismatch against a schema older than this re-reads the subject once first: the producer
 # may have registered a newer version since.
 _RECHECK_AFTER_S = 1.0
+
+
+try:
+    # The schema-registry extra's parser: 5x json's speed, and parsing was a third of the
+    # relay's Avro encoding. It reads an integer beyond 64 bits as a float, which changes no
+    # outcome here: an Avro long refuses both, a double takes the same value, and a JSON
+    # Schema record carries the event's own text.
+    from orjson import loads as _fast_loads
+
+    _loads: Callable[[str], Any] = _fast_loads
+except ImportError:  # pragma: no cover (the extra installs it)
+    _loads = json.loads
 
 
 def subject_name(
@@ -257,7 +269,7 @@ class RowEncoder:
         if value is not None:
             if row.payload is not None:
                 codec = self._subjects.codec(self._value_subject(row))
-                value = codec.encode(json.loads(row.payload), value)
+                value = codec.encode(_loads(row.payload), value)
             else:
                 _check_bytes(self._subjects, row.topic, value, self._value_subject(row))
         if self._keys and row.key is not None:
