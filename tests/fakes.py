@@ -37,6 +37,8 @@ class FakeRow:
     errors: list[str] = field(default_factory=list)
     #: When it was published, in store time (for ``delete_expired``).
     published_at: float | None = None
+    #: When it was dead-lettered, in store time (for ``expire_dead_letters``).
+    dead_at: float | None = None
 
     def waits(self, now: float) -> bool:
         """Whether it waits for its retry time (not due yet, and not parked)."""
@@ -121,6 +123,8 @@ class FakeStore:
         #: Added to every claim's ``busy`` (buckets held by other claims, as another relay's
         #: claims would hold them).
         self.busy = 0
+        self.notified: list[tuple[str, str]] = []
+        self.closed = False
 
     @property
     def now(self) -> float:
@@ -266,6 +270,7 @@ class FakeStore:
             r = self.rows[row_id]
             r.row = replace(r.row, attempts=r.row.attempts + 1)  # the dead letter's count
             r.dead = error
+            r.dead_at = self.now
         # A retried row published, or any row dead-lettered, no longer holds its key's later
         # rows back: the key's next waiting row, if parked, is due now (promote_next).
         published, dead = set(outcome.published), {i for i, _ in outcome.dead}
@@ -324,6 +329,22 @@ class FakeStore:
             del self.rows[row_id]
         return len(expired)
 
+    async def expire_dead_letters(self, older_than: float, limit: int) -> int:
+        expired = [
+            row_id
+            for row_id, r in self.rows.items()
+            if r.dead_at is not None and r.dead_at < self.now - older_than
+        ]
+        for row_id in expired:
+            del self.rows[row_id]
+        return len(expired)
+
+    async def notify(self, channel: str, payload: str) -> None:
+        self.notified.append((channel, payload))
+
+    async def close(self) -> None:
+        self.closed = True
+
 
 class FakePublisher:
     """Records what it 'sent'. ``behaviour(row)`` returns None (deliver), ("fail", reason),
@@ -339,6 +360,7 @@ class FakePublisher:
         self.answering = True  # False: Kafka went away (seen by check()); see back()
         self._back = anyio.Event()
         self.check_calls = 0
+        self.stopped = False
 
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         self.entered.set()
@@ -378,6 +400,10 @@ class FakePublisher:
         self.available_calls += 1
         if not self.available:
             await self._back.wait()
+
+    async def stop(self, grace: float) -> bool:
+        self.stopped = True
+        return True
 
 
 def fake_settings(**kw: object) -> OutboxSettings:

@@ -113,3 +113,18 @@ class OutboxStore(Protocol):
     async def delete_expired(self, older_than: float, limit: int) -> int:
         """Delete up to ``limit`` rows published more than ``older_than`` seconds ago."""
         ...
+
+    async def expire_dead_letters(self, older_than: float, limit: int) -> int:
+        """Delete the dead letters dead-lettered more than ``older_than`` seconds ago,
+        ``limit`` per statement; returns how many."""
+        ...
+
+    async def notify(self, channel: str, payload: str) -> None:
+        """NOTIFY ``channel`` through the store's connections (the listener's proof that
+        what producers send reaches it)."""
+        ...
+
+    async def close(self) -> None:
+        """Give back what the store holds between claims (the relay calls it once its
+        workers have stopped)."""
+        ...

@@ -56,6 +56,7 @@ __all__ = [
     "get_dead_letter",
     "list_dead_letters",
     "purge",
+    "report_expired",
     "requeue",
 ]
 
@@ -294,19 +295,24 @@ async def purge(
 async def expire_dead_letters(
     conn: asyncpg.Connection | asyncpg.Pool, settings: OutboxSettings, events: RelayEvents
 ) -> int:
-    """Retention, run by the relay's cleanup: delete the dead letters dead-lettered more than
-    ``dead_letter_retention`` ago, ``cleanup_batch`` rows per statement. Emits
-    ``cleanup_dead_letters`` (rows) and logs how many went."""
+    """Retention: delete the dead letters dead-lettered more than ``dead_letter_retention``
+    ago, ``cleanup_batch`` rows per statement. Emits ``cleanup_dead_letters`` (rows) and logs
+    how many went. (The relay's cleanup does the same through its store.)"""
     if settings.dead_letter_retention is None:
         return 0
     where = DeadLetterFilter(older_than=timedelta(seconds=settings.dead_letter_retention))
     deleted = await purge(conn, settings.names, where, batch=settings.cleanup_batch)
+    report_expired(deleted, settings.dead_letter_retention, events)
+    return deleted
+
+
+def report_expired(deleted: int, retention: float, events: RelayEvents) -> None:
+    """Emit ``cleanup_dead_letters`` and log the dead letters retention deleted (if any)."""
     if deleted:
         events.emit("cleanup_dead_letters", deleted)
         log.info(
             "deleted %d dead letters older than %s (dead_letter_retention)",
             deleted,
-            format_duration(settings.dead_letter_retention),
-            extra={"rows": deleted, "retention_seconds": settings.dead_letter_retention},
+            format_duration(retention),
+            extra={"rows": deleted, "retention_seconds": retention},
         )
-    return deleted

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from operator import attrgetter
 
 import asyncpg
@@ -22,6 +23,7 @@ from notify_outbox.core.errors import ClaimLost, MigrationError
 from notify_outbox.core.outbox import BatchOutcome, ClaimedBatch, OutboxRow, OutboxStore
 
 from .db import read_only, terminate
+from .deadletters import DeadLetterFilter, purge
 from .sqlfiles import Queries
 
 __all__ = [
@@ -550,3 +552,10 @@ class PgOutboxStore:
             self._q["delete_expired"], older_than, limit, timeout=self._timeout
         )
         return int(status.split()[-1])
+
+    async def expire_dead_letters(self, older_than: float, limit: int) -> int:
+        where = DeadLetterFilter(older_than=timedelta(seconds=older_than))
+        return await purge(self._pool, self._q.names, where, batch=limit)
+
+    async def notify(self, channel: str, payload: str) -> None:
+        await self._pool.execute("SELECT pg_notify($1, $2)", channel, payload)

@@ -36,30 +36,22 @@ from notify_outbox.core.backoff import Backoff
 from notify_outbox.core.errors import (
     ClaimLost,
     ConfigurationError,
-    MigrationError,
     NotifyOutboxError,
     PublisherUnavailable,
 )
 from notify_outbox.core.events import RelayEvents
 from notify_outbox.core.logs import redact
 from notify_outbox.core.settings import OutboxSettings
-from notify_outbox.kafka.publisher import KafkaPublisher, Publisher, PublishResult, TokenProvider
-from notify_outbox.pg.db import (
-    DATABASE_ERRORS,
-    UNREACHABLE_ERRORS,
-    connect_worker_pool,
-    read_only,
-    settle_pool,
-)
-from notify_outbox.pg.deadletters import expire_dead_letters
-from notify_outbox.pg.sqlfiles import Queries, render
+from notify_outbox.kafka.publisher import Publisher, PublishResult, TokenProvider
+from notify_outbox.pg.db import DATABASE_ERRORS, UNREACHABLE_ERRORS, read_only, settle_pool
+from notify_outbox.pg.deadletters import report_expired
 from notify_outbox.pg.store import (
     BatchOutcome,
     ClaimedBatch,
     LowWaterMark,
+    MarkKeeper,
     OutboxRow,
     OutboxStore,
-    PgOutboxStore,
     lost_after,
 )
 
@@ -67,10 +59,11 @@ from .gate import Gate
 from .listener import Listener
 from .outage import Outage, tame_third_party_logs
 from .policy import decide
-from .pulse import Pulse, worker_app
+from .pulse import Pulse
 from .stagelog import open_stage_log
 from .stalls import ClaimIdleTimeout
 from .wakeup import Doorbell, RetryTimers
+from .wiring import connect_pool, kafka_publisher, open_postgres
 
 __all__ = ["Relay"]
 
@@ -97,31 +90,6 @@ def _configuration_error(error: BaseException) -> ConfigurationError | None:
             if (found := _configuration_error(inner)) is not None:
                 return found
     return None
-
-
-async def _require_schema(pool: asyncpg.Pool, settings: OutboxSettings) -> None:
-    """Raise MigrationError when the outbox is missing or older than this relay, and
-    ConfigurationError when its id sequence caches values (the claim's low-water mark needs
-    ids handed out one at a time: migration 0006)."""
-    names = settings.names
-    # The newest migration's claim function: older schemas lack it.
-    claim_fn = render(
-        "@schema@.@prefix@_claim(integer, integer, bigint, bigint[], bigint[])", names
-    )
-    if not await pool.fetchval("SELECT to_regprocedure($1) IS NOT NULL", claim_fn):
-        raise MigrationError(
-            f"outbox {names.target} is missing or not up to date: run `notify-outbox migrate` first"
-        )
-    sequence = render("@id_seq@", names)
-    cache = await pool.fetchval(
-        "SELECT seqcache FROM pg_sequence WHERE seqrelid = to_regclass($1)", sequence
-    )
-    if cache is not None and cache != 1:
-        raise ConfigurationError(
-            f"the id sequence {sequence} caches {cache} values per session; notify-outbox "
-            f"needs ALTER SEQUENCE {sequence} CACHE 1 (ids must be handed out one at a time "
-            "for the claim to know where fresh rows start)"
-        )
 
 
 def _jitter() -> float:
@@ -175,6 +143,8 @@ class Relay:
         self._ready = anyio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pool: asyncpg.Pool | None = None
+        #: The PostgreSQL store's low-water mark, when the relay built that store.
+        self._marks: MarkKeeper | None = None
         self.listener: Listener | None = None
         #: The gated notify's relay side (enabled by the database's notify_mode).
         self.gate = Gate(
@@ -207,8 +177,7 @@ class Relay:
     def low_water_mark(self) -> LowWaterMark:
         """Where this relay's claims start (migration 0006); the start of the table until the
         first claim (or with a store other than PostgreSQL's)."""
-        store = self._store
-        return store.marks.mark if isinstance(store, PgOutboxStore) else LowWaterMark()
+        return self._marks.mark if self._marks is not None else LowWaterMark()
 
     @property
     def busy_workers(self) -> int:
@@ -418,53 +387,35 @@ class Relay:
                 await self._close(graceful=clean)
 
     async def _open(self) -> bool:
-        """Connect to PostgreSQL and Kafka, retrying until they answer or a stop is asked."""
+        """Connect the ports not given (``wiring.py``), retrying until PostgreSQL and Kafka
+        answer or a stop is asked."""
         s = self.settings
         if self._store is None:
-            self._pool = await self._until_stopped(self._connect_pool())
-            if self._pool is None:
+            connected = await self._until_stopped(connect_pool(s, self.relay_id))
+            if connected is None:
                 return False
-            queries = Queries(s.names)
-            await _require_schema(self._pool, s)
-            config = await self._pool.fetchrow(queries["notify_mode"])
-            assert config is not None
-            self.gate.enabled = config["notify_mode"] == "gated" and not s.poll_only
-            self.gate.epoch_ms = config["awake_epoch_ms"]
-            self._store = PgOutboxStore(
+            self._pool, self.behind_pooler = connected
+            pg = await open_postgres(
                 self._pool,
-                queries,
-                delete_on_publish=s.delete_on_publish,
-                command_timeout=s.db_command_timeout,
+                self.behind_pooler,
+                s,
+                self.relay_id,
                 begin_round_trip=self.claim_timeout.round_trip,
-                # Not behind a transaction pooler: a primed transaction would pin a server
-                # connection while it waits for the next claim.
-                prime=not self.behind_pooler,
+                on_reaped=self._after_reap,
             )
-            if s.frozen_relay_timeout > 0 and not self.behind_pooler:
-                self.pulse = Pulse(
-                    s.dsn.get_secret_value(),
-                    self.relay_id,
-                    s.frozen_relay_timeout,
-                    command_timeout=s.db_command_timeout,
-                    on_reaped=self._after_reap,
-                )
-                self._store.reaped_after = s.frozen_relay_timeout
+            self._store, self._marks = pg.store, pg.marks
+            self.gate.enabled = pg.notify_mode == "gated" and not s.poll_only
+            self.gate.epoch_ms = pg.awake_epoch_ms
+            self.pulse = pg.pulse
+            if self.pulse is not None:
                 self.pulse.start()
         if self._publisher is None:
-            kafka = KafkaPublisher(s, token_provider=self._kafka_token_provider)
+            kafka = kafka_publisher(s, self._kafka_token_provider)
             self._publisher = kafka
             # A first start fails on settings Kafka refuses (credentials, TLS): exit, and
             # say why, rather than retry forever.
             await self._until_stopped(kafka.start(fatal=True))
         return not self._stopping
-
-    async def _connect_pool(self) -> asyncpg.Pool:
-        """The workers' pool (``db.connect_worker_pool``), and whether a pooler sits in
-        between."""
-        pool, self.behind_pooler = await connect_worker_pool(
-            self.settings, worker_app(self.relay_id)
-        )
-        return pool
 
     def _after_reap(self, claims: int) -> None:
         """The pulse ended ``claims`` claims of a frozen relay: their rows are free now."""
@@ -472,9 +423,9 @@ class Relay:
         self._wake("retry")
 
     async def _notify(self, channel: str, payload: str) -> None:
-        """NOTIFY over a worker connection (the listener's check that LISTEN works)."""
-        assert self._pool is not None
-        await self._pool.execute("SELECT pg_notify($1, $2)", channel, payload)
+        """NOTIFY over the store's connections (the listener's check that LISTEN works)."""
+        assert self._store is not None
+        await self._store.notify(channel, payload)
 
     def _shutdown_left(self) -> float:
         """Seconds left of the graceful stop's deadline (all of it if no stop was asked)."""
@@ -485,7 +436,7 @@ class Relay:
     async def _close(self, *, graceful: bool) -> None:
         if self.pulse is not None:
             await self.pulse.stop()
-        if isinstance(self._store, PgOutboxStore):
+        if self._store is not None:
             # Connections waiting for a next claim go back to the pool, which waits for them.
             with anyio.move_on_after(self.settings.db_command_timeout, shield=True):
                 await self._store.close()
@@ -493,7 +444,7 @@ class Relay:
             await settle_pool(self._pool)  # cancelled statements: their cancel requests first
         # Runs shielded from the run's cancellation; only abort() cancels _close_scope.
         with self._close_scope:
-            if isinstance(self._publisher, KafkaPublisher):
+            if self._publisher is not None:
                 stopped = await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
                 # Every batch was marked only after its acks, so nothing is lost; still, the
                 # stop did not finish within shutdown_timeout, and the exit status says so.
@@ -620,8 +571,9 @@ class Relay:
                     self.events.emit("cleanup", n)
                     if n < s.cleanup_batch:
                         break
-                if s.dead_letter_retention is not None and self._pool is not None:
-                    await expire_dead_letters(self._pool, s, self.events)  # deadletters.py
+                if (retention := s.dead_letter_retention) is not None:
+                    n = await self._store.expire_dead_letters(retention, s.cleanup_batch)
+                    report_expired(n, retention, self.events)
             except DATABASE_ERRORS as e:
                 log.warning("retention cleanup failed: %s", redact(str(e), s))
 

@@ -111,6 +111,11 @@ class PgHarness:
             "WHERE next_attempt_at IS NOT NULL OR published_at IS NOT NULL",
             seconds,
         )
+        await self._conn.execute(
+            "UPDATE outbox_dead_letter "
+            "SET dead_lettered_at = dead_lettered_at - make_interval(secs => $1)",
+            seconds,
+        )
 
 
 @asynccontextmanager

@@ -372,6 +372,26 @@ async def test_count_pending_and_poll_agree_with_the_rows(h: Harness) -> None:
     assert await h.store.poll() == (True, None)
 
 
+async def test_expire_dead_letters_removes_only_dead_letters_older_than_the_limit(
+    h: Harness,
+) -> None:
+    """The relay's dead-letter retention (``dead_letter_retention``) through the store: all
+    the dead letters older than the limit go, in statements of ``limit`` rows; younger ones,
+    and rows still in the outbox, stay."""
+    old = [await h.add(key) for key in ("a", "b", "c")]
+    async with h.store.claim(100) as batch:
+        await complete(h, batch, 100, BatchOutcome(dead=[(i, "bad") for i in old]))
+    await h.advance(100)
+    young, pending = await h.add("y"), await h.add("p")
+    async with h.store.claim(1) as batch:
+        await complete(h, batch, 1, BatchOutcome(dead=[(young, "bad")]))
+    assert await h.store.expire_dead_letters(150, 2) == 0  # none is that old
+    assert await h.store.expire_dead_letters(50, 2) == 3  # every old one, two at a time
+    assert [await h.state(i) for i in old] == [None, None, None]
+    assert await h.state(young) == RowState("dead", 1, "bad")
+    assert await h.state(pending) == PENDING
+
+
 async def test_delete_expired_removes_only_published_rows_older_than_the_limit(
     h: Harness,
 ) -> None:
