@@ -13,12 +13,13 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import tarfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from devstack._common import (
     StackError,
@@ -33,6 +34,9 @@ from devstack._common import (
 )
 from devstack._daemon import Daemon, NotReady, spawn
 from devstack.kafka import find_java
+
+if TYPE_CHECKING:
+    from devstack.certs import IssuedCert
 
 __all__ = ["APICURIO_VERSION", "SchemaRegistryServer", "apicurio_home"]
 
@@ -130,8 +134,20 @@ class SchemaRegistryServer(Daemon):
     # A JVM stops slower than pgbouncer: no need to look as often.
     _exit_poll_s = 0.1
 
-    def __init__(self, base_dir: Path, *, port: int | None = None, heap: str = "384m") -> None:
+    def __init__(
+        self,
+        base_dir: Path,
+        *,
+        port: int | None = None,
+        heap: str = "384m",
+        tls: IssuedCert | None = None,
+        ca_file: Path | None = None,
+    ) -> None:
         self.base_dir = Path(base_dir).resolve()
+        #: HTTPS only, with this certificate (its key unencrypted), verified against
+        #: ``ca_file`` by this object's own requests.
+        self.tls = tls
+        self.ca_file = ca_file
         self.data_dir = self.base_dir / "data"
         self.tmp_dir = self.base_dir / "tmp"
         self.log_path = self.base_dir / "registry.log"
@@ -149,7 +165,8 @@ class SchemaRegistryServer(Daemon):
     @property
     def url(self) -> str:
         """The Confluent-compatible base URL clients use (``.../apis/ccompat/v7``)."""
-        return f"http://127.0.0.1:{self.port}/apis/ccompat/v7"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/apis/ccompat/v7"
 
     def is_running(self) -> bool:
         """Whether the registry JVM is alive (not necessarily serving yet)."""
@@ -177,6 +194,10 @@ class SchemaRegistryServer(Daemon):
                 os.chown(entry, user.pw_uid, user.pw_gid)
             grant_search(self.base_dir, user, self.base_dir)
             grant_search(jar.parent, user, jar)
+            if self.tls is not None:
+                for path in (self.tls.cert_file, self.tls.key_file):
+                    os.chown(path, user.pw_uid, user.pw_gid)
+                grant_search(self.tls.cert_file.parent, user, self.tls.cert_file)
         self._save_state(pid=None)
         started = time.monotonic()
         with self.log_path.open("ab") as log:
@@ -215,7 +236,7 @@ class SchemaRegistryServer(Daemon):
             # it also marks the argv as ours (see _owns).
             f"-Djava.io.tmpdir={self.tmp_dir}",
             "-Dquarkus.http.host=127.0.0.1",
-            f"-Dquarkus.http.port={self.port}",
+            *self._listen_args(),
             "-Dapicurio.storage.kind=sql",
             "-Dapicurio.storage.sql.kind=h2",
             # A file instead of the default in-memory database, so schemas (and the ids
@@ -230,6 +251,18 @@ class SchemaRegistryServer(Daemon):
             str(jar),
         ]
 
+    def _listen_args(self) -> list[str]:
+        if self.tls is None:
+            return [f"-Dquarkus.http.port={self.port}"]
+        # HTTPS only: the plain port is not served (insecure requests disabled).
+        return [
+            f"-Dquarkus.http.ssl-port={self.port}",
+            f"-Dquarkus.http.port={free_ports(1, avoid=[self.port])[0]}",
+            "-Dquarkus.http.insecure-requests=disabled",
+            f"-Dquarkus.http.ssl.certificate.files={self.tls.cert_file}",
+            f"-Dquarkus.http.ssl.certificate.key-files={self.tls.key_file}",
+        ]
+
     def _owns(self, argv: list[str]) -> bool:
         # Only our JVM has our temporary directory.
         return _RUNNER in " ".join(argv) and f"-Djava.io.tmpdir={self.tmp_dir}" in argv
@@ -242,7 +275,12 @@ class SchemaRegistryServer(Daemon):
         request = urllib.request.Request(  # noqa: S310 - a loopback http URL of ours
             self.url + path, data=data, method=method, headers={"Content-Type": _CONTENT_TYPE}
         )
-        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(
+                cafile=str(self.ca_file) if self.ca_file is not None else None
+            )
+        with urllib.request.urlopen(request, timeout=5, context=context) as response:  # noqa: S310
             return json.load(response)
 
     def _probe(self) -> str | None:

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,6 +29,7 @@ from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, Proto
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from devstack.certs import CertificateAuthority
 from devstack.schema_registry import SchemaRegistryServer
 from notify_outbox import OutboxSettings, Relay, enqueue
 from notify_outbox.core.errors import ConfigurationError
@@ -494,3 +496,54 @@ async def test_protobuf_events_encoded_by_the_producer_go_out_as_written(
     assert [deserialize(v, context).total_cents for v in values] == [0, 100, 200, 300, 400]
     assert [(d["key"], d["attempts"]) for d in dead] == [("x", 1)]
     assert f"schema id {other}, which is not registered under subject" in dead[0]["error"]
+
+
+@pytest.fixture(scope="module")
+def tls_registry(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[SchemaRegistryServer, Path]]:
+    """A registry serving HTTPS only, with a certificate for 127.0.0.1 signed by a CA of
+    its own; yields it and the CA's certificate file."""
+    base = tmp_path_factory.mktemp("tls-registry")
+    ca = CertificateAuthority(base / "ca")
+    cert = ca.issue("registry", hosts=["127.0.0.1"])
+    server = SchemaRegistryServer(base / "registry", tls=cert, ca_file=ca.cert_file)
+    server.start()
+    try:
+        yield server, ca.cert_file
+    finally:
+        server.stop()
+
+
+async def test_an_https_registry_is_verified_against_the_ca_setting(
+    db_dsn: str, services: Services, topic: str, tls_registry: tuple[SchemaRegistryServer, Path]
+) -> None:
+    """``schema_registry_cafile``: the relay verifies the registry's certificate with it and
+    sends Avro; without it (the system's trust store, which does not hold the test CA) the
+    start is a configuration error naming the setting."""
+    server, ca_file = tls_registry
+    assert server.url.startswith("https://")
+    client = RegistryClient(server.url, cafile=ca_file)
+    try:
+        schema_id = await client.register(f"{topic}-value", json.dumps(ORDER))
+    finally:
+        await client.aclose()
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            settings = relay_settings(db_dsn, services, server.url, schema_registry_cafile=ca_file)
+            async with Relay(settings):
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) "
+                    "VALUES ($1, 'k', '{\"order\": 1, \"total\": 2.0}')",
+                    topic,
+                )
+                records, _ = await consume(services.bootstrap, topic, expect=1)
+    finally:
+        await conn.close()
+    assert records[0].value is not None
+    assert unframe(records[0].value)[0] == schema_id
+    with anyio.fail_after(60), pytest.raises(ConfigurationError) as raised:
+        await Relay(relay_settings(db_dsn, services, server.url)).run()
+    assert "TLS certificate not trusted" in str(raised.value)
+    assert "SCHEMA_REGISTRY_CAFILE" in str(raised.value)
