@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import threading
 import urllib.request
 from collections.abc import Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -148,3 +150,18 @@ def logged(logger: str, text: str) -> Iterator[asyncio.Event]:
         yield seen
     finally:
         logging.getLogger(logger).removeHandler(handler)
+
+
+@contextlib.contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` serving on a loopback port of its own, in a thread; yields its base URL
+    (``http://127.0.0.1:PORT``). For stand-ins of HTTP services a test needs to misbehave
+    (a registry refusing credentials, an identity provider)."""
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ from notify_outbox.schemaregistry import (
 )
 from tests.conftest import Services
 from tests.integration.test_inbox_batch import group_consumer, pool, until_committed
-from tests.support import consume, logged
+from tests.support import consume, http_server, logged
 
 pytestmark = pytest.mark.anyio
 
@@ -404,14 +403,8 @@ class _Refusing(BaseHTTPRequestHandler):
 @pytest.fixture
 def refusing_registry() -> Iterator[str]:
     """An HTTP server on loopback that answers every request 401 (wrong credentials)."""
-    server = HTTPServer(("127.0.0.1", 0), _Refusing)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(_Refusing) as url:
+        yield url
 
 
 async def test_a_registry_that_refuses_the_credentials_stops_the_start(

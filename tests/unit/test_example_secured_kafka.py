@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import urllib.parse
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 
 from notify_outbox import OutboxSettings, load_settings
 from notify_outbox.kafka.publisher import load_token_provider
-from tests.support import ROOT
+from tests.support import ROOT, http_server
 
 EXAMPLE = ROOT / "examples" / "secured_kafka"
 SECRETS = "/run/secrets/notify-outbox/"
@@ -95,14 +94,8 @@ def token_endpoint() -> Iterator[tuple[str, list[dict[str, Any]]]]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/token", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield f"{url}/token", seen
 
 
 @pytest.mark.anyio
