@@ -124,7 +124,6 @@ class FakeStore:
         #: claims would hold them).
         self.busy = 0
         self.notified: list[tuple[str, str]] = []
-        self.closed = False
 
     @property
     def now(self) -> float:
@@ -342,9 +341,6 @@ class FakeStore:
     async def notify(self, channel: str, payload: str) -> None:
         self.notified.append((channel, payload))
 
-    async def close(self) -> None:
-        self.closed = True
-
 
 class FakePublisher:
     """Records what it 'sent'. ``behaviour(row)`` returns None (deliver), ("fail", reason),
@@ -360,7 +356,6 @@ class FakePublisher:
         self.answering = True  # False: Kafka went away (seen by check()); see back()
         self._back = anyio.Event()
         self.check_calls = 0
-        self.stopped = False
 
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         self.entered.set()
@@ -400,10 +395,6 @@ class FakePublisher:
         self.available_calls += 1
         if not self.available:
             await self._back.wait()
-
-    async def stop(self, grace: float) -> bool:
-        self.stopped = True
-        return True
 
 
 def fake_settings(**kw: object) -> OutboxSettings:

@@ -123,8 +123,3 @@ class OutboxStore(Protocol):
         """NOTIFY ``channel`` through the store's connections (the listener's proof that
         what producers send reaches it)."""
         ...
-
-    async def close(self) -> None:
-        """Give back what the store holds between claims (the relay calls it once its
-        workers have stopped)."""
-        ...

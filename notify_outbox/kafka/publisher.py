@@ -137,11 +137,6 @@ class Publisher(Protocol):
         after a failed publish, until ``wait_available`` returns."""
         ...
 
-    async def stop(self, grace: float) -> bool:
-        """Flush what was sent and let go of Kafka within ``grace`` seconds (the relay calls
-        it once its workers have stopped); False when it had to abandon what was left."""
-        ...
-
 
 def _is_row_error(error: BaseException) -> bool:
     return isinstance(error, _ROW_ERRORS)

@@ -42,16 +42,16 @@ from notify_outbox.core.errors import (
 from notify_outbox.core.events import RelayEvents
 from notify_outbox.core.logs import redact
 from notify_outbox.core.settings import OutboxSettings
-from notify_outbox.kafka.publisher import Publisher, PublishResult, TokenProvider
+from notify_outbox.kafka.publisher import KafkaPublisher, Publisher, PublishResult, TokenProvider
 from notify_outbox.pg.db import DATABASE_ERRORS, UNREACHABLE_ERRORS, read_only, settle_pool
 from notify_outbox.pg.deadletters import report_expired
 from notify_outbox.pg.store import (
     BatchOutcome,
     ClaimedBatch,
     LowWaterMark,
-    MarkKeeper,
     OutboxRow,
     OutboxStore,
+    PgOutboxStore,
     lost_after,
 )
 
@@ -111,7 +111,8 @@ class Relay:
     """Moves committed outbox rows to Kafka: at least once, per-key in commit order.
 
     ``store`` and ``publisher`` are the two ports; leave them out to use PostgreSQL (through
-    ``settings.dsn``) and Kafka (through ``settings.kafka_bootstrap_servers``).
+    ``settings.dsn``) and Kafka (through ``settings.kafka_bootstrap_servers``). The relay
+    closes what it built itself; ports given to it are the caller's to close.
     ``kafka_token_provider``: with SASL OAUTHBEARER, a function that returns a token (or an
     awaitable of one), called at each authentication; instead of the
     ``kafka_sasl_oauth_token_provider`` setting.
@@ -143,8 +144,10 @@ class Relay:
         self._ready = anyio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pool: asyncpg.Pool | None = None
-        #: The PostgreSQL store's low-water mark, when the relay built that store.
-        self._marks: MarkKeeper | None = None
+        # The adapters this relay built (wiring.py), which it closes at the end; ports it
+        # was given are their owner's to close.
+        self._own_store: PgOutboxStore | None = None
+        self._own_kafka: KafkaPublisher | None = None
         self.listener: Listener | None = None
         #: The gated notify's relay side (enabled by the database's notify_mode).
         self.gate = Gate(
@@ -177,7 +180,8 @@ class Relay:
     def low_water_mark(self) -> LowWaterMark:
         """Where this relay's claims start (migration 0006); the start of the table until the
         first claim (or with a store other than PostgreSQL's)."""
-        return self._marks.mark if self._marks is not None else LowWaterMark()
+        store = self._own_store
+        return store.marks.mark if store is not None else LowWaterMark()
 
     @property
     def busy_workers(self) -> int:
@@ -403,7 +407,7 @@ class Relay:
                 begin_round_trip=self.claim_timeout.round_trip,
                 on_reaped=self._after_reap,
             )
-            self._store, self._marks = pg.store, pg.marks
+            self._store = self._own_store = pg.store
             self.gate.enabled = pg.notify_mode == "gated" and not s.poll_only
             self.gate.epoch_ms = pg.awake_epoch_ms
             self.pulse = pg.pulse
@@ -411,7 +415,7 @@ class Relay:
                 self.pulse.start()
         if self._publisher is None:
             kafka = kafka_publisher(s, self._kafka_token_provider)
-            self._publisher = kafka
+            self._publisher = self._own_kafka = kafka
             # A first start fails on settings Kafka refuses (credentials, TLS): exit, and
             # say why, rather than retry forever.
             await self._until_stopped(kafka.start(fatal=True))
@@ -436,16 +440,16 @@ class Relay:
     async def _close(self, *, graceful: bool) -> None:
         if self.pulse is not None:
             await self.pulse.stop()
-        if self._store is not None:
+        if self._own_store is not None:
             # Connections waiting for a next claim go back to the pool, which waits for them.
             with anyio.move_on_after(self.settings.db_command_timeout, shield=True):
-                await self._store.close()
+                await self._own_store.close()
         if self._pool is not None:
             await settle_pool(self._pool)  # cancelled statements: their cancel requests first
         # Runs shielded from the run's cancellation; only abort() cancels _close_scope.
         with self._close_scope:
-            if self._publisher is not None:
-                stopped = await self._publisher.stop(self._shutdown_left() if graceful else 1.0)
+            if self._own_kafka is not None:
+                stopped = await self._own_kafka.stop(self._shutdown_left() if graceful else 1.0)
                 # Every batch was marked only after its acks, so nothing is lost; still, the
                 # stop did not finish within shutdown_timeout, and the exit status says so.
                 self._close_forced = self._close_forced or (graceful and not stopped)

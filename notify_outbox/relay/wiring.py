@@ -15,7 +15,7 @@ from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.kafka.publisher import KafkaPublisher, TokenProvider
 from notify_outbox.pg.db import connect_worker_pool
 from notify_outbox.pg.sqlfiles import Queries, render
-from notify_outbox.pg.store import MarkKeeper, PgOutboxStore
+from notify_outbox.pg.store import PgOutboxStore
 
 from .pulse import Pulse, worker_app
 
@@ -35,11 +35,6 @@ class PostgresPorts:
     awake_epoch_ms: int
     #: The frozen relays' reaper, not started (None: off, or behind a pooler).
     pulse: Pulse | None
-
-    @property
-    def marks(self) -> MarkKeeper:
-        """Where this relay's claims start (the store's low-water mark)."""
-        return self.store.marks
 
 
 async def require_schema(pool: asyncpg.Pool, settings: OutboxSettings) -> None:

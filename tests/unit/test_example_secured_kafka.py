@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -52,6 +53,8 @@ def secrets(tmp_path: Path) -> Path:
 def test_each_environment_file_configures_the_relay(
     name: str, secrets: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for key in [k for k in os.environ if k.startswith("NOTIFY_OUTBOX_")]:
+        monkeypatch.delenv(key)  # only the file's settings
     for key, value in env_of(name, secrets).items():
         monkeypatch.setenv(key, value)
     settings = load_settings(OutboxSettings)
