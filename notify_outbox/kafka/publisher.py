@@ -679,7 +679,11 @@ class KafkaPublisher:
                 continue
             chain = chain_of.get(kb)
             if chain is None:
-                tp = (topic, choose(producer, topic, kb))
+                partition = choose(producer, topic, kb)
+                if partition is None:
+                    _fail(result, blocked, row, f"topic {topic!r} does not exist in Kafka")
+                    continue
+                tp = (topic, partition)
                 chain = batches.get(tp)
                 if chain is None:
                     chain = batches[tp] = [_Batch(producer.create_batch())]
@@ -1063,13 +1067,19 @@ class _Partitions:
         self._sticky: dict[str, int] = {}
         self._counts: dict[str, int] = {}  # partitions per topic, read once per publish
 
-    def choose(self, producer: AIOKafkaProducer, topic: str, key: bytes | None) -> int:
+    def choose(self, producer: AIOKafkaProducer, topic: str, key: bytes | None) -> int | None:
+        """The record's partition; None when the producer's metadata no longer knows the
+        topic (deleted since the publish checked it: aiokafka refreshes the metadata when a
+        send meets a missing partition)."""
         if key is None:
             partition = self._sticky.get(topic)
             if partition is None:
                 cluster = producer.client.cluster
                 available = cluster.available_partitions_for_topic(topic)
-                partition = random.choice(sorted(available or cluster.partitions_for_topic(topic)))
+                known = available or cluster.partitions_for_topic(topic)
+                if not known:
+                    return None
+                partition = random.choice(sorted(known))
                 self._sticky[topic] = partition
             return partition
         h = self._hashes.get(key)
@@ -1079,7 +1089,10 @@ class _Partitions:
             h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
         count = self._counts.get(topic)
         if count is None:
-            count = self._counts[topic] = len(producer.client.cluster.partitions_for_topic(topic))
+            known = producer.client.cluster.partitions_for_topic(topic)
+            if not known:
+                return None
+            count = self._counts[topic] = len(known)
         return h % count
 
     def next_publish(self) -> None:

@@ -38,12 +38,13 @@ def row(i: int, key: str | None, topic: str = "a", headers: str | None = None) -
 class _Cluster:
     def __init__(self, partitions: int) -> None:
         self.partitions = set(range(partitions))
+        self.gone: set[str] = set()  # topics deleted: the metadata no longer lists them
 
-    def partitions_for_topic(self, _topic: str) -> set[int]:
-        return self.partitions
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        return None if topic in self.gone else self.partitions
 
-    def available_partitions_for_topic(self, _topic: str) -> set[int]:
-        return self.partitions
+    def available_partitions_for_topic(self, topic: str) -> set[int] | None:
+        return None if topic in self.gone else self.partitions
 
     def leader_for_partition(self, _tp: object) -> int:
         return 0
@@ -120,6 +121,24 @@ def test_keyed_partitions_are_kafkas_default_ones(partitions: int) -> None:
         key = rnd.randbytes(rnd.randint(1, 40))
         expected = default(key, list(range(partitions)), list(range(partitions)))
         assert chooser.choose(producer, "t", key) == expected  # type: ignore[arg-type]
+
+
+async def test_rows_of_a_topic_deleted_after_the_publish_checked_it_fail_as_missing() -> None:
+    """The metadata loses a topic between the publish's check and the batching (aiokafka
+    refreshes it when another send meets the deleted topic): its rows fail as missing, keyed
+    or not, and the other topic's rows are batched (CI once saw a TypeError here)."""
+    producer = FakeProducer(3)
+    pub = publisher(producer)
+    producer.client.cluster.gone.add("gone")
+    rows = [row(1, "k", "gone"), row(2, None, "gone"), row(3, "k", "gone"), row(4, "j", "a")]
+    result = PublishResult()
+    batches = await pub._batch_wave(producer, rows, {}, set(), result)  # type: ignore[arg-type]
+    assert result.failed == [
+        (1, "topic 'gone' does not exist in Kafka"),
+        (2, "topic 'gone' does not exist in Kafka"),
+    ]  # row 3 waits behind row 1 (its key)
+    expected = ("a", _Partitions().choose(producer, "a", b"j"))  # type: ignore[arg-type]
+    assert list(batches) == [expected]
 
 
 def test_malformed_headers_reject_the_row_and_only_it() -> None:
