@@ -99,8 +99,17 @@ def _topic_gone(producer: AIOKafkaProducer, topic: str, error: BaseException) ->
     )
 
 
+# An ack's callback: the batch's future, its (topic, partition) and its number of records.
+_OnAck = Callable[[asyncio.Future[Any], tuple[str, int], int], None]
+
+
 class _Abandoned(kafka_errors.KafkaError):  # type: ignore[misc]  # aiokafka has no type hints
     """What the records an abandoned producer still held fail with: they were never sent."""
+
+
+class _Dropped(_Abandoned):
+    """What a partition's queued batches fail with when a batch before them was refused as
+    too large (``_skip_partition``): never sent, and the producer goes on."""
 
 
 # While acks are awaited (the claim's transaction is open), Kafka is asked this often whether it
@@ -601,7 +610,7 @@ class KafkaPublisher:
     async def _send_wave(
         self,
         producer: AIOKafkaProducer,
-        on_ack: Callable[[asyncio.Future[Any], str], None],
+        on_ack: _OnAck,
         wave: Sequence[OutboxRow],
         missing: dict[str, str],
         blocked: set[str],
@@ -725,7 +734,7 @@ class KafkaPublisher:
     async def _hand_over(
         self,
         producer: AIOKafkaProducer,
-        on_ack: Callable[[asyncio.Future[Any], str], None],
+        on_ack: _OnAck,
         batches: dict[tuple[str, int], list[_Batch]],
         result: PublishResult,
         sent: list[_Sent],
@@ -742,6 +751,8 @@ class KafkaPublisher:
                     try:
                         sent.append(await _submit(producer, batch, tp, on_ack))
                         break
+                    except _Dropped:
+                        return  # the partition's batch before it was refused: stays pending
                     except kafka_errors.KafkaTimeoutError as e:
                         # aiokafka's send_batch gives up early while other claims queue
                         # batches for the same partition (aiokafka 0.14 takes the time
@@ -820,8 +831,9 @@ class KafkaPublisher:
             limit,
         )
 
-    def _watch(self, producer: AIOKafkaProducer) -> Callable[[asyncio.Future[Any], str], None]:
-        """A done-callback for ``producer``'s acks: the first record that fails abandons it.
+    def _watch(self, producer: AIOKafkaProducer) -> _OnAck:
+        """A done-callback for ``producer``'s acks: a record that fails must not let anything
+        queued behind it on its partition go out of order.
 
         aiokafka numbers a partition's record batches when it sends them and never takes a
         number back, so a batch the broker refused (a record over the topic's
@@ -830,14 +842,18 @@ class KafkaPublisher:
         for this producer on the partition; if the refused batch was the producer's first
         there, it appends it, and a key's later rows are in Kafka before its failed row. This
         callback is scheduled when the record's future fails, before aiokafka's sender is woken
-        to send the next batch, so abandoning the producer here stops it in time: its unsent
-        records fail with ``_Abandoned`` and stay pending for the next producer.
+        to send the next batch, so acting here stops it in time: a batch refused as too large
+        (appended by no broker) has its numbers taken back and its partition's queued batches
+        dropped (``_skip_partition``); any other failure abandons the producer, whose unsent
+        records fail with ``_Abandoned`` and stay pending for the next producer. Either way
+        the other topics' records go on.
         """
 
-        def on_ack(fut: asyncio.Future[Any], topic: str) -> None:
+        def on_ack(fut: asyncio.Future[Any], tp: tuple[str, int], records: int) -> None:
             error = None if fut.cancelled() else fut.exception()
             if error is None or isinstance(error, _Abandoned):
                 return
+            topic = tp[0]
             if isinstance(error, kafka_errors.TopicAuthorizationFailedError) or _topic_gone(
                 producer, topic, error
             ):
@@ -848,6 +864,8 @@ class KafkaPublisher:
                 # attempt, pausing them all). The rows are retried, then dead-lettered with
                 # the reason. Left open: an ACL granted, or the topic created again, in the
                 # instant between two batches of one partition queued together.
+                return
+            if isinstance(error, _TOO_LARGE) and _skip_partition(producer, tp, records):
                 return
             if producer is self._producer and not self._broken:
                 self._broken = True
@@ -977,6 +995,35 @@ def _abandon(producer: AIOKafkaProducer) -> None:
         sender_task.add_done_callback(fail_unsent)
 
 
+def _skip_partition(producer: AIOKafkaProducer, tp: tuple[str, int], records: int) -> bool:
+    """After the broker refused a batch of ``tp`` as too large, appending none of it: take
+    back the ``records`` sequence numbers aiokafka gave that batch, and fail the partition's
+    queued batches with ``_Abandoned`` (they may hold a key's later rows; they stay pending),
+    so the partition's next batch follows the last one appended, with no gap. The producer
+    and its other partitions go on. False (abandon the producer instead) when aiokafka's
+    state is not the one this relies on: a batch of ``tp`` in flight, or internals moved."""
+    sender = getattr(producer, "_sender", None)
+    accumulator = getattr(producer, "_message_accumulator", None)
+    manager = getattr(producer, "_txn_manager", None)
+    muted = getattr(sender, "_muted_partitions", None)
+    queues = getattr(accumulator, "_batches", None)
+    numbers = getattr(manager, "_sequence_numbers", None)
+    partition = TopicPartition(*tp)
+    if not isinstance(muted, set) or not isinstance(queues, dict) or partition in muted:
+        return False
+    if manager is not None:
+        if not isinstance(numbers, dict) or numbers.get(partition, 0) < records:
+            return False
+        # aiokafka mutes a partition while its batch is in flight: nothing was numbered
+        # after the refused batch, whose numbers are the last ones given.
+        numbers[partition] -= records
+    for queued in queues.pop(partition, ()):
+        queued.failure(_Dropped(f"a batch before it on {tp[0]}[{tp[1]}] was refused"))
+        _retrieve(queued.future)
+        _retrieve(queued._drain_waiter)  # or asyncio logs it when no send waits on it
+    return True
+
+
 @dataclass(slots=True)
 class _Batch:
     """A record batch being filled: aiokafka's BatchBuilder and the rows in it, in order."""
@@ -999,14 +1046,14 @@ async def _submit(
     producer: AIOKafkaProducer,
     batch: _Batch,
     tp: tuple[str, int],
-    on_ack: Callable[[asyncio.Future[Any], str], None],
+    on_ack: _OnAck,
 ) -> _Sent:
     """Hand a batch to the producer, and watch its ack at once: the next batch of its
     partition may wait for this one to be taken, and ``on_ack`` must see a failure before
     the producer sends anything after it (see ``KafkaPublisher._watch``)."""
     future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
-    topic = tp[0]
-    future.add_done_callback(lambda fut: on_ack(fut, topic))
+    records = len(batch.rows)
+    future.add_done_callback(lambda fut: on_ack(fut, tp, records))
     return _Sent(batch.rows, future, tp[0], batch.builder.size())
 
 

@@ -138,39 +138,43 @@ async def test_a_keys_later_rows_never_overtake_its_row_refused_by_the_broker(
             retry_base_delay=3600.0 if dead else 0.05,
             retry_max_delay=3600.0 if dead else 0.2,
         )
-        async with Relay(settings) as relay:
-            with anyio.fail_after(WAIT):
-                await relay.events.wait_for("retried")
-                # Other keys do not wait: J's rows (and K's before the big row) go out.
-                await relay.events.wait_for("published", len(before) + len(committed["J"]))
-            # The big row is pending now (the broker refuses it at every attempt so far).
-            state = await conn.fetchrow(
-                "SELECT attempts, last_error FROM outbox WHERE event_id = $1::uuid", big
-            )
-            assert state is not None
-            assert state["attempts"] >= 1, state
-            assert "MessageSizeTooLarge" in state["last_error"], state
-            pending = _first_occurrences(await _topic_now(services.bootstrap, topic))
-            assert pending.get("K", []) == before, (
-                f"K's later rows reached the topic while its row {big} waits for a retry "
-                f"(first occurrences {pending.get('K')}, commit order {committed['K']})"
-            )
-            assert pending.get("J") == committed["J"]
-
-            if dead:
-                await conn.execute(
-                    "UPDATE outbox SET next_attempt_at = now() WHERE event_id = $1::uuid", big
+        with logged("notify_outbox.publisher", "replacing the producer") as replaced:
+            async with Relay(settings) as relay:
+                with anyio.fail_after(WAIT):
+                    await relay.events.wait_for("retried")
+                    # Other keys do not wait: J's rows (and K's before the big row) go out.
+                    await relay.events.wait_for("published", len(before) + len(committed["J"]))
+                # The big row is pending now (the broker refuses it at every attempt so far).
+                state = await conn.fetchrow(
+                    "SELECT attempts, last_error FROM outbox WHERE event_id = $1::uuid", big
                 )
-                expected_k = [e for e in committed["K"] if e != big]
-            else:
-                await _raise_topic_limit(services.bootstrap, topic, 1_000_000)
-                expected_k = committed["K"]
-            with anyio.fail_after(WAIT):
-                await relay.events.wait_for("published", len(expected_k) + len(committed["J"]))
-            assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
-            # A refused record is the row's failure, not a Kafka outage.
-            assert relay.events.counts["kafka_unavailable"] == 0, "taken for a Kafka outage"
-            dead_letters = await conn.fetch("SELECT event_id, error FROM outbox_dead_letter")
+                assert state is not None
+                assert state["attempts"] >= 1, state
+                assert "MessageSizeTooLarge" in state["last_error"], state
+                pending = _first_occurrences(await _topic_now(services.bootstrap, topic))
+                assert pending.get("K", []) == before, (
+                    f"K's later rows reached the topic while its row {big} waits for a retry "
+                    f"(first occurrences {pending.get('K')}, commit order {committed['K']})"
+                )
+                assert pending.get("J") == committed["J"]
+
+                if dead:
+                    await conn.execute(
+                        "UPDATE outbox SET next_attempt_at = now() WHERE event_id = $1::uuid", big
+                    )
+                    expected_k = [e for e in committed["K"] if e != big]
+                else:
+                    await _raise_topic_limit(services.bootstrap, topic, 1_000_000)
+                    expected_k = committed["K"]
+                with anyio.fail_after(WAIT):
+                    await relay.events.wait_for("published", len(expected_k) + len(committed["J"]))
+                assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+                # A refused record is the row's failure, not a Kafka outage.
+                assert relay.events.counts["kafka_unavailable"] == 0, "taken for a Kafka outage"
+                dead_letters = await conn.fetch("SELECT event_id, error FROM outbox_dead_letter")
+        # The refused batch's partition went on without it, with the same producer (a new
+        # one paused every topic at each attempt).
+        assert not replaced.is_set()
     finally:
         await conn.close()
     final = _first_occurrences(await _topic_now(services.bootstrap, topic))
@@ -204,11 +208,15 @@ async def test_batches_over_the_topics_limit_are_split_and_no_row_fails(
                 )
                 committed[key].append(str(event_id))
         settings = make_settings(db_dsn, services, workers=1, max_attempts=1)
-        with logged("notify_outbox.publisher", "refused a batch of") as split:
+        with (
+            logged("notify_outbox.publisher", "refused a batch of") as split,
+            logged("notify_outbox.publisher", "replacing the producer") as replaced,
+        ):
             async with Relay(settings) as relay:
                 with anyio.fail_after(WAIT):
                     await relay.events.wait_for("published", 300)
             assert split.is_set()
+            assert not replaced.is_set()
         assert relay.events.counts["retried"] == 0
         assert relay.events.counts["dead_lettered"] == 0
         assert await conn.fetchval("SELECT count(*) FROM outbox_dead_letter") == 0

@@ -363,6 +363,64 @@ async def relay_isolation(dsn: str) -> str:
         await conn.close()
 
 
+async def test_a_record_over_the_topics_limit_fails_its_row_and_nothing_else(
+    db_dsn: str, services: Services
+) -> None:
+    """A row over its topic's max.message.bytes (within the producer's max_request_size, so
+    only the broker refuses it) is retried and dead-lettered with the broker's reason, while
+    the same topic's other keys and another topic flow; the producer is not replaced and
+    sending is never paused (issue #33: such a record took the path of a broken producer,
+    pausing every topic at each attempt)."""
+    small, other = f"small-{uuid.uuid4().hex[:8]}", f"ok-{uuid.uuid4().hex[:8]}"
+    await create_topics(
+        services.bootstrap, [small], partitions=1, configs={"max.message.bytes": "2000"}
+    )
+    await create_topics(services.bootstrap, [other], partitions=1)
+    settings = make_settings(
+        db_dsn,
+        services,
+        max_attempts=3,
+        retry_base_delay=0.05,
+        retry_max_delay=0.1,
+        poll_interval=0.2,
+    )
+    insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, $3::jsonb)"
+    big = json.dumps({"pad": "x" * 5_000})
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with (
+            logged("notify_outbox.publisher", "replacing the producer") as replaced,
+            logged("notify_outbox.relay", "Kafka unavailable") as paused,
+            anyio.fail_after(90),
+        ):
+            async with Relay(settings) as relay:
+                await conn.execute(insert, small, "warm", "{}")
+                await consume(services.bootstrap, small, expect=1)
+                for n in range(3):
+                    # Each big row between small rows of other keys on its partition, so the
+                    # batches behind its refused one are dropped and sent again.
+                    async with conn.transaction():
+                        await conn.execute(insert, small, f"big{n}", big)
+                        for m in range(5):
+                            await conn.execute(insert, small, f"s{n}-{m}", "{}")
+                for n in range(10):
+                    await conn.execute(insert, other, f"a{n}", "{}")
+                records, _ = await consume(services.bootstrap, other, expect=10)
+                smalls, _ = await consume(services.bootstrap, small, expect=16)
+                await relay.events.wait_for("dead_lettered", 3)
+            dead = await conn.fetch("SELECT key, error FROM outbox_dead_letter ORDER BY key")
+    finally:
+        await conn.close()
+    assert len(records) == 10
+    assert sorted(r.key.decode() for r in smalls if r.key is not None) == sorted(
+        ["warm"] + [f"s{n}-{m}" for n in range(3) for m in range(5)]
+    )
+    assert [d["key"] for d in dead] == ["big0", "big1", "big2"]
+    assert all("MessageSizeTooLarge" in d["error"] for d in dead), dead
+    assert not replaced.is_set()
+    assert not paused.is_set()
+
+
 async def test_a_topic_deleted_under_the_relay_fails_its_rows_and_nothing_else(
     db_dsn: str, services: Services
 ) -> None:
