@@ -32,8 +32,6 @@ from bench.config import (
 from bench.procs import BenchError
 from bench.revs import compare_tree, with_alt_modes
 
-__all__ = ["main"]
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

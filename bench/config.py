@@ -12,30 +12,6 @@ from typing import Any, Literal, TypeVar, cast
 
 from bench.procs import ROOT, BenchError
 
-__all__ = [
-    "DEFAULT_MODES",
-    "DEFAULT_OUT",
-    "DEFAULT_VARIANTS",
-    "MODES",
-    "POLLER",
-    "VARIANTS",
-    "JsonRecord",
-    "Mode",
-    "RunConfig",
-    "TriggerVariant",
-    "add_alt_modes",
-    "common_options",
-    "compare_rev_option",
-    "from_args",
-    "full_config",
-    "output_options",
-    "phase_options",
-    "quick_config",
-    "regime_options",
-    "smoke_config",
-    "writers_for",
-]
-
 
 class JsonRecord:
     """A dataclass recorded in the result JSON as it is: ``to_json`` gives its fields."""

@@ -39,17 +39,6 @@ from devstack._common import StackError
 from devstack.relayproc import child_env
 from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
 
-__all__ = [
-    "DEFAULT_MIXES",
-    "DEFAULT_MODES",
-    "MIXES",
-    "DrainConfig",
-    "DrainMode",
-    "alt_drain_mode",
-    "mode_env",
-    "parse_mode",
-]
-
 # The SQL expression of each mix's key for row ``g`` (1-based). ``hot`` draws from random()
 # after a fixed setseed(), so every cell of a run gets the same interleaving.
 MIXES: dict[str, tuple[str, str]] = {

@@ -19,17 +19,6 @@ import asyncpg
 
 from bench.procs import ROOT, BenchError
 
-__all__ = [
-    "cpu_times",
-    "fdatasync_probe",
-    "git_info",
-    "git_output",
-    "host_info",
-    "library_versions",
-    "pg_test_fsync",
-    "postgres_info",
-]
-
 _LIBRARIES = (
     "notify-outbox",
     "asyncpg",

@@ -76,12 +76,6 @@ from bench.services import (
     statement_calls,
 )
 
-__all__ = [
-    "FailingHeadConfig",
-    "problems",
-    "summarize",
-]
-
 _QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
 _POLL_S = 0.1
 _TOP_STATEMENTS = 6

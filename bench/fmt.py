@@ -10,27 +10,6 @@ from typing import Any
 
 from bench.revs import revision_text
 
-__all__ = [
-    "environment_lines",
-    "finish",
-    "mode_bullets",
-    "modes_section",
-    "ms",
-    "ms_aligned",
-    "num",
-    "opt",
-    "pct",
-    "percent",
-    "profile_lines",
-    "share",
-    "signed",
-    "table",
-    "tables_under",
-    "targets_section",
-    "whole",
-]
-
-
 # --- numbers --------------------------------------------------------------------------------
 
 

@@ -63,12 +63,6 @@ from bench.regimes import (
 )
 from bench.services import Services
 
-__all__ = [
-    "HeldSnapshotConfig",
-    "problems",
-    "summarize",
-]
-
 PHASES = ("baseline", "hold", "recovery")
 _QUERY_TIMEOUT = 60.0
 _STATS = """

@@ -50,8 +50,6 @@ from bench.services import close_services, dsn_for, make_work_dir, open_services
 from devstack.relayproc import create_topics
 from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
 
-__all__ = ["MODES", "REGIME", "InboxBenchConfig", "problems", "run_inbox_bench", "summarize"]
-
 MODES = ("apply", "consume", "consume_batches", "consume_batches_parallel", "baseline")
 APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
 BASELINE_SQL = """

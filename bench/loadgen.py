@@ -51,8 +51,6 @@ from aiokafka.errors import KafkaError
 from bench.arrays import new_array, save_arrays
 from bench.hist import Histogram
 
-__all__ = ["LoadConfig", "build_schedule", "event_key", "event_payload", "main"]
-
 SQL_INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, $3::jsonb)"
 SQL_INSERT_MANY = (
     "INSERT INTO outbox (topic, key, payload) "

@@ -31,18 +31,6 @@ from bench.revs import label_modes
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
 from devstack.relayproc import READY, child_env, cli_argv, relay_env
 
-__all__ = [
-    "READY_TIMEOUT",
-    "PhaseRun",
-    "loadavg",
-    "record_environment",
-    "slug",
-    "snapshot_source",
-    "start_mode",
-    "utc",
-    "wait_mode_ready",
-]
-
 READY_TIMEOUT = 60.0  # a child process's start, until it says it is ready
 _STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
 

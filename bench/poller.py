@@ -34,8 +34,6 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-__all__ = ["main"]
-
 log = logging.getLogger("bench.poller")
 
 CLAIM = """

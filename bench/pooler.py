@@ -22,14 +22,6 @@ from bench.services import Services
 from devstack._common import StackError
 from devstack.pgbouncer import PgBouncer, ensure_pgbouncer
 
-__all__ = [
-    "end_record",
-    "mode_dsns",
-    "needs_pgbouncer",
-    "pgbouncer_version",
-    "start_pgbouncer",
-]
-
 _VERSION_TIMEOUT = 10.0
 
 

@@ -6,8 +6,6 @@ import shutil
 import sys
 import time
 
-__all__ = ["Progress"]
-
 
 class Progress:
     """``status()`` rewrites the live line (terminal only); ``line()`` prints a lasting one."""

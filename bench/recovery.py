@@ -37,8 +37,6 @@ from bench.regimes import QUERY_ERRORS, Looker, Regime, RegimeRun, received_at, 
 from bench.services import Services, check_loopback, open_services, set_notify
 from devstack.relayproc import create_topics
 
-__all__ = ["RecoveryConfig", "problems", "summarize"]
-
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
 _SAMPLE_S = 0.1
 _POLL_S = 0.02

@@ -29,29 +29,6 @@ from bench.procs import BenchError, Child, cluster_cpu_seconds
 from bench.revs import with_alt_modes
 from bench.services import Services, open_services, postmaster_pid, prepare_mode
 
-__all__ = [
-    "DEFAULT_REGIME_MODES",
-    "QUERY_ERRORS",
-    "Cells",
-    "CpuMeter",
-    "Looker",
-    "Regime",
-    "RegimeRun",
-    "acked_events",
-    "add_cell",
-    "cell_record",
-    "database_postmaster",
-    "event_counts",
-    "in_fresh_database",
-    "latency_ms",
-    "received_at",
-    "regime_mode",
-    "regime_modes",
-    "target",
-    "unfinished",
-    "warm_up",
-]
-
 DEFAULT_REGIME_MODES = ("notify", "poller")
 # What a look at the database may fail with (it is recorded, and the look is skipped).
 QUERY_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)

@@ -14,8 +14,6 @@ from bench.analysis import median
 from bench.fmt import environment_lines, modes_section, num, pct, profile_lines, signed, table
 from bench.stages import STAGES
 
-__all__ = ["floor_lines", "summarize", "write_run_report"]
-
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
 

@@ -39,8 +39,6 @@ from devstack.relayproc import child_env, create_topics
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.pg.sqlfiles import Queries
 
-__all__ = ["Runner"]
-
 _QUERY_TIMEOUT = 30.0
 _EMPTY_TIMEOUT = 30.0
 

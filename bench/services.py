@@ -26,17 +26,6 @@ from bench.config import Mode
 from bench.procs import BenchError, Child, parent_pid
 from devstack.relayproc import cli_argv, create_topics, relay_env
 
-__all__ = [
-    "Services",
-    "check_loopback",
-    "db_counters",
-    "dsn_for",
-    "open_services",
-    "postmaster_pid",
-    "prepare_mode",
-    "statement_calls",
-]
-
 _ADMIN_TIMEOUT = 30.0
 _MIGRATE_TIMEOUT = 120.0
 

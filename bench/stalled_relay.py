@@ -74,13 +74,6 @@ from bench.services import Services
 from devstack.relayproc import child_env
 from notify_outbox import OutboxNames
 
-__all__ = [
-    "NOTIFY_MODES",
-    "StalledRelayConfig",
-    "problems",
-    "summarize",
-]
-
 NOTIFY_MODES = ("gated", "always")
 PHASES = ("baseline", "freeze", "between", "recovery")
 _QUERY_TIMEOUT = 10.0
