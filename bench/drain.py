@@ -1,13 +1,7 @@
 """The backlog-drain phase (``python -m bench drain``): how fast does a mode empty an outbox
-that filled up while nothing was relaying?
-
-Per cell (one key mix x one mode x one round): a fresh database migrated with the CLI and a
-fresh topic (3 partitions); ``rows`` committed rows inserted with the mode stopped, then
-``VACUUM ANALYZE``; then the tally consumer (``bench/tally.py``) reads the topic from the
-beginning while the mode's processes start, all at once. The ``-avro`` modes' relays encode the
-payloads as Avro through a Schema Registry the run starts (``devstack.schema_registry``). See
-``bench/README.md``.
-"""
+that filled up while nothing was relaying? Rows inserted with the mode stopped, then the tally
+consumer (``bench/tally.py``) and the mode's processes start at once. Method:
+``bench/README.md``, "Backlog drain"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""The failing-head regime (``python -m bench failing-head``): does a mass of rows that cannot
-be sent (their topic does not exist) hold back the healthy rows behind them, and what does the
-database pay while they wait for their retries?
-
-Per size, mode and round, on a fresh database and topic: ``size`` rows of ``failing_keys`` keys
-to a topic that does not exist in Kafka (the broker must not create topics on first use: the
-bench checks), inserted with the mode stopped; the mode starts and the bench waits until it has
-tried them (the relay: every failing key has a row with a recorded attempt; the poller: its
-session holds row locks, i.e. it claimed the head and is waiting for Kafka); then the load
-generator writes ``healthy_rows`` rows of ``healthy_keys`` other keys to the healthy topic at
-``healthy_rate`` ev/s, and the consumer times each one (commit ack -> receipt) for up to
-``healthy_timeout`` seconds. Then ``quiet`` seconds with no new row: the database's commits/s
-(``pg_stat_database``) and statements/s (``pg_stat_statements``) of the mode's database, the
-statements it ran most, and the mode's CPU. See ``bench/README.md``.
-"""
+"""The failing-head regime (``python -m bench failing-head``): do rows whose topic does not
+exist hold back the healthy rows behind them, and what does the database pay while they wait
+for their retries? Method: ``bench/README.md``, "Failing head"."""
 
 from __future__ import annotations
 

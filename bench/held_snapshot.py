@@ -1,15 +1,6 @@
-"""The held-snapshot regime (``python -m bench held-snapshot``): what a long transaction
-(``pg_dump``, a report, a forgotten session) does to a mode while producers keep writing.
-
-Per mode and round, on a fresh database and topic: steady open-loop writers (``rate`` ev/s over
-``keys`` keys, single-row transactions, ``bench/loadgen.py``), the latency consumer, and the
-mode. After ``baseline`` seconds another session runs ``BEGIN ISOLATION LEVEL REPEATABLE READ;
-SELECT count(*) FROM outbox;`` and keeps that transaction open for ``hold`` seconds (vacuum can
-remove no tuple that died meanwhile), then rolls back; then ``recovery`` seconds more. A sampler
-reads, every second, the mode's CPU, the database cluster's CPU and the outbox's dead tuples
-and size. Afterwards every event's commit ack and receipt are put into windows of ``window``
-seconds (by commit ack). See ``bench/README.md``.
-"""
+"""The held-snapshot regime (``python -m bench held-snapshot``): steady writers while another
+session holds a REPEATABLE READ snapshot open; latency, rate, CPU per event and dead tuples per
+window. Method: ``bench/README.md``, "Held snapshot"."""
 
 from __future__ import annotations
 

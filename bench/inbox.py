@@ -1,26 +1,8 @@
-"""The inbox regime (``python -m bench inbox``): a consumer group drains a backlog of messages
-through the inbox into a fresh database, and the bench measures messages per second.
-
-Modes, interleaved in every round, each with its own consumer group and database:
-
-- ``apply``: ``Inbox.apply`` per message, one transaction each (what ``consume`` did before
-  the batch path);
-- ``consume``: ``notify_outbox.inbox.consume``, a handler per message (one INSERT each), one
-  transaction and one claim statement per fetched partition batch;
-- ``consume_batches``: ``consume_batches``, the handler writes the fresh messages in one
-  statement;
-- ``consume_batches_parallel``: the same with ``concurrency`` = the topic's partitions (a
-  fetch's partition batches in overlapping transactions on a pool);
-- ``baseline``: the simple batched inbox of issue 18, written out below in 40 lines: the same
-  consumer, one transaction per partition batch, ``INSERT ... SELECT unnest($1::uuid[]) ON
-  CONFLICT DO NOTHING RETURNING``, the rows in one statement, then the offset commit.
-
-Every mode runs in this process (uvloop, as the relay) against the bench's own devstack, or
-``NOTIFY_OUTBOX_DSN`` / ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``. The handler of every mode
-writes the same row per message (event id, value). The clock runs from the moment the consumer
-has its partitions (the group join before it is reported apart, as ``join_seconds``) until every
-message is committed in the database (the offset commit of the last batch follows it).
-"""
+"""The inbox regime (``python -m bench inbox``): messages per second of a consumer group
+draining a backlog through the inbox into a fresh database, per mode (``apply``, ``consume``,
+``consume_batches``, ``consume_batches_parallel``, and ``baseline``: the simple batched inbox of
+issue 18, below). Every mode runs in this process; the clock runs from the partitions' assignment
+(the join apart, ``join_seconds``) until every message is committed. See ``bench/README.md``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """The outage-recovery phase (``python -m bench recovery``): how soon after Kafka (or
-PostgreSQL) comes back does the relay deliver again, and how loud is its log meanwhile?
-
-One relay process (default settings) on a fresh database and topic, writers inserting keyed
-events at a steady rate the whole time (``bench/loadgen.py``, reconnecting after a PostgreSQL
-restart), and the latency consumer (``bench/consumer.py``). Then, ``repeat`` times per service:
-stop it (Kafka: SIGTERM to the broker; PostgreSQL: ``pg_ctl stop -m fast``), pause, start it
-again, and note when it accepted connections again. Afterwards the per-event arrays of writers
-and consumer give, per restart, the first delivered event committed after the stop and the
-worst commit-to-consumer latency. It needs services it may restart: its own devstack stack, or
-an existing devstack stack directory (``--stack-dir``). See ``bench/README.md``.
-"""
+PostgreSQL) comes back does the relay deliver again, and how loud is its log meanwhile? It
+restarts the services, so it needs its own devstack stack or ``--stack-dir``. Method:
+``bench/README.md``, "Outage recovery"."""
 
 from __future__ import annotations
 

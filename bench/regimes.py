@@ -1,10 +1,6 @@
-"""What the regimes share. ``Regime``: the parts every regime module fills in (options and
-config, run, summary, problems, markdown, plot; ``bench.catalog`` lists the regimes);
-``RegimeRun`` and ``Cells``: the skeleton of a regime's run. For the production-condition
-regimes (``held-snapshot``, ``failing-head``, ``stalled-relay``) and the outage phase: their
-modes, the join of the writers' and the consumer's per-event arrays, latency figures, targets,
-the sampling of a mode's and the database's CPU, and a periodic look at the database on a
-connection of its own."""
+"""What the regimes share: ``Regime`` (the parts a regime module fills in; ``bench.catalog``
+lists them), ``RegimeRun`` and ``Cells`` (the skeleton of a run), modes, the join of writers' and
+consumer's per-event arrays, latency figures, targets, CPU sampling and ``Looker``."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""The stalled-relay regime (``python -m bench stalled-relay``): what one frozen relay costs
-the rest of a fleet.
-
-Per key mix, notify mode and round, on a fresh database and topic: ``relays`` relay processes
-(``python -m notify_outbox run``, default settings), open-loop writers at ``rate`` ev/s
-(single-row transactions over ``keys`` keys, ``bench/loadgen.py``) and the latency consumer.
-After ``warmup`` seconds (in no phase) and ``baseline`` seconds, ``freezes`` times: one relay
-is frozen with SIGSTOP for ``freeze``
-seconds (a VM stall, a debugger, a long GC pause), then continued, then ``gap`` seconds; then
-``recovery`` seconds. The relay frozen is the one holding the awake marker of the gated notify
-(migration 0006: an advisory lock per epoch, on the relay's listening session), found in
-``pg_locks`` and mapped to a process by the session's client port; when no relay holds it (or
-with ``pick="alternate"``), the relays take turns. A watch samples, every ``look_every``
-seconds, which relay holds the current epoch's marker.
-
-Afterwards every event is put into a phase by its commit ack (baseline, a freeze, between
-freezes, recovery); per phase: commit ack -> consumer receipt p50 / p99 / max and the
-producers' achieved rate. Events committed during a freeze are also split by key: keys whose
-claim bucket the frozen relay held in an open claim transaction (they must wait for it: per-key
-order) and the others. See ``bench/README.md``.
-"""
+"""The stalled-relay regime (``python -m bench stalled-relay``): what one relay frozen with
+SIGSTOP (the holder of the gated notify's awake marker, found in ``pg_locks``) costs the rest of
+a fleet; per phase and, during a freeze, per key (in a bucket the frozen relay held, or not).
+Method: ``bench/README.md``, "Stalled relay"."""
 
 from __future__ import annotations
 
