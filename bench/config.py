@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
@@ -395,6 +395,27 @@ def phase_options(p: argparse.ArgumentParser) -> None:
     compare_rev_option(alt)
     p.add_argument("--fsync-seconds", type=int, default=0, help="pg_test_fsync -s N (0: skip)")
     output_options(p)
+
+
+def add_options(p: argparse.ArgumentParser, config: type, **helps: str | tuple[str, Any]) -> None:
+    """An option ``--name-with-dashes`` for each field of the dataclass ``config`` named in
+    ``helps`` (its help, or (help, more ``add_argument`` keywords)): the field's default, the
+    default's type (a list: ``nargs="+"`` of its items' type; a bool: a flag)."""
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+        for f in fields(config)
+    }
+    for name, h in helps.items():
+        text, more = (h, {}) if isinstance(h, str) else h
+        default = defaults[name]
+        kw: dict[str, Any] = {"default": default, "help": text}
+        if isinstance(default, list):
+            kw |= {"nargs": "+", "type": type(default[0])}
+        elif isinstance(default, bool):
+            kw["action"] = "store_true"
+        elif default is not None:
+            kw["type"] = type(default)
+        p.add_argument("--" + name.replace("_", "-"), **kw | more)
 
 
 def regime_options(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,15 @@ import asyncpg
 
 from bench import envinfo
 from bench.analysis import median
-from bench.config import POLLER, JsonRecord, Mode, common_options, from_args, phase_options
+from bench.config import (
+    POLLER,
+    JsonRecord,
+    Mode,
+    add_options,
+    common_options,
+    from_args,
+    phase_options,
+)
 from bench.drain_schema import DRAIN_AVRO_SCHEMA
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
 from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
@@ -168,7 +176,6 @@ HELP = "backlog drain: events/s emptying a pre-filled outbox"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench drain``."""
-    p.add_argument("--rows", type=int, default=100_000, help="rows per cell (default 100000)")
     p.add_argument("--mixes", nargs="+", help="key mixes (default: keys-1000 keys-100000 hot null)")
     p.add_argument(
         "--modes",
@@ -178,15 +185,16 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "with -avro last (values as Avro through a Schema Registry the run starts), poller "
         "(default: relay-1 relay-2 relay-4 poller)",
     )
-    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
-    phase_options(p)
-    p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="py-spy the first process of each mode in the first round; the report lists "
+    add_options(
+        p,
+        DrainConfig,
+        rows="rows per cell (default 100000)",
+        repeat="rounds (modes interleaved; medians)",
+        cell_timeout=("seconds (default 60 + rows/500)", {"default": None}),
+        profile="py-spy the first process of each mode in the first round; the report lists "
         "the functions with the most own time",
     )
+    phase_options(p)
 
 
 def configure(args: argparse.Namespace) -> DrainConfig:

@@ -23,6 +23,7 @@ from bench.arrays import load_arrays
 from bench.config import (
     JsonRecord,
     Mode,
+    add_options,
     common_options,
     from_args,
     phase_options,
@@ -112,32 +113,18 @@ HELP = "healthy rows behind thousands of rows whose topic does not exist"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench failing-head``."""
-    p.add_argument(
-        "--failing-rows",
-        nargs="+",
-        type=int,
-        default=[5000, 100_000],
-        help="sizes of the failing head (default 5000 100000)",
-    )
-    p.add_argument("--failing-keys", type=int, default=5, help="keys of the failing rows")
-    p.add_argument("--healthy-rows", type=int, default=300, help="healthy rows (default 300)")
-    p.add_argument("--healthy-keys", type=int, default=30, help="their keys (default 30)")
-    p.add_argument("--healthy-rate", type=float, default=100.0, help="their events/s")
-    p.add_argument(
-        "--healthy-timeout", type=float, default=60.0, help="seconds a healthy row may take"
-    )
-    p.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet window")
-    p.add_argument(
-        "--quiet-settle",
-        type=float,
-        default=11.0,
-        help="seconds before the quiet window, for PostgreSQL's delayed statistics",
-    )
-    p.add_argument(
-        "--tried-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the mode to try the failing rows",
+    add_options(
+        p,
+        FailingHeadConfig,
+        failing_rows="sizes of the failing head (default 5000 100000)",
+        failing_keys="keys of the failing rows",
+        healthy_rows="healthy rows (default 300)",
+        healthy_keys="their keys (default 30)",
+        healthy_rate="their events/s",
+        healthy_timeout="seconds a healthy row may take",
+        quiet="seconds of the quiet window",
+        quiet_settle="seconds before the quiet window, for PostgreSQL's delayed statistics",
+        tried_timeout="seconds to wait for the mode to try the failing rows",
     )
     regime_options(p)
     phase_options(p)

@@ -18,7 +18,15 @@ import asyncpg
 from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, regime_options
+from bench.config import (
+    JsonRecord,
+    Mode,
+    add_options,
+    common_options,
+    from_args,
+    phase_options,
+    regime_options,
+)
 from bench.fmt import (
     environment_lines,
     finish,
@@ -102,28 +110,20 @@ HELP = "steady load while another session holds a REPEATABLE READ snapshot open"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench held-snapshot``."""
-    p.add_argument("--rate", type=float, default=800.0, help="writers' events/s (default 800)")
-    p.add_argument("--keys", type=int, default=40, help="distinct keys (default 40)")
-    p.add_argument("--baseline", type=float, default=60.0, help="seconds before the snapshot")
-    p.add_argument(
-        "--hold", type=float, default=600.0, help="seconds the snapshot is held (default 600)"
-    )
-    p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
-    p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
-    p.add_argument(
-        "--warmup",
-        type=float,
-        default=60.0,
-        help="seconds of unmeasured load through the relay before the first cell, so that no "
-        "mode meets a cold stack (default 60; 0: none)",
+    add_options(
+        p,
+        HeldSnapshotConfig,
+        rate="writers' events/s (default 800)",
+        keys="distinct keys (default 40)",
+        baseline="seconds before the snapshot",
+        hold="seconds the snapshot is held (default 600)",
+        recovery="seconds after the rollback",
+        window="seconds per report window",
+        warmup="seconds of unmeasured load through the relay before the first cell, so that "
+        "no mode meets a cold stack (default 60; 0: none)",
+        drain_timeout="after the load, seconds to wait for every committed event",
     )
     regime_options(p)
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="after the load, seconds to wait for every committed event",
-    )
     phase_options(p)
 
 

@@ -24,7 +24,7 @@ import anyio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from bench.config import JsonRecord, from_args, output_options
+from bench.config import JsonRecord, add_options, from_args, output_options
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
 from bench.regimes import Regime
@@ -60,16 +60,18 @@ HELP = (
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench inbox``."""
-    p.add_argument("--messages", type=int, default=20_000, help="backlog size (default 20000)")
-    p.add_argument("--partitions", type=int, default=4, help="topic partitions (default 4)")
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        choices=["apply", "consume", "consume_batches", "consume_batches_parallel", "baseline"],
-        help="default: all five (apply consume consume_batches consume_batches_parallel baseline)",
+    add_options(
+        p,
+        InboxBenchConfig,
+        messages="backlog size (default 20000)",
+        partitions="topic partitions (default 4)",
+        modes=(
+            "default: all five (apply consume consume_batches consume_batches_parallel baseline)",
+            {"choices": list(MODES), "default": None},
+        ),
+        repeat="rounds (modes interleaved; medians)",
+        max_records="getmany max_records",
     )
-    p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
-    p.add_argument("--max-records", type=int, default=500, help="getmany max_records")
     output_options(p)
 
 

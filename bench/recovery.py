@@ -20,7 +20,15 @@ import asyncpg
 
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, writers_for
+from bench.config import (
+    JsonRecord,
+    Mode,
+    add_options,
+    common_options,
+    from_args,
+    phase_options,
+    writers_for,
+)
 from bench.fmt import environment_lines, finish, num, percent, table, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
@@ -74,19 +82,15 @@ HELP = "outage recovery: Kafka and PostgreSQL restarts"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench recovery``."""
-    p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
-    p.add_argument(
-        "--services",
-        nargs="+",
-        choices=["kafka", "postgres"],
-        default=["kafka", "postgres"],
-        help="what to restart, in this order",
-    )
-    p.add_argument("--pause", type=float, default=2.0, help="seconds between stop and start")
-    p.add_argument("--rate", type=float, default=200.0, help="writers' events/s (keyed)")
-    p.add_argument("--settle", type=float, default=5.0, help="steady seconds between restarts")
-    p.add_argument(
-        "--recover-timeout", type=float, default=90.0, help="per restart, seconds to catch up"
+    add_options(
+        p,
+        RecoveryConfig,
+        repeat="restarts per service (default 5)",
+        services=("what to restart, in this order", {"choices": ["kafka", "postgres"]}),
+        pause="seconds between stop and start",
+        rate="writers' events/s (keyed)",
+        settle="steady seconds between restarts",
+        recover_timeout="per restart, seconds to catch up",
     )
     p.add_argument(
         "--stack-dir",

@@ -24,7 +24,7 @@ import asyncpg
 from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, common_options, from_args, phase_options
+from bench.config import JsonRecord, Mode, add_options, common_options, from_args, phase_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -134,43 +134,29 @@ HELP = "two relays under steady load, one of them frozen (SIGSTOP) again and aga
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench stalled-relay``."""
-    p.add_argument("--rate", type=float, default=1200.0, help="writers' events/s (default 1200)")
-    p.add_argument(
-        "--keys",
-        nargs="+",
-        type=int,
-        default=[20, 5000],
-        help="key mixes: distinct keys (default 20 5000)",
-    )
-    p.add_argument(
-        "--notify-modes",
-        nargs="+",
-        choices=["gated", "always"],
-        default=["gated", "always"],
-        help="the outbox's notify_mode per cell (default gated always)",
-    )
-    p.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
-    p.add_argument(
-        "--warmup", type=float, default=2.0, help="seconds of load before the baseline (default 2)"
-    )
-    p.add_argument("--baseline", type=float, default=20.0, help="seconds before the 1st freeze")
-    p.add_argument("--freezes", type=int, default=6, help="freezes per cell (default 6)")
-    p.add_argument("--freeze", type=float, default=6.0, help="seconds per freeze (default 6)")
-    p.add_argument("--gap", type=float, default=6.0, help="seconds between freezes (default 6)")
-    p.add_argument("--recovery", type=float, default=10.0, help="seconds after the last freeze")
-    p.add_argument(
-        "--pick",
-        choices=["marker", "alternate"],
-        default="marker",
-        help="which relay to freeze: the one holding the awake marker (else in turn; default), "
-        "or always in turn",
-    )
-    p.add_argument("--repeat", type=int, default=3, help="rounds (cells interleaved; medians)")
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="after the load, seconds to wait for every committed event",
+    add_options(
+        p,
+        StalledRelayConfig,
+        rate="writers' events/s (default 1200)",
+        keys="key mixes: distinct keys (default 20 5000)",
+        notify_modes=(
+            "the outbox's notify_mode per cell (default gated always)",
+            {"choices": list(NOTIFY_MODES)},
+        ),
+        relays="relay processes (default 2)",
+        warmup="seconds of load before the baseline (default 2)",
+        baseline="seconds before the 1st freeze",
+        freezes="freezes per cell (default 6)",
+        freeze="seconds per freeze (default 6)",
+        gap="seconds between freezes (default 6)",
+        recovery="seconds after the last freeze",
+        pick=(
+            "which relay to freeze: the one holding the awake marker (else in turn; default), "
+            "or always in turn",
+            {"choices": ["marker", "alternate"]},
+        ),
+        repeat="rounds (cells interleaved; medians)",
+        drain_timeout="after the load, seconds to wait for every committed event",
     )
     phase_options(p)
 
