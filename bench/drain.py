@@ -727,14 +727,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-REGIME = Regime(
-    "drain",
-    HELP,
-    arguments,
-    configure,
-    _Drain.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-)
+REGIME = Regime.of(__name__, _Drain.main)

@@ -726,15 +726,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-REGIME = Regime(
-    "failing-head",
-    HELP,
-    arguments,
-    configure,
-    _FailingHead.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-    terminal=("## Targets", "## Healthy rows", "## Quiet window"),
-)
+REGIME = Regime.of(__name__, _FailingHead.main, "## Targets", "## Healthy rows", "## Quiet window")

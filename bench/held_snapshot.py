@@ -770,15 +770,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-REGIME = Regime(
-    "held-snapshot",
-    HELP,
-    arguments,
-    configure,
-    _HeldSnapshot.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-    terminal=("## Targets", "## Per window"),
-)
+REGIME = Regime.of(__name__, _HeldSnapshot.main, "## Targets", "## Per window")

@@ -443,14 +443,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], png: Path) -> bool:
     return True
 
 
-REGIME = Regime(
-    "inbox",
-    HELP,
-    arguments,
-    configure,
-    run_inbox_bench,
-    summarize,
-    problems,
-    markdown,
-    plot,
-)
+REGIME = Regime.of(__name__, run_inbox_bench)

@@ -802,14 +802,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-REGIME = Regime(
-    "recovery",
-    HELP,
-    arguments,
-    configure,
-    _Recovery.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-)
+REGIME = Regime.of(__name__, _Recovery.main)

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -55,6 +56,18 @@ class Regime:
     markdown: Callable[[Result, Result, list[str]], str]
     plot: Callable[[Result, Result, Path], bool]
     terminal: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls, module: str, run: Callable[..., Coroutine[Any, Any, Path]], *terminal: str
+    ) -> Regime:
+        """The regime of a module: its name is the module's with dashes, its parts the
+        module's ``HELP``, ``arguments``, ``configure``, ``summarize``, ``problems``,
+        ``markdown`` and ``plot``."""
+        m = sys.modules[module]
+        name = module.rpartition(".")[2].replace("_", "-")
+        parts = (m.summarize, m.problems, m.markdown, m.plot)
+        return cls(name, m.HELP, m.arguments, m.configure, run, *parts, terminal=terminal)
 
     def write_report(self, json_path: Path, *, plots: bool = True) -> Path:
         """Write ``<stem>.md`` (and, with ``plots``, ``<stem>.png``) next to a result JSON;

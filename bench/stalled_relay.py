@@ -940,15 +940,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-REGIME = Regime(
-    "stalled-relay",
-    HELP,
-    arguments,
-    configure,
-    _StalledRelay.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-    terminal=("## Targets", "## Latency per phase"),
-)
+REGIME = Regime.of(__name__, _StalledRelay.main, "## Targets", "## Latency per phase")
