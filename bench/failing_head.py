@@ -33,11 +33,11 @@ from bench.config import (
 from bench.fmt import (
     environment_lines,
     finish,
+    grid,
     modes_section,
     ms,
     num,
     opt,
-    table,
     targets_section,
     whole,
 )
@@ -589,39 +589,34 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines += targets_section(summary, "design/benchmarks.md")
     t = f"{cfg['healthy_timeout']:g}"
     lines += ["", "## Healthy rows behind the failing head (medians over rounds)", ""]
-    lines += table(
-        [
-            "failing rows",
-            "mode",
-            "within 1 s",
-            f"within {t} s",
-            "p50 (ms)",
-            "p99 (ms)",
-            "max (ms)",
+    lines += grid(
+        summary["rows"],
+        ("failing rows", lambda r: f"{r['failing_rows']:,}"),
+        ("mode", lambda r: r["mode"]),
+        ("within 1 s", lambda r: f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}"),
+        (f"within {t} s", lambda r: f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}"),
+        ("p50 (ms)", lambda r: num(r["p50"], 1)),
+        ("p99 (ms)", lambda r: num(r["p99"], 1)),
+        ("max (ms)", lambda r: num(r["max"], 1)),
+        (
             "all arrived, s after the last commit",
-            "mode tried the failing rows, s after ready",
-        ],
-        [
-            [
-                f"{r['failing_rows']:,}",
-                r["mode"],
-                f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}",
-                f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}",
-                num(r["p50"], 1),
-                num(r["p99"], 1),
-                num(r["max"], 1),
+            lambda r: (
                 num(r["all_arrived_after_last_commit_s"])
                 + (
                     ""
                     if r["all_arrived_rounds"] == r["rounds"]
-                    else f" (not all within {t} s in {r['rounds'] - r['all_arrived_rounds']} "
-                    "round(s))"
-                ),
+                    else f" (not all within {t} s in "
+                    f"{r['rounds'] - r['all_arrived_rounds']} round(s))"
+                )
+            ),
+        ),
+        (
+            "mode tried the failing rows, s after ready",
+            lambda r: (
                 num(r["tried_after_ready_s"])
-                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)"),
-            ]
-            for r in summary["rows"]
-        ],
+                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)")
+            ),
+        ),
     )
     lines += [
         "",
@@ -635,25 +630,17 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "process and of the whole PostgreSQL cluster.",
         "",
     ]
-    lines += table(
-        (
-            "failing rows | mode | commits/s | transactions/s (with rollbacks) | statements/s | "
-            "claims/s | mode CPU % | db CPU % | mode log lines"
-        ),
-        [
-            [
-                f"{r['failing_rows']:,}",
-                r["mode"],
-                num(r["commits_per_s"], 1),
-                num(r["xacts_per_s"], 1),
-                num(r["statements_per_s"], 1),
-                num(r["claims_per_s"], 1),
-                num(r["mode_cpu_percent"], 1),
-                num(r["db_cpu_percent"], 1),
-                whole(r["mode_log_lines"]),
-            ]
-            for r in summary["rows"]
-        ],
+    lines += grid(
+        summary["rows"],
+        ("failing rows", lambda r: f"{r['failing_rows']:,}"),
+        ("mode", lambda r: r["mode"]),
+        ("commits/s", lambda r: num(r["commits_per_s"], 1)),
+        ("transactions/s (with rollbacks)", lambda r: num(r["xacts_per_s"], 1)),
+        ("statements/s", lambda r: num(r["statements_per_s"], 1)),
+        ("claims/s", lambda r: num(r["claims_per_s"], 1)),
+        ("mode CPU %", lambda r: num(r["mode_cpu_percent"], 1)),
+        ("db CPU %", lambda r: num(r["db_cpu_percent"], 1)),
+        ("mode log lines", lambda r: whole(r["mode_log_lines"])),
     )
     tops = [c for c in result.get("cells", []) if c.get("round") == 0 and "quiet" in c]
     if tops:
