@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import re
@@ -229,57 +230,37 @@ class Runner:
                 raise BenchError(f"consumer for {name} did not get ready: {ready}")
             if db.dsn:  # the floor has no database
                 conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
+            cell = functools.partial(
+                self._cell, services, db, consumer, process, conn, rep, stage_log=stage_log
+            )
             planned = loads_of.get(name)
             if planned is None:
                 done: list[float] = []
                 queue = list(cfg.loads)
                 while queue:
                     load = queue.pop(0)
-                    cell = await self._cell(
-                        services, db, consumer, process, conn, rep, load, stage_log=stage_log
-                    )
-                    if not cell["keeps_up"]:
+                    record = await cell(load)
+                    if not record["keeps_up"]:
                         # One noisy minute must not end the climb: a load counts as saturated
                         # only when a second attempt fails too (both are kept and reported).
                         self.progress.line(f"{name} {load:g} ev/s: not keeping up; once more")
-                        cell = await self._cell(
-                            services,
-                            db,
-                            consumer,
-                            process,
-                            conn,
-                            rep,
-                            load,
-                            attempt=2,
-                            stage_log=stage_log,
-                        )
+                        record = await cell(load, attempt=2)
                     done.append(load)
-                    if not cell["keeps_up"]:
+                    if not record["keeps_up"]:
                         break
                     if not queue and cfg.extend_loads and load * 1.5 <= cfg.max_load:
                         queue.append(float(math.ceil(load * 1.5 / 500.0) * 500))
                 loads_of[name] = done
             else:
                 for load in planned:
-                    await self._cell(
-                        services, db, consumer, process, conn, rep, load, stage_log=stage_log
-                    )
+                    await cell(load)
             if name in cfg.variant_modes:
                 for arrival, producer in (("poisson", "sql"), ("constant", "enqueue")):
                     if producer == "enqueue" and db.mode.kind == "floor":
                         continue  # the Python API writes to the database the floor has not
-                    await self._cell(
-                        services,
-                        db,
-                        consumer,
-                        process,
-                        conn,
-                        rep,
-                        cfg.variant_load,
-                        arrival=arrival,
-                        producer=producer,
-                        profile=cfg.profile and rep == 0 and producer == "sql",
-                        stage_log=stage_log,
+                    profile = cfg.profile and rep == 0 and producer == "sql"
+                    await cell(
+                        cfg.variant_load, arrival=arrival, producer=producer, profile=profile
                     )
         finally:
             if conn is not None:
@@ -551,6 +532,8 @@ class Runner:
             str(writers),
             "-j",
             str(min(writers, 2)),
+        ]
+        argv += [
             "-T",
             str(seconds),
             "-f",
