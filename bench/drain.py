@@ -32,13 +32,12 @@ from bench.drain_schema import DRAIN_AVRO_SCHEMA
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
 from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
 from bench.pooler import needs_pgbouncer
-from bench.procs import BenchError, Child, python_argv
+from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.regimes import Regime, RegimeRun
 from bench.revs import with_alt_modes
 from bench.services import Services, prepare_mode
 from devstack._common import StackError
-from devstack.relayproc import child_env
 from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
 
 # The SQL expression of each mix's key for row ``g`` (1-based). ``hot`` draws from random()
@@ -427,13 +426,8 @@ class _Drain(RegimeRun):
         label: str,
     ) -> None:
         run, cfg = self.run, self.cfg
-        tally = await Child.start(
-            f"tally {label}",
-            python_argv("-m", "bench", "_tally", services.bootstrap, topic),
-            env=child_env(),
-            log_path=run.log_path(f"tally-{slug(label)}"),
-            pipes=True,
-            cwd=run.src,
+        tally = await run.start_helper(
+            f"tally {label}", "_tally", services.bootstrap, topic, log=f"tally-{slug(label)}"
         )
         procs: list[Child] = []
         profiler: asyncio.subprocess.Process | None = None

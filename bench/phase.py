@@ -255,17 +255,22 @@ class PhaseRun:
         cells.mkdir(parents=True, exist_ok=True)
         return cells / f"{stem}-gen.bin", cells / f"{stem}-got.bin"
 
-    async def start_consumer(self, bootstrap: str, topic: str, *, name: str) -> Child:
-        """Start the latency consumer (``bench/consumer.py``) on ``topic`` and wait (bounded)
-        until it is positioned at the end of every partition."""
-        consumer = await Child.start(
+    async def start_helper(self, name: str, *argv: str, log: str | None = None) -> Child:
+        """Start one of the bench's own processes (``python -m bench <argv>``: the consumer,
+        the load generator, ...) from the source snapshot, its stdin and stdout piped."""
+        return await Child.start(
             name,
-            python_argv("-m", "bench", "_consumer", bootstrap, topic),
+            python_argv("-m", "bench", *argv),
             env=child_env(),
-            log_path=self.log_path(name),
+            log_path=self.log_path(log or name),
             pipes=True,
             cwd=self.src,
         )
+
+    async def start_consumer(self, bootstrap: str, topic: str, *, name: str) -> Child:
+        """Start the latency consumer (``bench/consumer.py``) on ``topic`` and wait (bounded)
+        until it is positioned at the end of every partition."""
+        consumer = await self.start_helper(name, "_consumer", bootstrap, topic)
         try:
             ready = json.loads(await consumer.read_line(READY_TIMEOUT))
             if not ready.get("ready"):
@@ -296,14 +301,7 @@ class PhaseRun:
         piped (``stop_on_input``, ``announce`` and its summary line)."""
         config_path = Path(lc.out).with_suffix(".config.json")
         lc.save(config_path)
-        return await Child.start(
-            name,
-            python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env(),
-            log_path=self.log_path(name),
-            pipes=True,
-            cwd=self.src,
-        )
+        return await self.start_helper(name, "_loadgen", str(config_path))
 
     async def start_steady_writers(
         self, dsn: str, topic: str, *, rate: float, keys: int, seconds: float, out: Path, name: str

@@ -26,7 +26,7 @@ from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
-from bench.procs import BenchError, Child, python_argv
+from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.services import (
     Services,
@@ -36,7 +36,7 @@ from bench.services import (
     set_notify,
 )
 from bench.stages import STAGE_LOG_ENV, StageLog, collect_stages
-from devstack.relayproc import child_env, create_topics
+from devstack.relayproc import create_topics
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.pg.sqlfiles import Queries
 
@@ -205,13 +205,8 @@ class Runner:
         cfg = self.cfg
         name = db.mode.name
         self.progress.status(f"{name} rep {rep + 1}: starting consumer and {db.mode.kind}")
-        consumer = await Child.start(
-            f"consumer {name}",
-            python_argv("-m", "bench", "_consumer", services.bootstrap, db.topic),
-            env=child_env(),
-            log_path=self._run.log_path(f"consumer-{name}"),
-            pipes=True,
-            cwd=self.src,
+        consumer = await self._run.start_helper(
+            f"consumer {name}", "_consumer", services.bootstrap, db.topic, log=f"consumer-{name}"
         )
         process: Child | None = None
         conn: asyncpg.Connection | None = None
@@ -595,13 +590,8 @@ class Runner:
             keys=self.cfg.keys,
             closed=True,
         ).save(config_path)
-        gen = await Child.start(
-            "closed-loop writers",
-            python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env(),
-            log_path=self._run.log_path("closed-loop"),
-            pipes=True,
-            cwd=self.src,
+        gen = await self._run.start_helper(
+            "closed-loop writers", "_loadgen", str(config_path), log="closed-loop"
         )
         try:
             summary = json.loads(await gen.read_line(self.cfg.producer_seconds + 60))

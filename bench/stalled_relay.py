@@ -39,7 +39,7 @@ from bench.fmt import (
 )
 from bench.hist import Histogram
 from bench.phase import PhaseRun, loadavg, wait_mode_ready
-from bench.procs import BenchError, Child, python_argv, tcp_ports
+from bench.procs import BenchError, Child, tcp_ports
 from bench.regimes import (
     Cells,
     Looker,
@@ -54,7 +54,6 @@ from bench.regimes import (
     unfinished,
 )
 from bench.services import Services
-from devstack.relayproc import child_env
 from notify_outbox import OutboxNames
 
 NOTIFY_MODES = ("gated", "always")
@@ -532,14 +531,8 @@ class _StalledRelay(Cells):
                 )
             await asyncio.gather(*(wait_mode_ready(r, mode) for r in relays))
             cell["relay_pids"] = [r.pid for r in relays]
-            freezer = await Child.start(
-                f"freezer-{label}",
-                python_argv("-m", "bench", "_freezer", *(str(r.pid) for r in relays)),
-                env=child_env(),
-                log_path=run.log_path(f"freezer-{label}"),
-                pipes=True,
-                cwd=run.src,
-            )
+            pids = [str(r.pid) for r in relays]
+            freezer = await run.start_helper(f"freezer-{label}", "_freezer", *pids)
             if not json.loads(await freezer.read_line(_FREEZER_TIMEOUT * 3)).get("ready"):
                 raise BenchError(f"the freezer of {label} did not get ready")
             watch = _Watch(dsn, _Fleet(relays), cfg.look_every)
