@@ -247,23 +247,23 @@ def writers_for(rate: float) -> int:
 class RunConfig(JsonRecord):
     """Everything one run does; recorded in the result JSON."""
 
-    preset: str
-    modes: list[str]
-    loads: list[float]
-    extend_loads: bool  # after the list, keep raising the load (x1.5) until saturation
-    max_load: float
-    duration: float
-    warmup: float
-    repeat: int
-    drain_timeout: float
-    idle_seconds: float
-    producer_writers: list[int]
-    producer_seconds: float
-    producer_repeat: int
-    variants: list[str]
+    preset: str = "full"
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    loads: list[float] = field(default_factory=lambda: [100, 1000, 2000, 5000, 10000])
+    extend_loads: bool = True  # after the list, keep raising the load (x1.5) until saturation
+    max_load: float = 40000
+    duration: float = 10.0
+    warmup: float = 2.0
+    repeat: int = 3
+    drain_timeout: float = 20.0
+    idle_seconds: float = 60.0
+    producer_writers: list[int] = field(default_factory=lambda: [1, 4, 16])
+    producer_seconds: float = 5.0
+    producer_repeat: int = 3
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # Extra latency cells at one load: Poisson arrivals, and the Python enqueue API.
-    variant_load: float
-    variant_modes: list[str]
+    variant_load: float = 1000
+    variant_modes: list[str] = field(default_factory=lambda: ["notify"])
     keys: int = 1000
     partitions: int = 3
     writers: int | None = None  # None: writers_for(rate)
@@ -279,34 +279,15 @@ class RunConfig(JsonRecord):
 
 def full_config() -> RunConfig:
     """The full run: fits in about 20 minutes on a 2-core machine."""
-    return RunConfig(
-        preset="full",
-        modes=list(DEFAULT_MODES),
-        loads=[100, 1000, 2000, 5000, 10000],
-        extend_loads=True,
-        max_load=40000,
-        duration=10.0,
-        warmup=2.0,
-        repeat=3,
-        drain_timeout=20.0,
-        idle_seconds=60.0,
-        producer_writers=[1, 4, 16],
-        producer_seconds=5.0,
-        producer_repeat=3,
-        variants=list(DEFAULT_VARIANTS),
-        variant_load=1000,
-        variant_modes=["notify"],
-    )
+    return RunConfig()
 
 
 def quick_config() -> RunConfig:
     """``--quick``: every phase, small: a couple of minutes."""
     return RunConfig(
         preset="quick",
-        modes=list(DEFAULT_MODES),
         loads=[100, 1000, 3000],
         extend_loads=False,
-        max_load=40000,
         duration=4.0,
         warmup=1.0,
         repeat=1,
@@ -315,9 +296,6 @@ def quick_config() -> RunConfig:
         producer_writers=[1, 16],
         producer_seconds=2.0,
         producer_repeat=1,
-        variants=list(DEFAULT_VARIANTS),
-        variant_load=1000,
-        variant_modes=["notify"],
         fsync_test_seconds=0,
     )
 
@@ -342,7 +320,6 @@ def smoke_config() -> RunConfig:
         producer_repeat=1,
         variants=["no-trigger", "always+relay", "gated+relay", "gated-awake"],
         variant_load=200,
-        variant_modes=["notify"],
         fsync_test_seconds=0,
         stages=True,  # costs a read of each relay's stage log per cell
     )
