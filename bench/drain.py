@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,9 @@ from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_r
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
-from bench.regimes import Regime, RegimeRun
+from bench.regimes import Cells, Regime
 from bench.revs import with_alt_modes
-from bench.services import Services, prepare_mode
+from bench.services import Services
 from devstack._common import StackError
 from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
 
@@ -283,19 +284,13 @@ async def _wait_empty(dsn: str) -> int:
         await conn.close(timeout=5)
 
 
-class _Drain(RegimeRun):
-    name = "drain"
+class _Drain(Cells[DrainMode]):
+    name, short = "drain", "drain"
     cfg: DrainConfig
 
     def __init__(self, cfg: DrainConfig, run: PhaseRun) -> None:
-        super().__init__(cfg, run)
-        self.modes = [parse_mode(m, cfg.alt_relay) for m in cfg.modes]
-        self.cells: list[dict[str, Any]] = []
-        self.total = cfg.repeat * len(cfg.mixes) * len(self.modes)
-        run.progress.total = self.total
+        super().__init__(cfg, run, [parse_mode(m, cfg.alt_relay) for m in cfg.modes])
         run.result["mixes"] = {m: MIXES[m][0] for m in cfg.mixes}
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
-        run.result["cells"] = self.cells
         self.registry_url: str | None = None
 
     def intro(self) -> str:
@@ -306,11 +301,19 @@ class _Drain(RegimeRun):
         )
 
     def pgbouncer(self) -> bool:
-        return needs_pgbouncer(m.mode for m in self.modes)
+        return needs_pgbouncer(m.mode for m in self.modes.values())
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for rnd in range(self.cfg.repeat):
+            for mix in self.cfg.mixes:
+                for dm in self.modes.values():
+                    identity = {"round": rnd, "mix": mix, "mode": dm.name}
+                    identity |= {"processes": dm.processes, "rows": self.cfg.rows}
+                    yield identity, f"{mix} {dm.name} round {rnd + 1}"
 
     async def body(self, services: Services) -> None:
-        if not any(m.avro for m in self.modes):
-            await self._rounds(services)
+        if not any(m.avro for m in self.modes.values()):
+            await super().body(services)
             return
         # One registry for the whole run (a JVM: ~5 s to start), in the run's work directory,
         # so that no cell pays for its start-up; it idles through the JSON modes' cells too.
@@ -327,7 +330,7 @@ class _Drain(RegimeRun):
                 "url": registry.url,
                 "schema": DRAIN_AVRO_SCHEMA,
             }
-            await self._rounds(services)
+            await super().body(services)
         finally:
             self.registry_url = None
             try:
@@ -335,71 +338,23 @@ class _Drain(RegimeRun):
             except Exception as e:  # reported, without hiding what the rounds raised
                 self.run.errors.append(f"stopping the Schema Registry: {type(e).__name__}: {e}")
 
-    async def _register(self, topic: str) -> int:
-        """Register the drain payloads' Avro schema under ``<topic>-value``; its id."""
-        from notify_outbox.schemaregistry import RegistryClient, RegistryError
-
-        assert self.registry_url is not None
-        client = RegistryClient(self.registry_url)
-        try:
-            return await client.register(f"{topic}-value", json.dumps(DRAIN_AVRO_SCHEMA))
-        except RegistryError as e:
-            raise BenchError(f"registering the schema of {topic}: {e}") from None
-        finally:
-            await client.aclose()
-
-    async def _rounds(self, services: Services) -> None:
-        for rnd in range(self.cfg.repeat):
-            for mix in self.cfg.mixes:
-                for mode in self.modes:
-                    try:
-                        cell = await self._cell(services, rnd, mix, mode)
-                    except BenchError as e:
-                        # One broken cell (a mode that would not start, a consumer that died)
-                        # is reported as such; the other cells still run.
-                        cell = {
-                            "cell": len(self.cells) + 1,
-                            "round": rnd,
-                            "mix": mix,
-                            "mode": mode.name,
-                            "processes": mode.processes,
-                            "rows": self.cfg.rows,
-                            "timed_out": True,
-                            "unique": 0,
-                            "error": str(e),
-                        }
-                        self.run.errors.append(f"{mix} {mode.name} round {rnd + 1}: {e}")
-                        self.run.progress.line(f"{mix} {mode.name}: FAILED: {e}", cell=True)
-                    self.cells.append(cell)
-                    self.run.write()  # a long run keeps what it has if it is stopped
-
-    async def _cell(self, services: Services, rnd: int, mix: str, dm: DrainMode) -> dict[str, Any]:
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
-        n = len(self.cells) + 1
-        label = f"{mix} {dm.name} round {rnd + 1}"
-        name = f"bench_drain_{run.run_id.lower()}_{n}"
-        topic = f"bench-drain-{run.run_id.lower()}-{n}"
+        dm = self.modes[identity["mode"]]
+        cell: dict[str, Any] = {"cell": len(self.cells) + 1, **identity, "started_utc": utc()}
+        topic = self.names(cell)[1]
         run.progress.status(f"{label}: database, topic, {cfg.rows} rows")
-        cell: dict[str, Any] = {
-            "cell": n,
-            "round": rnd,
-            "mix": mix,
-            "mode": dm.name,
-            "processes": dm.processes,
-            "rows": cfg.rows,
-            "started_utc": utc(),
-        }
-        try:
-            dsn, cell["database_setup"] = await prepare_mode(
-                services, dm.mode, name, topic, partitions=cfg.partitions
-            )
-            cell.update(await fill_backlog(dsn, topic, mix, cfg.rows))
+
+        async def measure(dsn: str) -> None:
+            cell.update(await fill_backlog(dsn, topic, cell["mix"], cfg.rows))
             if dm.avro:
                 # Before the relay starts: a governed topic without a schema fails its rows.
                 cell["schema_id"] = await self._register(topic)
             await self._measure(services, dsn, topic, dm, cell, label)
-        finally:
-            await run.drop_database(services, name)
+
+        await self.in_fresh_database(services, dm.mode, cell, measure)
         rate = cell.get("rate_first_last")
         run.progress.line(
             f"{label:<34} "
@@ -415,6 +370,19 @@ class _Drain(RegimeRun):
             cell=True,
         )
         return cell
+
+    async def _register(self, topic: str) -> int:
+        """Register the drain payloads' Avro schema under ``<topic>-value``; its id."""
+        from notify_outbox.schemaregistry import RegistryClient, RegistryError
+
+        assert self.registry_url is not None
+        client = RegistryClient(self.registry_url)
+        try:
+            return await client.register(f"{topic}-value", json.dumps(DRAIN_AVRO_SCHEMA))
+        except RegistryError as e:
+            raise BenchError(f"registering the schema of {topic}: {e}") from None
+        finally:
+            await client.aclose()
 
     async def _measure(
         self,
@@ -525,7 +493,7 @@ def problems(result: dict[str, Any]) -> list[str]:
     for c in result.get("cells", []):
         where = f"cell {c['cell']} ({c['mix']}, {c['mode']}, round {c['round'] + 1})"
         if c.get("timed_out", True):
-            problems.append(f"{where}: timed out, {c.get('unique')} of {c['rows']} arrived")
+            problems.append(f"{where}: timed out, {c.get('unique', 0)} of {c['rows']} arrived")
         elif c["unique"] != c["rows"]:
             problems.append(f"{where}: {c['unique']} of {c['rows']} arrived")
         if c.get("order_violations"):

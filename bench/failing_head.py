@@ -209,7 +209,7 @@ def _quiet_record(
     }
 
 
-class _FailingHead(Cells):
+class _FailingHead(Cells[Mode]):
     name, short = "failing-head", "fhead"
     cfg: FailingHeadConfig
 

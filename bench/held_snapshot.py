@@ -300,7 +300,7 @@ def analyse_cell(
     return windows, phases, event_counts(gen["ack"], recv_of)
 
 
-class _HeldSnapshot(Cells):
+class _HeldSnapshot(Cells[Mode]):
     name, short = "held-snapshot", "held"
     cfg: HeldSnapshotConfig
 

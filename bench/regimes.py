@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import asyncpg
 
@@ -134,7 +134,19 @@ class RegimeRun:
         )
 
 
-class Cells(RegimeRun):
+class _Described(Protocol):
+    """A mode as a regime records it: its name and a JSON description."""
+
+    @property
+    def name(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+M = TypeVar("M", bound=_Described)
+
+
+class Cells(RegimeRun, Generic[M]):
     """A regime run as cells, one after another, each on a fresh database and topic
     (``bench_<short>_<run id>_<n>``): ``grid`` lists them (identity, label; round first),
     ``prepare`` runs before the first, ``cell`` measures one and returns its record (see
@@ -142,7 +154,7 @@ class Cells(RegimeRun):
 
     short = ""
 
-    def __init__(self, cfg: Any, run: PhaseRun, modes: list[Mode]) -> None:
+    def __init__(self, cfg: Any, run: PhaseRun, modes: list[M]) -> None:
         super().__init__(cfg, run)
         self.modes = {m.name: m for m in modes}
         self.cells: list[dict[str, Any]] = []

@@ -444,7 +444,7 @@ def analyse_cell(
     }
 
 
-class _StalledRelay(Cells):
+class _StalledRelay(Cells[Mode]):
     name, short = "stalled-relay", "stalled"
     cfg: StalledRelayConfig
 
