@@ -23,17 +23,10 @@ class JsonRecord:
 
 @dataclass(frozen=True)
 class Mode(JsonRecord):
-    """One way of moving the outbox to Kafka.
-
-    ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
-    bench's plain polling publisher; "floor" has no process and no database: the load
-    generator sends each event straight to Kafka (what Kafka alone costs). ``notify`` says
-    what happens to the NOTIFY trigger in this mode's database: "shipped" (as migrated),
-    "disabled" (``ALTER TABLE ... DISABLE TRIGGER``, as a plain polling outbox has none), or a
-    ``notify_mode`` value of migration 0002 ("always", "gated"), which needs that migration.
-    ``pgbouncer`` modes run the relay through the run's transaction-pooling PgBouncer (the
-    bench starts one when a selected mode needs it).
-    """
+    """One way of moving the outbox to Kafka: ``kind`` "relay" (``python -m notify_outbox
+    run`` with ``args``), "poller" (the bench's plain poller) or "floor" (no process, no
+    database: the load generator sends straight to Kafka). ``notify``: the NOTIFY trigger in its
+    database: "shipped", "disabled", or a ``notify_mode`` of migration 0002."""
 
     name: str
     kind: Literal["relay", "poller", "floor"]
@@ -158,9 +151,8 @@ POLLER = Mode(
 
 
 def add_alt_modes(tree: str) -> list[str]:
-    """Register ``<mode>-alt`` for every relay mode, run from another checkout (``tree``, a
-    directory holding ``notify_outbox/`` and ``sql/``): A/B runs of a proposed relay change
-    in the same run as the original. Returns the new names."""
+    """Register ``<mode>-alt`` for every relay mode, run from the checkout ``tree``
+    (A/B runs in one run); returns the new names."""
     added = []
     for mode in [m for m in MODES.values() if m.kind == "relay" and m.cwd is None]:
         alt = mode.from_tree(tree)
@@ -171,9 +163,8 @@ def add_alt_modes(tree: str) -> list[str]:
 
 @dataclass(frozen=True)
 class TriggerVariant(JsonRecord):
-    """A producer-overhead setting: what the NOTIFY trigger does (as ``Mode.notify``) and which
-    mode, if any, drains the outbox meanwhile. A new variant (e.g. a future trigger design) is
-    one more entry in ``VARIANTS``, selected by name with ``--variants``."""
+    """A producer-overhead setting: the NOTIFY trigger (as ``Mode.notify``) and the
+    mode, if any, draining meanwhile; one entry of ``VARIANTS`` (``--variants``)."""
 
     name: str
     description: str
@@ -375,9 +366,8 @@ def phase_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_options(p: argparse.ArgumentParser, config: type, **helps: str | tuple[str, Any]) -> None:
-    """An option ``--name-with-dashes`` for each field of the dataclass ``config`` named in
-    ``helps`` (its help, or (help, more ``add_argument`` keywords)): the field's default, the
-    default's type (a list: ``nargs="+"`` of its items' type; a bool: a flag)."""
+    """An option ``--name-with-dashes`` per field of ``config`` named in ``helps`` (its
+    help, or (help, more ``add_argument`` keywords)), with the field's default and type."""
     defaults = {
         f.name: f.default_factory() if f.default_factory is not MISSING else f.default
         for f in fields(config)

@@ -91,11 +91,8 @@ class DrainMode:
 
 
 def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
-    """``relay-N`` (N relay processes, default settings), ``relay-N-alt`` (the same from the
-    ``--alt-relay`` tree), either with ``-pgbouncer`` (workers through the run's
-    transaction-pooling PgBouncer, the listening connection direct), any of these with
-    ``-avro`` last (values encoded as Avro through the run's Schema Registry) or ``poller``
-    (the outbox literature's plain poller)."""
+    """``relay-N`` (N relay processes), ``relay-N-alt`` (from ``--alt-relay``), either
+    with ``-pgbouncer`` and then ``-avro``, or ``poller``."""
     if name == "poller":
         return DrainMode(name, POLLER, 1)
     m = _MODE_RE.match(name)

@@ -352,8 +352,7 @@ class _FailingHead(Cells[Mode]):
         self, services: Services, mode: Mode, dsn: str, database: str, failing_topic: str
     ) -> tuple[bool, int]:
         """Wait (bounded) until the mode has tried the failing rows: the relay recorded an
-        attempt on a row of every failing key; the poller's session holds row locks (it
-        claimed the head and waits for Kafka). Nothing else signals it."""
+        attempt for every failing key; the poller's session holds row locks."""
         relay = mode.kind == "relay"
         conn = await asyncpg.connect(dsn if relay else services.dsn, timeout=30)
         try:
@@ -468,11 +467,8 @@ def _empty_claims(quiet: dict[str, Any]) -> int | None:
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians over rounds per (size, mode), and the targets for the relay modes (issue 17,
-    design/benchmarks.md): healthy rows arrive within 1 s; no empty claims while the failing
-    rows wait. The failing keys' retries come due on their schedule in the quiet window, and
-    each is a claim with its statements: the statements/s are reported, and the retries'
-    share of them is the claims that got a row (a retry is claimed alone)."""
+    """Medians over rounds per (size, mode), and the relay modes' targets (issue 17): every
+    healthy row within 1 s; no empty claims while the failing rows wait for their retries."""
     cfg = result["config"]
     rows: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
@@ -557,9 +553,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def problems(result: dict[str, Any]) -> list[str]:
-    """What makes a failing-head result wrong (not slow): a cell that failed, a failing topic
-    that came to exist (the broker created it). Healthy rows the plain poller never delivers
-    are its result, not a problem."""
+    """What makes a failing-head result wrong: a cell that failed, a failing topic that
+    came to exist. Healthy rows the poller never delivers are its result, not a problem."""
     problems = []
     for c in result.get("cells", []):
         where = (

@@ -93,9 +93,8 @@ class HeldSnapshotConfig(JsonRecord):
     warmup: float = 60.0  # seconds of unmeasured load on the stack before the first cell
 
     def phase_windows(self) -> list[tuple[str, float]]:
-        """(phase, offset from the phase's start) of every window, in order: each phase cut
-        into ``window``-second pieces, a remainder under half a window joined to the piece
-        before it."""
+        """(phase, offset) of every window: each phase cut into ``window`` pieces, a
+        remainder under half a window joined to the piece before it."""
         out: list[tuple[str, float]] = []
         for phase, length in zip(PHASES, (self.baseline, self.hold, self.recovery), strict=True):
             offsets = [0.0]
@@ -470,9 +469,8 @@ class _HeldSnapshot(Cells[Mode]):
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians over rounds per mode and window, per-phase figures and the targets
-    (design/benchmarks.md: p99 within max(2x, +10 ms) of the baseline; producers keep >= 90 %
-    of their rate)."""
+    """Medians over rounds per mode and window, per phase, and the targets
+    (design/benchmarks.md)."""
     cfg = result["config"]
     modes: dict[str, Any] = {}
     targets: list[dict[str, Any]] = []
@@ -557,9 +555,9 @@ _FLAT = 1.25
 
 
 def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
-    """Targets of issue #17 beyond latency and rate: the relay's and the database's CPU per
-    event stay flat across the hold (every hold window within ``_FLAT`` x the baseline
-    windows' median), and the relay's p99 is below the plain poller's in every window."""
+    """Targets of issue #17: CPU per event flat across the hold (each hold window
+    within ``_FLAT`` x the baseline's median), and the relay's p99 below the poller's in every
+    window."""
     out: list[dict[str, Any]] = []
     for mode, m in modes.items():
         if mode == "poller":
@@ -723,9 +721,7 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
 
 
 def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
-    """Per window of the held-snapshot regime, one line per mode: ack -> receive p99 (log
-    scale), the producers' achieved share of the offered rate, and the outbox's dead tuples;
-    the hold is shaded."""
+    """Per window and mode: ack -> receive p99, rate share and dead tuples; the hold shaded."""
     from bench.plots import mode_colors, plt  # matplotlib only when plotting
 
     modes, cfg = summary["modes"], result["config"]

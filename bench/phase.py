@@ -51,9 +51,8 @@ def slug(name: str) -> str:
 
 
 def snapshot_source(work: Path) -> tuple[Path, dict[str, Any]]:
-    """Copy ``notify_outbox/`` and ``sql/`` of this checkout into ``work/src``: every process
-    of the run imports the relay from there (it is the working directory of every child, so
-    first on ``sys.path``), so edits to the checkout during a run cannot mix two versions."""
+    """Copy ``notify_outbox/`` and ``sql/`` into ``work/src``, every child's working
+    directory, so that edits to the checkout during a run cannot mix two versions."""
     src = work / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "notify_outbox", src / "notify_outbox", ignore=ignore)
@@ -125,9 +124,8 @@ async def start_mode(
     extra_env: dict[str, str] | None = None,
     wait_ready: bool = True,
 ) -> Child:
-    """Start a mode's process (the relay CLI or the bench's poller) on ``dsn``, from the
-    source snapshot ``src`` (or the mode's own tree), and wait until it logs that it runs
-    (unless ``wait_ready`` is false: then the caller waits, e.g. for several at once)."""
+    """Start a mode's process on ``dsn`` from the snapshot ``src`` (or the mode's own
+    tree), and unless ``wait_ready`` is false wait until it logs that it runs."""
     if mode.kind == "relay":
         argv = cli_argv("run", *mode.args)
     else:
@@ -172,8 +170,7 @@ def _clean(o: Any) -> Any:
 
 class PhaseRun:
     """One run of a phase: ``run(body)`` opens the services, records the environment, runs
-    ``body`` and writes ``<out>/<phase>-<UTC timestamp>.json`` (``<UTC timestamp>.json`` for
-    the latency run, ``phase`` None)."""
+    ``body`` and writes ``<out>/[<phase>-]<UTC timestamp>.json``."""
 
     def __init__(
         self, phase: str | None, config: dict[str, Any], out_dir: Path, *, keep: bool
@@ -237,10 +234,8 @@ class PhaseRun:
         alive: Sequence[tuple[Child, str]] = (),
         step: float = 1.0,
     ) -> None:
-        """Let time pass until ``until_ns`` (monotonic): a measurement window, or the schedule
-        of writers already running; ``status(seconds left)`` is shown every ``step`` seconds. A
-        BenchError as soon as one of the ``alive`` processes (each with what to call it) has
-        exited."""
+        """Let time pass until ``until_ns`` (monotonic), showing ``status(seconds left)``; a
+        BenchError as soon as one of the ``alive`` processes has exited."""
         while (left := (until_ns - time.monotonic_ns()) / 1e9) > 0:
             for child, what in alive:
                 if not child.running():
@@ -306,10 +301,9 @@ class PhaseRun:
     async def start_steady_writers(
         self, dsn: str, topic: str, *, rate: float, keys: int, seconds: float, out: Path, name: str
     ) -> tuple[Child, int]:
-        """Open-loop writers (single-row autocommit INSERTs over ``keys`` keys) at ``rate``
-        ev/s, on a schedule 10 minutes longer than ``seconds``: ``stop_writers`` ends it. Returns
-        them and the schedule's start (monotonic ns), which they announce before the first
-        event."""
+        """Open-loop writers at ``rate`` ev/s over ``keys`` keys, on a schedule 10
+        minutes longer than ``seconds`` (``stop_writers`` ends it); returns them and the
+        schedule's start (monotonic ns)."""
         lc = LoadConfig(
             dsn=dsn,
             topic=topic,
@@ -357,9 +351,8 @@ class PhaseRun:
         consumer: Child,
         arrays: tuple[Path, ...],
     ) -> None:
-        """The end of a cell, whatever happened in it: the writers stopped, the mode stopped
-        gracefully (its exit code in ``record``), the consumer ended, the per-event arrays
-        removed."""
+        """The end of a cell, whatever happened: writers stopped, the mode stopped (its exit
+        code in ``record``), the consumer ended, the arrays removed."""
         if writers is not None:
             await writers.stop(10)
         if mode is not None:
@@ -391,9 +384,8 @@ class PhaseRun:
         fsync_seconds: int = 0,
         pgbouncer: bool = False,
     ) -> Path:
-        """Open the services (and, with ``pgbouncer``, a transaction-pooling PgBouncer in
-        front of PostgreSQL, for the pooled modes), record the environment, run ``body``;
-        always write the JSON. BenchError when the bench itself broke (``self.errors``)."""
+        """Open the services (and PgBouncer with ``pgbouncer``), record the environment, run
+        ``body``; always write the JSON. BenchError when the bench itself broke."""
         self.result["load_average_start"] = loadavg()
         cpu0 = envinfo.cpu_times()
         t0 = time.monotonic()

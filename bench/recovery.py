@@ -174,11 +174,9 @@ class _Xact:
 
 
 class _XactSampler(Looker):
-    """Every 50 ms, on its own connection to the relay's database: the relay's worker sessions
-    that are in a transaction (``pg_stat_activity``, ``application_name``
-    'notify-outbox-worker/<relay id>'), from just before a Kafka stop until every transaction
-    begun before Kafka came back has ended. A claim transaction that waits for Kafka's acks
-    keeps the database's horizon (vacuum) where it was, and its rows and key buckets locked."""
+    """Every 50 ms, from just before a Kafka stop until every transaction begun before
+    Kafka came back has ended: the relay's worker sessions in a transaction (a claim waiting
+    for Kafka holds the vacuum horizon and its rows' locks)."""
 
     def __init__(self, dsn: str) -> None:
         super().__init__(dsn, _XACT_SAMPLE_S, "bench-xact-sampler")
@@ -215,11 +213,9 @@ def _outage_xacts(xacts: list[_Xact], t: int, up_at: int) -> list[_Xact]:
 def xact_record(
     samples: list[tuple[int, list[_Xact]]], t_stop: int, t_up: int, errors: list[str]
 ) -> dict[str, Any]:
-    """The relay's transactions around one outage: while the service was down (the stop to
-    accepting connections), the oldest transaction's age and whether any held an xid; for
-    every transaction begun before the service came back, how long it stayed open; and when
-    none of those was open any more (seconds after the stop; None if one still was when the
-    sampling ended)."""
+    """The relay's transactions around one outage: the oldest's age and any xid while
+    the service was down; how long each begun before it came back stayed open; and when the
+    last of those ended (None if one still was at the end of the sampling)."""
     down = [(t, xs) for t, xs in samples if t_stop <= t <= t_up]
     longest: dict[tuple[int, float], float] = {}
     last_open: int | None = None

@@ -279,9 +279,8 @@ class _Watch(Looker):
 
 
 def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str, Any]:
-    """What the frozen relay held in the database, from a look taken just after its stop
-    (see _freezes): its sessions, those in a transaction, the claim buckets it held and how
-    many of the writers' keys fall in them."""
+    """What the frozen relay held, from a look just after its stop: its sessions, those
+    in a transaction, its claim buckets and the writers' keys in them."""
     if look is None:
         return {"looked": False}
     own = look.of(relay)
@@ -303,10 +302,9 @@ def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str
 
 
 def _spans(freezes: list[dict[str, Any]], t0: int, t_end: int) -> list[tuple[str, int, int, int]]:
-    """(phase, start ns, end ns, freeze index or -1) of every part of a cell, in order. The
-    baseline ends a guard (1 s, at most half of it) before the first SIGSTOP: an event
-    committed just before it may be in the claim that the SIGSTOP freezes. The guard belongs
-    to no phase."""
+    """(phase, start ns, end ns, freeze index or -1) of every part of a cell. The baseline
+    ends a guard (1 s, at most half of it) before the first SIGSTOP, in no phase: an event
+    committed just before it may be in the claim the SIGSTOP freezes."""
     stop = freezes[0]["t_stop_ns"]
     guard = min(_GUARD_NS, (stop - t0) // 2)
     out = [("baseline", t0, stop - guard, -1), ("guard", stop - guard, stop, -1)]
@@ -321,10 +319,9 @@ def _spans(freezes: list[dict[str, Any]], t0: int, t_end: int) -> list[tuple[str
 def _marker_shares(
     timeline: list[tuple[int, int]], start: int, end: int, frozen: int | None
 ) -> dict[str, Any]:
-    """Of the watch's looks in [start, end): the share in which the current epoch's marker was
-    held by the frozen relay, by another relay, by nobody (or by a session not mapped to a
-    relay, or unknown); and, with a frozen relay, the last look at which it held it (seconds
-    after ``start``)."""
+    """Of the watch's looks in [start, end): the shares of the marker's holders
+    (frozen relay, other relay, nobody, unmapped, unknown) and the last look at which the
+    frozen relay held it (s after ``start``)."""
     looks = [(t, h) for t, h in timeline if start <= t < end]
     n = len(looks)
     if n == 0:
@@ -365,9 +362,8 @@ def analyse_cell(
     t_base: int,
     t_end: int,
 ) -> dict[str, Any]:
-    """Per phase (all its events pooled): commit ack -> receipt latency, commits and the
-    producers' achieved rate; the same per freeze, and a freeze's events split by whether the
-    frozen relay held their key's claim bucket; the marker's holders per phase."""
+    """Per phase and per freeze: ack -> receipt latency, commits and rate share; a freeze's
+    events split by whether the frozen relay held their key's bucket; the marker's holders."""
     spans = _spans(freezes, t_base, t_end)
     starts = [s[1] for s in spans]
     hist = {p: Histogram() for p in PHASES}
@@ -697,9 +693,8 @@ async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Per notify mode and key mix: medians over rounds of every phase's latency and rate,
-    the freezes' split by held keys, the marker's holders; the issue's target (p99 of the
-    events committed during the freezes <= 100 ms)."""
+    """Medians over rounds per notify mode and key mix, and the target: p99 of the events
+    committed during the freezes <= 100 ms."""
     cfg = result["config"]
     rows: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
@@ -903,9 +898,7 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
 
 
 def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
-    """Per cell (notify mode x key mix): commit ack -> receive p99 of the baseline, of the
-    events committed during the freezes, and of those of keys the frozen relay did not hold
-    (log scale; grey line: the 100 ms target)."""
+    """Per cell, ack -> receive p99 of the baseline, the freezes and the freezes' free keys."""
     from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
 
     rows, cfg = summary["rows"], result["config"]
