@@ -37,7 +37,7 @@ from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.regimes import Cells, Regime
 from bench.revs import with_alt_modes
-from bench.services import Services
+from bench.services import Services, connection
 from devstack._common import StackError
 from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
 
@@ -217,8 +217,7 @@ async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, f
     """Insert ``rows`` committed rows of key mix ``mix`` (payloads of ~200 bytes carrying
     ``s``, the row's sequence number within its key), then ``VACUUM ANALYZE`` the outbox."""
     key_sql = MIXES[mix][1]
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         t0 = time.monotonic()
         await conn.execute("SELECT setseed(0.42)")
         # A staging table first: the per-key sequence numbers need a window over all rows,
@@ -252,8 +251,6 @@ async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, f
         if count != rows:
             raise BenchError(f"backlog of {mix}: {count} pending rows instead of {rows}")
         size = await conn.fetchval("SELECT avg(length(payload::text))::float FROM outbox")
-    finally:
-        await conn.close(timeout=5)
     return {"insert_s": inserted, "vacuum_s": vacuumed, "payload_bytes": float(size or 0)}
 
 
@@ -268,8 +265,7 @@ async def _pending(conn: asyncpg.Connection) -> int:
 async def _wait_empty(dsn: str) -> int:
     """Wait (bounded) until no row is pending: a mode marks or deletes a batch only after
     Kafka acknowledged it, so the consumer can see the last event a moment earlier."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         deadline = time.monotonic() + _EMPTY_TIMEOUT
         left = await _pending(conn)
         while left and time.monotonic() < deadline:
@@ -277,8 +273,6 @@ async def _wait_empty(dsn: str) -> int:
             await asyncio.sleep(0.1)
             left = await _pending(conn)
         return left
-    finally:
-        await conn.close(timeout=5)
 
 
 class _Drain(Cells[DrainMode]):

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.analysis import median
@@ -61,6 +60,7 @@ from bench.regimes import (
 )
 from bench.services import (
     Services,
+    connection,
     db_counters,
     statement_calls,
 )
@@ -157,8 +157,7 @@ async def fill_failing(dsn: str, topic: str, rows: int, keys: int) -> dict[str, 
     """``rows`` committed rows of keys ``f0`` .. ``f<keys-1>`` (round robin) to ``topic``, in
     one transaction (few keys: the ordering trigger's advisory locks are few), then
     ``VACUUM ANALYZE``."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         t0 = time.monotonic()
         await conn.execute(
             "INSERT INTO outbox (topic, key, payload) "
@@ -171,8 +170,6 @@ async def fill_failing(dsn: str, topic: str, rows: int, keys: int) -> dict[str, 
         )
         inserted = time.monotonic() - t0
         await conn.execute("VACUUM ANALYZE outbox", timeout=_QUERY_TIMEOUT)
-    finally:
-        await conn.close(timeout=5)
     return {"insert_s": inserted, "vacuum_s": time.monotonic() - t0 - inserted}
 
 
@@ -354,8 +351,7 @@ class _FailingHead(Cells[Mode]):
         """Wait (bounded) until the mode has tried the failing rows: the relay recorded an
         attempt for every failing key; the poller's session holds row locks."""
         relay = mode.kind == "relay"
-        conn = await asyncpg.connect(dsn if relay else services.dsn, timeout=30)
-        try:
+        async with connection(dsn if relay else services.dsn) as conn:
             deadline = time.monotonic() + self.cfg.tried_timeout
             while True:
                 if relay:
@@ -366,8 +362,6 @@ class _FailingHead(Cells[Mode]):
                 if done or time.monotonic() > deadline:
                     return done, time.monotonic_ns()
                 await asyncio.sleep(_POLL_S)
-        finally:
-            await conn.close(timeout=5)
 
     def _healthy(self, gen: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         """Per healthy row, commit ack -> receipt."""
@@ -438,8 +432,7 @@ def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
 
 async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]:
     """Where the failing rows are after the quiet window, and the healthy rows left."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         row = await conn.fetchrow(
             "SELECT count(*) FILTER (WHERE topic = $1) AS failing_left, "
             "count(*) FILTER (WHERE topic = $1 AND attempts > 0) AS failing_tried, "
@@ -451,8 +444,6 @@ async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]
             timeout=_QUERY_TIMEOUT,
         )
         dead = await conn.fetchval("SELECT count(*) FROM outbox_dead_letter", timeout=30)
-    finally:
-        await conn.close(timeout=5)
     assert row is not None
     return {**dict(row), "dead_letters": int(dead)}
 

@@ -28,7 +28,14 @@ from bench.config import JsonRecord, add_options, from_args, output_options
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
 from bench.regimes import Regime
-from bench.services import close_services, dsn_for, make_work_dir, open_services, remove_work_dir
+from bench.services import (
+    close_services,
+    connection,
+    dsn_for,
+    make_work_dir,
+    open_services,
+    remove_work_dir,
+)
 from devstack.relayproc import create_topics
 from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
 
@@ -212,13 +219,10 @@ async def _produce(bootstrap: str, topic: str, n: int) -> None:
 async def _cell(
     cfg: InboxBenchConfig, dsn: str, bootstrap: str, topic: str, mode: str, drain: Drain
 ) -> dict[str, Any]:
-    conn = await asyncpg.connect(dsn)
-    try:
+    async with connection(dsn) as conn:
         await migrate_inbox(conn)
         await conn.execute(APPLIED_SQL)
         await conn.execute(BASELINE_SQL)
-    finally:
-        await conn.close()
     # A connection per partition for the parallel mode (its concurrency), two for the others.
     size = cfg.partitions + 1 if mode == "consume_batches_parallel" else 2
     pool = await asyncpg.create_pool(dsn, min_size=size, max_size=size)
@@ -266,13 +270,10 @@ async def _cell(
         await asyncio.gather(task, return_exceptions=True)
         await consumer.stop()
         await pool.close()
-    conn = await asyncpg.connect(dsn)
-    try:
+    async with connection(dsn) as conn:
         table = "baseline_applied" if mode == "baseline" else "applied"
         rows = await conn.fetchval(f"SELECT count(*) FROM {table}")
         distinct = await conn.fetchval(f"SELECT count(DISTINCT event_id) FROM {table}")
-    finally:
-        await conn.close()
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     return {
         "mode": mode,

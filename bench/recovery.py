@@ -34,7 +34,7 @@ from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
 from bench.regimes import QUERY_ERRORS, Looker, Regime, RegimeRun, received_at, target
-from bench.services import Services, check_loopback, open_services, set_notify
+from bench.services import Services, check_loopback, connection, open_services, set_notify
 from devstack.relayproc import create_topics
 
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
@@ -333,11 +333,8 @@ class _Recovery(RegimeRun):
         if not kafka.is_running():
             raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
         check_loopback(probe.dsn, kafka.bootstrap_servers)
-        conn = await asyncpg.connect(probe.dsn, timeout=30)
-        try:
+        async with connection(probe.dsn) as conn:
             fsync = await conn.fetchval("SHOW fsync")
-        finally:
-            await conn.close(timeout=5)
         # devstack rewrites its settings file on every start: restart it as it was.
         self.handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
         self.handles.kafka = kafka
@@ -513,11 +510,8 @@ class _Recovery(RegimeRun):
         limit = time.monotonic() + within
         while time.monotonic() < limit:
             with contextlib.suppress(*QUERY_ERRORS):
-                conn = await asyncpg.connect(dsn, timeout=5)
-                try:
+                async with connection(dsn, within=5) as conn:
                     left = int(await conn.fetchval("SELECT count(*) FROM outbox", timeout=5))
-                finally:
-                    await conn.close(timeout=2)
                 if left <= max(10, int(self.cfg.rate)):
                     return True
             await asyncio.sleep(0.2)

@@ -30,6 +30,7 @@ from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.services import (
     Services,
+    connection,
     db_counters,
     open_services,
     prepare_mode,
@@ -429,8 +430,7 @@ class Runner:
         await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
         pgbench = _find_pgbench()
         self.result["producer_driver"] = "pgbench" if pgbench else "python"
-        conn = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
-        try:
+        async with connection(dsn, within=_QUERY_TIMEOUT) as conn:
             original = await conn.fetchval(
                 "SELECT CASE WHEN to_regclass('public.outbox_config') IS NULL THEN NULL "
                 "ELSE (SELECT notify_mode FROM outbox_config) END"
@@ -441,8 +441,6 @@ class Runner:
                     await self._variant_block(
                         services, conn, dsn, topic, variant, rep, pgbench, original
                     )
-        finally:
-            await conn.close(timeout=5)
 
     async def _variant_block(
         self,

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
@@ -53,7 +51,7 @@ from bench.regimes import (
     target,
     unfinished,
 )
-from bench.services import Services
+from bench.services import Services, connection
 from notify_outbox import OutboxNames
 
 NOTIFY_MODES = ("gated", "always")
@@ -685,11 +683,8 @@ async def _command(freezer: Child, line: str) -> dict[str, Any]:
 
 
 async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         return await conn.fetchval(sql, *args, timeout=_QUERY_TIMEOUT)
-    finally:
-        await conn.close(timeout=5)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
