@@ -31,7 +31,7 @@ from bench.config import (
 )
 from bench.drain_schema import DRAIN_AVRO_SCHEMA
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
-from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
+from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
@@ -399,18 +399,8 @@ class _Drain(Cells[DrainMode]):
             host0 = envinfo.cpu_times()
             run.progress.status(f"{label}: draining")
             t_start = time.monotonic_ns()
-            for i in range(dm.processes):
-                procs.append(
-                    await run.start(
-                        services,
-                        dm.mode,
-                        dsn,
-                        name=f"{dm.name}-{i + 1}-{slug(label)}",
-                        extra_env=extra,
-                        wait_ready=False,
-                    )
-                )
-            await asyncio.gather(*(wait_mode_ready(p, dm.mode) for p in procs))
+            names = [f"{dm.name}-{i + 1}-{slug(label)}" for i in range(dm.processes)]
+            await run.start_all(services, dm.mode, dsn, names, procs, extra)
             t_ready = time.monotonic_ns()
             # The CPU of starting up (imports, connecting: about 0.5 s) is no part of the
             # drain's cost per event; rows are claimed only from readiness on.

@@ -226,6 +226,25 @@ class PhaseRun:
             wait_ready=wait_ready,
         )
 
+    async def start_all(
+        self,
+        services: Services,
+        mode: Mode,
+        dsn: str,
+        names: list[str],
+        into: list[Child],
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """Start a process of ``mode`` per name (appended to ``into``, so that the caller stops
+        those started if one fails), then wait until every one runs."""
+        for name in names:
+            into.append(
+                await self.start(
+                    services, mode, dsn, name=name, extra_env=extra_env, wait_ready=False
+                )
+            )
+        await asyncio.gather(*(wait_mode_ready(p, mode) for p in into))
+
     async def pace(
         self,
         until_ns: int,

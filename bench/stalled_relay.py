@@ -6,7 +6,6 @@ Method: ``bench/README.md``, "Stalled relay"."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
 import contextlib
 import dataclasses
@@ -36,7 +35,7 @@ from bench.fmt import (
     targets_section,
 )
 from bench.hist import Histogram
-from bench.phase import PhaseRun, loadavg, wait_mode_ready
+from bench.phase import PhaseRun, loadavg
 from bench.procs import BenchError, Child, tcp_ports
 from bench.regimes import (
     Cells,
@@ -512,18 +511,8 @@ class _StalledRelay(Cells[Mode]):
         keys = int(cell["keys"])
         host0 = envinfo.cpu_times()
         try:
-            for i in range(cfg.relays):
-                relays.append(
-                    await run.start(
-                        services,
-                        mode,
-                        dsn,
-                        name=f"relay-{i + 1}-{label}",
-                        extra_env=cfg.relay_env,
-                        wait_ready=False,
-                    )
-                )
-            await asyncio.gather(*(wait_mode_ready(r, mode) for r in relays))
+            names = [f"relay-{i + 1}-{label}" for i in range(cfg.relays)]
+            await run.start_all(services, mode, dsn, names, relays, cfg.relay_env)
             cell["relay_pids"] = [r.pid for r in relays]
             pids = [str(r.pid) for r in relays]
             freezer = await run.start_helper(f"freezer-{label}", "_freezer", *pids)
