@@ -334,7 +334,7 @@ async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = Fals
     finally:
         result["environment"]["loadavg_after"] = loadavg()
         result["finished"] = utc()
-        result["summary"] = _summary(result["cells"])
+        result["summary"] = summarize(result)
         await asyncio.to_thread(path.write_text, json.dumps(result, indent=2) + "\n")
         await close_services(services)
         if not keep:
@@ -342,7 +342,9 @@ async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = Fals
     return path
 
 
-def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: the median msg/s over rounds, and its ratio to the baseline's."""
+    cells = result["cells"]
     by: dict[str, list[float]] = {}
     for c in cells:
         by.setdefault(c["mode"], []).append(c["msg_per_s"])
@@ -366,11 +368,6 @@ def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 s["paired_vs_baseline"] = [round(r, 3) for r in paired]
                 s["median_paired_vs_baseline"] = round(statistics.median(paired), 3)
     return summary
-
-
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Per mode: the median msg/s over rounds, and its ratio to the baseline's."""
-    return _summary(result["cells"])
 
 
 def problems(result: dict[str, Any]) -> list[str]:
