@@ -21,6 +21,17 @@ class JsonRecord:
         return asdict(cast(Any, self))
 
 
+@dataclass
+class PhaseConfig(JsonRecord):
+    """What the configs of the regimes that run the relay share (``phase_options``)."""
+
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
+    partitions: int = 3
+    fsync_test_seconds: int = 0
+
+
 @dataclass(frozen=True)
 class Mode(JsonRecord):
     """One way of moving the outbox to Kafka: ``kind`` "relay" (``python -m notify_outbox

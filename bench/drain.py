@@ -22,8 +22,8 @@ from bench import envinfo
 from bench.analysis import median
 from bench.config import (
     POLLER,
-    JsonRecord,
     Mode,
+    PhaseConfig,
     add_options,
     common_options,
     from_args,
@@ -148,19 +148,14 @@ def mode_env(dm: DrainMode, relay_env: dict[str, str], registry_url: str | None)
 
 
 @dataclass
-class DrainConfig(JsonRecord):
+class DrainConfig(PhaseConfig):
     """Everything one drain run does; recorded in the result JSON."""
 
     rows: int = 100_000
     mixes: list[str] = field(default_factory=lambda: list(DEFAULT_MIXES))
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     repeat: int = 1
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
     cell_timeout: float = 0.0  # 0: 60 s + 1 s per 500 rows
-    fsync_test_seconds: int = 0
     profile: bool = False  # py-spy the first process of each mode in the first round
 
     def timeout(self) -> float:

@@ -20,8 +20,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import (
-    JsonRecord,
     Mode,
+    PhaseConfig,
     add_options,
     common_options,
     from_args,
@@ -84,7 +84,7 @@ WHERE datname = $1 AND application_name = 'bench-poller' AND backend_xid IS NOT 
 
 
 @dataclass
-class FailingHeadConfig(JsonRecord):
+class FailingHeadConfig(PhaseConfig):
     """Everything one failing-head run does; recorded in the result JSON."""
 
     failing_rows: list[int] = field(default_factory=lambda: [5000, 100_000])
@@ -101,11 +101,6 @@ class FailingHeadConfig(JsonRecord):
     tried_timeout: float = 60.0
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_REGIME_MODES))
     repeat: int = 1
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
-    fsync_test_seconds: int = 0
 
 
 HELP = "healthy rows behind thousands of rows whose topic does not exist"

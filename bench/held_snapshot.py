@@ -19,8 +19,8 @@ from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import (
-    JsonRecord,
     Mode,
+    PhaseConfig,
     add_options,
     common_options,
     from_args,
@@ -72,7 +72,7 @@ FROM pg_stat_user_tables WHERE relname = 'outbox'
 
 
 @dataclass
-class HeldSnapshotConfig(JsonRecord):
+class HeldSnapshotConfig(PhaseConfig):
     """Everything one held-snapshot run does; recorded in the result JSON."""
 
     rate: float = 800.0
@@ -85,11 +85,6 @@ class HeldSnapshotConfig(JsonRecord):
     repeat: int = 1
     sample_every: float = 1.0
     drain_timeout: float = 120.0  # after the load: until every committed event arrived
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
-    fsync_test_seconds: int = 0
     warmup: float = 60.0  # seconds of unmeasured load on the stack before the first cell
 
     def phase_windows(self) -> list[tuple[str, float]]:

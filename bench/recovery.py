@@ -21,8 +21,8 @@ import asyncpg
 from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import (
-    JsonRecord,
     Mode,
+    PhaseConfig,
     add_options,
     common_options,
     from_args,
@@ -58,7 +58,7 @@ _DIGITS = re.compile(r"\d+")
 
 
 @dataclass
-class RecoveryConfig(JsonRecord):
+class RecoveryConfig(PhaseConfig):
     """Everything one recovery run does; recorded in the result JSON."""
 
     services: list[str] = field(default_factory=lambda: ["kafka", "postgres"])
@@ -69,12 +69,7 @@ class RecoveryConfig(JsonRecord):
     settle: float = 5.0  # steady seconds before every stop and after the last restart
     recover_timeout: float = 90.0  # per restart: from "accepting connections" to caught up
     drain_timeout: float = 60.0  # at the end: until every committed event arrived
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     stack_dir: str | None = None
-    partitions: int = 3
-    fsync_test_seconds: int = 0
 
 
 HELP = "outage recovery: Kafka and PostgreSQL restarts"

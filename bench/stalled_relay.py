@@ -21,7 +21,7 @@ from typing import Any
 from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, add_options, common_options, from_args, phase_options
+from bench.config import Mode, PhaseConfig, add_options, common_options, from_args, phase_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -91,7 +91,7 @@ _KEY_BUCKETS = (
 
 
 @dataclass
-class StalledRelayConfig(JsonRecord):
+class StalledRelayConfig(PhaseConfig):
     """Everything one stalled-relay run does; recorded in the result JSON."""
 
     rate: float = 1200.0
@@ -108,11 +108,6 @@ class StalledRelayConfig(JsonRecord):
     repeat: int = 3
     look_every: float = 0.1
     drain_timeout: float = 120.0  # after the load: until every committed event arrived
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
-    fsync_test_seconds: int = 0
 
     def cell_seconds(self) -> float:
         """The length of a cell's load, set-up and drain left out."""
@@ -192,7 +187,6 @@ class _Fleet:
 @dataclass
 class _Session:
     relay: int | None  # None: not mapped to a relay process
-    app: str
     xact_age: float | None  # seconds; None: not in a transaction
     has_xid: bool
     awake: list[int]  # epochs of the awake marker it holds
@@ -261,7 +255,6 @@ class _Watch(Looker):
             [
                 _Session(
                     self.fleet.relay_of(r["client_port"]),
-                    r["application_name"],
                     r["xact_age"],
                     bool(r["has_xid"]),
                     list(r["awake"]),
