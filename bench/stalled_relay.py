@@ -73,7 +73,7 @@ l AS MATERIALIZED (
       AND classid::bigint IN ($1, $2)
 ),
 s AS (
-    SELECT a.pid, a.client_port, a.application_name,
+    SELECT a.pid, a.client_port,
            extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS xact_age,
            a.backend_xid IS NOT NULL AS has_xid,
            ARRAY(SELECT l.k FROM l WHERE l.pid = a.pid AND l.ns = $1 ORDER BY l.k) AS awake,
