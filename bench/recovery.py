@@ -29,7 +29,7 @@ from bench.config import (
     phase_options,
     writers_for,
 )
-from bench.fmt import environment_lines, finish, num, percent, table, targets_section
+from bench.fmt import environment_lines, finish, grid, num, percent, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
@@ -656,48 +656,31 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "## Per service (medians over restarts)",
         "",
     ]
-    lines += table(
-        (
-            "service | restarts | accepting connections after the stop (s) | "
-            "recovery median (s) | recovery max (s) | max latency (ms) | log lines/s median | max"
-        ),
-        [
-            [
-                s,
-                str(r["restarts"]),
-                num(r["up_after_stop_median_s"]),
-                num(r["recovery_median_s"]),
-                num(r["recovery_max_s"]),
-                num(r["max_latency_ms"], 0),
-                num(r["log_lines_per_s_median"], 1),
-                num(r["log_lines_per_s_max"], 1),
-            ]
-            for s, r in summary["services"].items()
-        ],
+    lines += grid(
+        [{"service": s, **r} for s, r in summary["services"].items()],
+        ("service", lambda r: r["service"]),
+        ("restarts", lambda r: str(r["restarts"])),
+        ("accepting connections after the stop (s)", lambda r: num(r["up_after_stop_median_s"])),
+        ("recovery median (s)", lambda r: num(r["recovery_median_s"])),
+        ("recovery max (s)", lambda r: num(r["recovery_max_s"])),
+        ("max latency (ms)", lambda r: num(r["max_latency_ms"], 0)),
+        ("log lines/s median", lambda r: num(r["log_lines_per_s_median"], 1)),
+        ("max", lambda r: num(r["log_lines_per_s_max"], 1)),
     )
     lines += targets_section(summary, "issue 10")
     lines += ["", "## Every restart", ""]
-    lines += table(
-        (
-            "service | # | stop took (s) | accepting after stop (s) | "
-            "first delivery after accepting (s) | after stop (s) | max latency (ms) | missing | "
-            "log lines | lines/s"
-        ),
-        [
-            [
-                r["service"],
-                str(r["n"]),
-                num(r["stop_s"]),
-                num(r["up_after_stop_s"]),
-                num(r.get("first_delivery_after_up_s")),
-                num(r.get("first_delivery_after_stop_s")),
-                num(r.get("max_latency_ms"), 0),
-                str(r.get("missing_in_slot", "-")),
-                str(r.get("log_lines", "-")),
-                num(r.get("log_lines_per_s"), 1),
-            ]
-            for r in result.get("restarts", [])
-        ],
+    lines += grid(
+        result.get("restarts", []),
+        ("service", lambda r: r["service"]),
+        ("#", lambda r: str(r["n"])),
+        ("stop took (s)", lambda r: num(r["stop_s"])),
+        ("accepting after stop (s)", lambda r: num(r["up_after_stop_s"])),
+        ("first delivery after accepting (s)", lambda r: num(r.get("first_delivery_after_up_s"))),
+        ("after stop (s)", lambda r: num(r.get("first_delivery_after_stop_s"))),
+        ("max latency (ms)", lambda r: num(r.get("max_latency_ms"), 0)),
+        ("missing", lambda r: str(r.get("missing_in_slot", "-"))),
+        ("log lines", lambda r: str(r.get("log_lines", "-"))),
+        ("lines/s", lambda r: num(r.get("log_lines_per_s"), 1)),
     )
     lines += _xact_lines(result, summary)
     kinds = [
@@ -743,28 +726,24 @@ def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
                 + (f"; one still open at the end of the looks in {left}" if left else "")
             )
     lines.append("")
-    lines += table(
+    lines += grid(
+        [{"service": r["service"], "n": r["n"], **r["xact"]} for r in rs],
+        ("service", lambda x: x["service"]),
+        ("#", lambda x: str(x["n"])),
         (
-            "service | # | open at the stop (oldest, s) | oldest while down (s) | xid | "
-            "looks with one open % | longest (s) | none open, s after stop | after accepting | "
-            "looks"
+            "open at the stop (oldest, s)",
+            lambda x: f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
         ),
-        [
-            [
-                r["service"],
-                str(r["n"]),
-                f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
-                num(x["max_age_down_s"]),
-                "yes" if x["xid_down"] else "no",
-                num(percent(x["open_share_down"]), 0),
-                num(x["longest_outage_xact_s"]),
-                num(x["clear_after_stop_s"]),
-                num(x["clear_after_up_s"]),
-                str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
-            ]
-            for r in rs
-            for x in [r["xact"]]
-        ],
+        ("oldest while down (s)", lambda x: num(x["max_age_down_s"])),
+        ("xid", lambda x: "yes" if x["xid_down"] else "no"),
+        ("looks with one open %", lambda x: num(percent(x["open_share_down"]), 0)),
+        ("longest (s)", lambda x: num(x["longest_outage_xact_s"])),
+        ("none open, s after stop", lambda x: num(x["clear_after_stop_s"])),
+        ("after accepting", lambda x: num(x["clear_after_up_s"])),
+        (
+            "looks",
+            lambda x: str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
+        ),
     )
     return lines
 
