@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -26,13 +27,52 @@ from bench.config import Mode, writers_for
 from bench.loadgen import LoadConfig
 from bench.pooler import end_record, mode_dsns, start_pgbouncer
 from bench.procs import ROOT, BenchError, Child, python_argv
-from bench.progress import Progress
 from bench.revs import label_modes
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
 from devstack.relayproc import READY, child_env, cli_argv, relay_env
 
 READY_TIMEOUT = 60.0  # a child process's start, until it says it is ready
 _STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
+
+
+class Progress:
+    """Progress on stderr: ``status()`` rewrites a live line (terminal only), ``line()`` prints
+    a lasting one, with the time and the cells done."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.total = 0  # cells
+        self.done = 0
+        self._live = sys.stderr.isatty()
+        self._shown = False
+
+    def _stamp(self) -> str:
+        s = int(time.monotonic() - self.start)
+        cells = f" {self.done}/{self.total}" if self.total else ""
+        return f"[{s // 60:02d}:{s % 60:02d}{cells}]"
+
+    def _clear(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\x1b[2K")
+            self._shown = False
+
+    def status(self, text: str) -> None:
+        """Show what is happening now."""
+        if not self._live:
+            return
+        width = shutil.get_terminal_size((100, 20)).columns - 1
+        self._clear()
+        sys.stderr.write(f"{self._stamp()} {text}"[:width])
+        sys.stderr.flush()
+        self._shown = True
+
+    def line(self, text: str, *, cell: bool = False) -> None:
+        """Print a lasting line (``cell``: one more cell is done)."""
+        if cell:
+            self.done += 1
+        self._clear()
+        sys.stderr.write(f"{self._stamp()} {text}\n")
+        sys.stderr.flush()
 
 
 def utc() -> str:
