@@ -18,8 +18,6 @@ from typing import Any
 from bench.arrays import new_array
 from bench.hist import Histogram
 
-__all__ = ["P99_LIMIT_MS", "analyse_cell", "by_index", "is_flat", "median", "window_indices"]
-
 P99_LIMIT_MS = 100.0  # the latency part of "sustained"
 RATE_TOLERANCE = 0.01  # achieved must be within 1 % of offered
 STAGES = ("send_lag", "commit", "ack_to_publish", "publish_to_recv")

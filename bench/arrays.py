@@ -7,8 +7,6 @@ import json
 from array import array
 from pathlib import Path
 
-__all__ = ["load_arrays", "new_array", "save_arrays"]
-
 
 def new_array(n: int = 0) -> array[int]:
     """An int64 array of ``n`` zeros."""

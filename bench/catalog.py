@@ -11,8 +11,6 @@ from bench import drain, failing_head, held_snapshot, inbox, recovery, stalled_r
 from bench.regimes import Regime
 from bench.report import write_run_report
 
-__all__ = ["REGIMES", "write_report"]
-
 REGIMES: dict[str, Regime] = {
     r.name: r
     for r in (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
 import tempfile
@@ -31,8 +32,6 @@ from bench.config import (
 )
 from bench.procs import BenchError
 from bench.revs import compare_tree, with_alt_modes
-
-__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -152,14 +151,8 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     if args.no_extend:
         cfg.extend_loads = False
     for flag, attr in (
-        ("duration", "duration"),
-        ("warmup", "warmup"),
-        ("repeat", "repeat"),
-        ("writers", "writers"),
-        ("tx_events", "tx_events"),
-        ("idle_seconds", "idle_seconds"),
-        ("producer_seconds", "producer_seconds"),
-        ("variant_load", "variant_load"),
+        *((f, f) for f in ("duration", "warmup", "repeat", "writers", "tx_events")),
+        *((f, f) for f in ("idle_seconds", "producer_seconds", "variant_load")),
         ("fsync_seconds", "fsync_test_seconds"),
     ):
         value = getattr(args, flag)
@@ -228,30 +221,17 @@ def _check_smoke(path: Path, cfg: RunConfig) -> list[str]:
     return problems
 
 
+# The bench's own child processes (``python -m bench _loadgen ...``; not for people): each
+# module's ``main``, dispatched before argparse.
+_HELPERS = ("_loadgen", "_consumer", "_poller", "_freezer", "_tally")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m bench``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # The bench's own child processes (not for people): dispatched before argparse.
-    if argv and argv[0] == "_loadgen":
-        from bench import loadgen
-
-        return loadgen.main(argv[1:])
-    if argv and argv[0] == "_consumer":
-        from bench import consumer
-
-        return consumer.main(argv[1:])
-    if argv and argv[0] == "_poller":
-        from bench import poller
-
-        return poller.main(argv[1:])
-    if argv and argv[0] == "_freezer":
-        from bench import freezer
-
-        return freezer.main(argv[1:])
-    if argv and argv[0] == "_tally":
-        from bench import tally
-
-        return tally.main(argv[1:])
+    if argv and argv[0] in _HELPERS:
+        helper = importlib.import_module(f"bench.{argv[0][1:]}")
+        return int(helper.main(argv[1:]))
     args = _parser().parse_args(argv)
     try:
         if args.command == "report":

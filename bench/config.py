@@ -6,35 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 from bench.procs import ROOT, BenchError
-
-__all__ = [
-    "DEFAULT_MODES",
-    "DEFAULT_OUT",
-    "DEFAULT_VARIANTS",
-    "MODES",
-    "POLLER",
-    "VARIANTS",
-    "JsonRecord",
-    "Mode",
-    "RunConfig",
-    "TriggerVariant",
-    "add_alt_modes",
-    "common_options",
-    "compare_rev_option",
-    "from_args",
-    "full_config",
-    "output_options",
-    "phase_options",
-    "quick_config",
-    "regime_options",
-    "smoke_config",
-    "writers_for",
-]
 
 
 class JsonRecord:
@@ -45,19 +21,23 @@ class JsonRecord:
         return asdict(cast(Any, self))
 
 
+@dataclass
+class PhaseConfig(JsonRecord):
+    """What the configs of the regimes that run the relay share (``phase_options``)."""
+
+    relay_env: dict[str, str] = field(default_factory=dict)
+    alt_relay: str | None = None
+    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
+    partitions: int = 3
+    fsync_test_seconds: int = 0
+
+
 @dataclass(frozen=True)
 class Mode(JsonRecord):
-    """One way of moving the outbox to Kafka.
-
-    ``kind`` "relay" runs ``python -m notify_outbox run`` with ``args``; "poller" runs the
-    bench's plain polling publisher; "floor" has no process and no database: the load
-    generator sends each event straight to Kafka (what Kafka alone costs). ``notify`` says
-    what happens to the NOTIFY trigger in this mode's database: "shipped" (as migrated),
-    "disabled" (``ALTER TABLE ... DISABLE TRIGGER``, as a plain polling outbox has none), or a
-    ``notify_mode`` value of migration 0002 ("always", "gated"), which needs that migration.
-    ``pgbouncer`` modes run the relay through the run's transaction-pooling PgBouncer (the
-    bench starts one when a selected mode needs it).
-    """
+    """One way of moving the outbox to Kafka: ``kind`` "relay" (``python -m notify_outbox
+    run`` with ``args``), "poller" (the bench's plain poller) or "floor" (no process, no
+    database: the load generator sends straight to Kafka). ``notify``: the NOTIFY trigger in its
+    database: "shipped", "disabled", or a ``notify_mode`` of migration 0002."""
 
     name: str
     kind: Literal["relay", "poller", "floor"]
@@ -182,9 +162,8 @@ POLLER = Mode(
 
 
 def add_alt_modes(tree: str) -> list[str]:
-    """Register ``<mode>-alt`` for every relay mode, run from another checkout (``tree``, a
-    directory holding ``notify_outbox/`` and ``sql/``): A/B runs of a proposed relay change
-    in the same run as the original. Returns the new names."""
+    """Register ``<mode>-alt`` for every relay mode, run from the checkout ``tree``
+    (A/B runs in one run); returns the new names."""
     added = []
     for mode in [m for m in MODES.values() if m.kind == "relay" and m.cwd is None]:
         alt = mode.from_tree(tree)
@@ -195,9 +174,8 @@ def add_alt_modes(tree: str) -> list[str]:
 
 @dataclass(frozen=True)
 class TriggerVariant(JsonRecord):
-    """A producer-overhead setting: what the NOTIFY trigger does (as ``Mode.notify``) and which
-    mode, if any, drains the outbox meanwhile. A new variant (e.g. a future trigger design) is
-    one more entry in ``VARIANTS``, selected by name with ``--variants``."""
+    """A producer-overhead setting: the NOTIFY trigger (as ``Mode.notify``) and the
+    mode, if any, draining meanwhile; one entry of ``VARIANTS`` (``--variants``)."""
 
     name: str
     description: str
@@ -271,23 +249,23 @@ def writers_for(rate: float) -> int:
 class RunConfig(JsonRecord):
     """Everything one run does; recorded in the result JSON."""
 
-    preset: str
-    modes: list[str]
-    loads: list[float]
-    extend_loads: bool  # after the list, keep raising the load (x1.5) until saturation
-    max_load: float
-    duration: float
-    warmup: float
-    repeat: int
-    drain_timeout: float
-    idle_seconds: float
-    producer_writers: list[int]
-    producer_seconds: float
-    producer_repeat: int
-    variants: list[str]
+    preset: str = "full"
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    loads: list[float] = field(default_factory=lambda: [100, 1000, 2000, 5000, 10000])
+    extend_loads: bool = True  # after the list, keep raising the load (x1.5) until saturation
+    max_load: float = 40000
+    duration: float = 10.0
+    warmup: float = 2.0
+    repeat: int = 3
+    drain_timeout: float = 20.0
+    idle_seconds: float = 60.0
+    producer_writers: list[int] = field(default_factory=lambda: [1, 4, 16])
+    producer_seconds: float = 5.0
+    producer_repeat: int = 3
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # Extra latency cells at one load: Poisson arrivals, and the Python enqueue API.
-    variant_load: float
-    variant_modes: list[str]
+    variant_load: float = 1000
+    variant_modes: list[str] = field(default_factory=lambda: ["notify"])
     keys: int = 1000
     partitions: int = 3
     writers: int | None = None  # None: writers_for(rate)
@@ -303,34 +281,15 @@ class RunConfig(JsonRecord):
 
 def full_config() -> RunConfig:
     """The full run: fits in about 20 minutes on a 2-core machine."""
-    return RunConfig(
-        preset="full",
-        modes=list(DEFAULT_MODES),
-        loads=[100, 1000, 2000, 5000, 10000],
-        extend_loads=True,
-        max_load=40000,
-        duration=10.0,
-        warmup=2.0,
-        repeat=3,
-        drain_timeout=20.0,
-        idle_seconds=60.0,
-        producer_writers=[1, 4, 16],
-        producer_seconds=5.0,
-        producer_repeat=3,
-        variants=list(DEFAULT_VARIANTS),
-        variant_load=1000,
-        variant_modes=["notify"],
-    )
+    return RunConfig()
 
 
 def quick_config() -> RunConfig:
     """``--quick``: every phase, small: a couple of minutes."""
     return RunConfig(
         preset="quick",
-        modes=list(DEFAULT_MODES),
         loads=[100, 1000, 3000],
         extend_loads=False,
-        max_load=40000,
         duration=4.0,
         warmup=1.0,
         repeat=1,
@@ -339,9 +298,6 @@ def quick_config() -> RunConfig:
         producer_writers=[1, 16],
         producer_seconds=2.0,
         producer_repeat=1,
-        variants=list(DEFAULT_VARIANTS),
-        variant_load=1000,
-        variant_modes=["notify"],
         fsync_test_seconds=0,
     )
 
@@ -366,7 +322,6 @@ def smoke_config() -> RunConfig:
         producer_repeat=1,
         variants=["no-trigger", "always+relay", "gated+relay", "gated-awake"],
         variant_load=200,
-        variant_modes=["notify"],
         fsync_test_seconds=0,
         stages=True,  # costs a read of each relay's stage log per cell
     )
@@ -419,6 +374,26 @@ def phase_options(p: argparse.ArgumentParser) -> None:
     compare_rev_option(alt)
     p.add_argument("--fsync-seconds", type=int, default=0, help="pg_test_fsync -s N (0: skip)")
     output_options(p)
+
+
+def add_options(p: argparse.ArgumentParser, config: type, **helps: str | tuple[str, Any]) -> None:
+    """An option ``--name-with-dashes`` per field of ``config`` named in ``helps`` (its
+    help, or (help, more ``add_argument`` keywords)), with the field's default and type."""
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+        for f in fields(config)
+    }
+    for name, h in helps.items():
+        text, more = (h, {}) if isinstance(h, str) else h
+        default = defaults[name]
+        kw: dict[str, Any] = {"default": default, "help": text}
+        if isinstance(default, list):
+            kw |= {"nargs": "+", "type": type(default[0])}
+        elif isinstance(default, bool):
+            kw["action"] = "store_true"
+        elif default is not None:
+            kw["type"] = type(default)
+        p.add_argument("--" + name.replace("_", "-"), **kw | more)
 
 
 def regime_options(p: argparse.ArgumentParser) -> None:

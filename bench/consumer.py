@@ -32,8 +32,6 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.arrays import save_arrays
 
-__all__ = ["assign_all", "main", "wall_offset_ns"]
-
 _START_TIMEOUT = 30.0
 
 

@@ -1,13 +1,7 @@
 """The backlog-drain phase (``python -m bench drain``): how fast does a mode empty an outbox
-that filled up while nothing was relaying?
-
-Per cell (one key mix x one mode x one round): a fresh database migrated with the CLI and a
-fresh topic (3 partitions); ``rows`` committed rows inserted with the mode stopped, then
-``VACUUM ANALYZE``; then the tally consumer (``bench/tally.py``) reads the topic from the
-beginning while the mode's processes start, all at once. The ``-avro`` modes' relays encode the
-payloads as Avro through a Schema Registry the run starts (``devstack.schema_registry``). See
-``bench/README.md``.
-"""
+that filled up while nothing was relaying? Rows inserted with the mode stopped, then the tally
+consumer (``bench/tally.py``) and the mode's processes start at once. Method:
+``bench/README.md``, "Backlog drain"."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,30 +20,26 @@ import asyncpg
 
 from bench import envinfo
 from bench.analysis import median
-from bench.config import POLLER, JsonRecord, Mode, common_options, from_args, phase_options
+from bench.config import (
+    POLLER,
+    Mode,
+    PhaseConfig,
+    add_options,
+    common_options,
+    from_args,
+    phase_options,
+)
 from bench.drain_schema import DRAIN_AVRO_SCHEMA
 from bench.fmt import environment_lines, finish, mode_bullets, num, profile_lines, table, whole
-from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc, wait_mode_ready
+from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
-from bench.procs import BenchError, Child, python_argv
+from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
-from bench.regimes import Regime, RegimeRun
+from bench.regimes import Cells, Regime
 from bench.revs import with_alt_modes
-from bench.services import Services, prepare_mode
+from bench.services import Services, connection
 from devstack._common import StackError
-from devstack.relayproc import child_env
 from devstack.schema_registry import APICURIO_VERSION, SchemaRegistryServer
-
-__all__ = [
-    "DEFAULT_MIXES",
-    "DEFAULT_MODES",
-    "MIXES",
-    "DrainConfig",
-    "DrainMode",
-    "alt_drain_mode",
-    "mode_env",
-    "parse_mode",
-]
 
 # The SQL expression of each mix's key for row ``g`` (1-based). ``hot`` draws from random()
 # after a fixed setseed(), so every cell of a run gets the same interleaving.
@@ -100,11 +91,8 @@ class DrainMode:
 
 
 def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
-    """``relay-N`` (N relay processes, default settings), ``relay-N-alt`` (the same from the
-    ``--alt-relay`` tree), either with ``-pgbouncer`` (workers through the run's
-    transaction-pooling PgBouncer, the listening connection direct), any of these with
-    ``-avro`` last (values encoded as Avro through the run's Schema Registry) or ``poller``
-    (the outbox literature's plain poller)."""
+    """``relay-N`` (N relay processes), ``relay-N-alt`` (from ``--alt-relay``), either
+    with ``-pgbouncer`` and then ``-avro``, or ``poller``."""
     if name == "poller":
         return DrainMode(name, POLLER, 1)
     m = _MODE_RE.match(name)
@@ -160,19 +148,14 @@ def mode_env(dm: DrainMode, relay_env: dict[str, str], registry_url: str | None)
 
 
 @dataclass
-class DrainConfig(JsonRecord):
+class DrainConfig(PhaseConfig):
     """Everything one drain run does; recorded in the result JSON."""
 
     rows: int = 100_000
     mixes: list[str] = field(default_factory=lambda: list(DEFAULT_MIXES))
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     repeat: int = 1
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
     cell_timeout: float = 0.0  # 0: 60 s + 1 s per 500 rows
-    fsync_test_seconds: int = 0
     profile: bool = False  # py-spy the first process of each mode in the first round
 
     def timeout(self) -> float:
@@ -185,7 +168,6 @@ HELP = "backlog drain: events/s emptying a pre-filled outbox"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench drain``."""
-    p.add_argument("--rows", type=int, default=100_000, help="rows per cell (default 100000)")
     p.add_argument("--mixes", nargs="+", help="key mixes (default: keys-1000 keys-100000 hot null)")
     p.add_argument(
         "--modes",
@@ -195,15 +177,16 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "with -avro last (values as Avro through a Schema Registry the run starts), poller "
         "(default: relay-1 relay-2 relay-4 poller)",
     )
-    p.add_argument("--repeat", type=int, default=1, help="rounds (modes interleaved; medians)")
-    phase_options(p)
-    p.add_argument("--cell-timeout", type=float, help="seconds (default 60 + rows/500)")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="py-spy the first process of each mode in the first round; the report lists "
+    add_options(
+        p,
+        DrainConfig,
+        rows="rows per cell (default 100000)",
+        repeat="rounds (modes interleaved; medians)",
+        cell_timeout=("seconds (default 60 + rows/500)", {"default": None}),
+        profile="py-spy the first process of each mode in the first round; the report lists "
         "the functions with the most own time",
     )
+    phase_options(p)
 
 
 def configure(args: argparse.Namespace) -> DrainConfig:
@@ -229,8 +212,7 @@ async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, f
     """Insert ``rows`` committed rows of key mix ``mix`` (payloads of ~200 bytes carrying
     ``s``, the row's sequence number within its key), then ``VACUUM ANALYZE`` the outbox."""
     key_sql = MIXES[mix][1]
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         t0 = time.monotonic()
         await conn.execute("SELECT setseed(0.42)")
         # A staging table first: the per-key sequence numbers need a window over all rows,
@@ -264,8 +246,6 @@ async def fill_backlog(dsn: str, topic: str, mix: str, rows: int) -> dict[str, f
         if count != rows:
             raise BenchError(f"backlog of {mix}: {count} pending rows instead of {rows}")
         size = await conn.fetchval("SELECT avg(length(payload::text))::float FROM outbox")
-    finally:
-        await conn.close(timeout=5)
     return {"insert_s": inserted, "vacuum_s": vacuumed, "payload_bytes": float(size or 0)}
 
 
@@ -280,8 +260,7 @@ async def _pending(conn: asyncpg.Connection) -> int:
 async def _wait_empty(dsn: str) -> int:
     """Wait (bounded) until no row is pending: a mode marks or deletes a batch only after
     Kafka acknowledged it, so the consumer can see the last event a moment earlier."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         deadline = time.monotonic() + _EMPTY_TIMEOUT
         left = await _pending(conn)
         while left and time.monotonic() < deadline:
@@ -289,23 +268,15 @@ async def _wait_empty(dsn: str) -> int:
             await asyncio.sleep(0.1)
             left = await _pending(conn)
         return left
-    finally:
-        await conn.close(timeout=5)
 
 
-class _Drain(RegimeRun):
-    name = "drain"
+class _Drain(Cells[DrainMode]):
+    name, short = "drain", "drain"
     cfg: DrainConfig
 
     def __init__(self, cfg: DrainConfig, run: PhaseRun) -> None:
-        super().__init__(cfg, run)
-        self.modes = [parse_mode(m, cfg.alt_relay) for m in cfg.modes]
-        self.cells: list[dict[str, Any]] = []
-        self.total = cfg.repeat * len(cfg.mixes) * len(self.modes)
-        run.progress.total = self.total
+        super().__init__(cfg, run, [parse_mode(m, cfg.alt_relay) for m in cfg.modes])
         run.result["mixes"] = {m: MIXES[m][0] for m in cfg.mixes}
-        run.result["modes"] = {m.name: m.to_json() for m in self.modes}
-        run.result["cells"] = self.cells
         self.registry_url: str | None = None
 
     def intro(self) -> str:
@@ -316,11 +287,19 @@ class _Drain(RegimeRun):
         )
 
     def pgbouncer(self) -> bool:
-        return needs_pgbouncer(m.mode for m in self.modes)
+        return needs_pgbouncer(m.mode for m in self.modes.values())
+
+    def grid(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for rnd in range(self.cfg.repeat):
+            for mix in self.cfg.mixes:
+                for dm in self.modes.values():
+                    identity = {"round": rnd, "mix": mix, "mode": dm.name}
+                    identity |= {"processes": dm.processes, "rows": self.cfg.rows}
+                    yield identity, f"{mix} {dm.name} round {rnd + 1}"
 
     async def body(self, services: Services) -> None:
-        if not any(m.avro for m in self.modes):
-            await self._rounds(services)
+        if not any(m.avro for m in self.modes.values()):
+            await super().body(services)
             return
         # One registry for the whole run (a JVM: ~5 s to start), in the run's work directory,
         # so that no cell pays for its start-up; it idles through the JSON modes' cells too.
@@ -337,7 +316,7 @@ class _Drain(RegimeRun):
                 "url": registry.url,
                 "schema": DRAIN_AVRO_SCHEMA,
             }
-            await self._rounds(services)
+            await super().body(services)
         finally:
             self.registry_url = None
             try:
@@ -345,71 +324,23 @@ class _Drain(RegimeRun):
             except Exception as e:  # reported, without hiding what the rounds raised
                 self.run.errors.append(f"stopping the Schema Registry: {type(e).__name__}: {e}")
 
-    async def _register(self, topic: str) -> int:
-        """Register the drain payloads' Avro schema under ``<topic>-value``; its id."""
-        from notify_outbox.schemaregistry import RegistryClient, RegistryError
-
-        assert self.registry_url is not None
-        client = RegistryClient(self.registry_url)
-        try:
-            return await client.register(f"{topic}-value", json.dumps(DRAIN_AVRO_SCHEMA))
-        except RegistryError as e:
-            raise BenchError(f"registering the schema of {topic}: {e}") from None
-        finally:
-            await client.aclose()
-
-    async def _rounds(self, services: Services) -> None:
-        for rnd in range(self.cfg.repeat):
-            for mix in self.cfg.mixes:
-                for mode in self.modes:
-                    try:
-                        cell = await self._cell(services, rnd, mix, mode)
-                    except BenchError as e:
-                        # One broken cell (a mode that would not start, a consumer that died)
-                        # is reported as such; the other cells still run.
-                        cell = {
-                            "cell": len(self.cells) + 1,
-                            "round": rnd,
-                            "mix": mix,
-                            "mode": mode.name,
-                            "processes": mode.processes,
-                            "rows": self.cfg.rows,
-                            "timed_out": True,
-                            "unique": 0,
-                            "error": str(e),
-                        }
-                        self.run.errors.append(f"{mix} {mode.name} round {rnd + 1}: {e}")
-                        self.run.progress.line(f"{mix} {mode.name}: FAILED: {e}", cell=True)
-                    self.cells.append(cell)
-                    self.run.write()  # a long run keeps what it has if it is stopped
-
-    async def _cell(self, services: Services, rnd: int, mix: str, dm: DrainMode) -> dict[str, Any]:
+    async def cell(
+        self, services: Services, identity: dict[str, Any], label: str
+    ) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
-        n = len(self.cells) + 1
-        label = f"{mix} {dm.name} round {rnd + 1}"
-        name = f"bench_drain_{run.run_id.lower()}_{n}"
-        topic = f"bench-drain-{run.run_id.lower()}-{n}"
+        dm = self.modes[identity["mode"]]
+        cell: dict[str, Any] = {"cell": len(self.cells) + 1, **identity, "started_utc": utc()}
+        topic = self.names(cell)[1]
         run.progress.status(f"{label}: database, topic, {cfg.rows} rows")
-        cell: dict[str, Any] = {
-            "cell": n,
-            "round": rnd,
-            "mix": mix,
-            "mode": dm.name,
-            "processes": dm.processes,
-            "rows": cfg.rows,
-            "started_utc": utc(),
-        }
-        try:
-            dsn, cell["database_setup"] = await prepare_mode(
-                services, dm.mode, name, topic, partitions=cfg.partitions
-            )
-            cell.update(await fill_backlog(dsn, topic, mix, cfg.rows))
+
+        async def measure(dsn: str) -> None:
+            cell.update(await fill_backlog(dsn, topic, cell["mix"], cfg.rows))
             if dm.avro:
                 # Before the relay starts: a governed topic without a schema fails its rows.
                 cell["schema_id"] = await self._register(topic)
             await self._measure(services, dsn, topic, dm, cell, label)
-        finally:
-            await run.drop_database(services, name)
+
+        await self.in_fresh_database(services, dm.mode, cell, measure)
         rate = cell.get("rate_first_last")
         run.progress.line(
             f"{label:<34} "
@@ -426,6 +357,19 @@ class _Drain(RegimeRun):
         )
         return cell
 
+    async def _register(self, topic: str) -> int:
+        """Register the drain payloads' Avro schema under ``<topic>-value``; its id."""
+        from notify_outbox.schemaregistry import RegistryClient, RegistryError
+
+        assert self.registry_url is not None
+        client = RegistryClient(self.registry_url)
+        try:
+            return await client.register(f"{topic}-value", json.dumps(DRAIN_AVRO_SCHEMA))
+        except RegistryError as e:
+            raise BenchError(f"registering the schema of {topic}: {e}") from None
+        finally:
+            await client.aclose()
+
     async def _measure(
         self,
         services: Services,
@@ -436,13 +380,8 @@ class _Drain(RegimeRun):
         label: str,
     ) -> None:
         run, cfg = self.run, self.cfg
-        tally = await Child.start(
-            f"tally {label}",
-            python_argv("-m", "bench", "_tally", services.bootstrap, topic),
-            env=child_env(),
-            log_path=run.log_path(f"tally-{slug(label)}"),
-            pipes=True,
-            cwd=run.src,
+        tally = await run.start_helper(
+            f"tally {label}", "_tally", services.bootstrap, topic, log=f"tally-{slug(label)}"
         )
         procs: list[Child] = []
         profiler: asyncio.subprocess.Process | None = None
@@ -455,18 +394,8 @@ class _Drain(RegimeRun):
             host0 = envinfo.cpu_times()
             run.progress.status(f"{label}: draining")
             t_start = time.monotonic_ns()
-            for i in range(dm.processes):
-                procs.append(
-                    await run.start(
-                        services,
-                        dm.mode,
-                        dsn,
-                        name=f"{dm.name}-{i + 1}-{slug(label)}",
-                        extra_env=extra,
-                        wait_ready=False,
-                    )
-                )
-            await asyncio.gather(*(wait_mode_ready(p, dm.mode) for p in procs))
+            names = [f"{dm.name}-{i + 1}-{slug(label)}" for i in range(dm.processes)]
+            await run.start_all(services, dm.mode, dsn, names, procs, extra)
             t_ready = time.monotonic_ns()
             # The CPU of starting up (imports, connecting: about 0.5 s) is no part of the
             # drain's cost per event; rows are claimed only from readiness on.
@@ -540,7 +469,7 @@ def problems(result: dict[str, Any]) -> list[str]:
     for c in result.get("cells", []):
         where = f"cell {c['cell']} ({c['mix']}, {c['mode']}, round {c['round'] + 1})"
         if c.get("timed_out", True):
-            problems.append(f"{where}: timed out, {c.get('unique')} of {c['rows']} arrived")
+            problems.append(f"{where}: timed out, {c.get('unique', 0)} of {c['rows']} arrived")
         elif c["unique"] != c["rows"]:
             problems.append(f"{where}: {c['unique']} of {c['rows']} arrived")
         if c.get("order_violations"):
@@ -736,14 +665,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-REGIME = Regime(
-    "drain",
-    HELP,
-    arguments,
-    configure,
-    _Drain.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-)
+REGIME = Regime.of(__name__, _Drain.main)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DRAIN_AVRO_SCHEMA"]
-
 # long, not int: g and s are PostgreSQL integers, the relay maps JSON numbers to either.
 DRAIN_AVRO_SCHEMA: dict[str, Any] = {
     "type": "record",

@@ -15,20 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 from bench.procs import ROOT, BenchError
-
-__all__ = [
-    "cpu_times",
-    "fdatasync_probe",
-    "git_info",
-    "git_output",
-    "host_info",
-    "library_versions",
-    "pg_test_fsync",
-    "postgres_info",
-]
+from bench.services import connection
 
 _LIBRARIES = (
     "notify-outbox",
@@ -201,8 +189,7 @@ def pg_test_fsync(directory: Path, seconds: int) -> dict[str, Any]:
 
 async def postgres_info(dsn: str) -> dict[str, Any]:
     """Version and key settings of the server."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         async with asyncio.timeout(30):
             version = await conn.fetchval("SELECT version()")
             rows = await conn.fetch(
@@ -210,8 +197,6 @@ async def postgres_info(dsn: str) -> dict[str, Any]:
                 list(_PG_SETTINGS),
             )
             shared = await conn.fetchval("SHOW shared_buffers")
-    finally:
-        await conn.close(timeout=5)
     settings = {r["name"]: r["setting"] + (r["unit"] or "") for r in rows}
     settings["shared_buffers"] = shared
     return {"version": version, "settings": settings}

@@ -1,18 +1,6 @@
-"""The failing-head regime (``python -m bench failing-head``): does a mass of rows that cannot
-be sent (their topic does not exist) hold back the healthy rows behind them, and what does the
-database pay while they wait for their retries?
-
-Per size, mode and round, on a fresh database and topic: ``size`` rows of ``failing_keys`` keys
-to a topic that does not exist in Kafka (the broker must not create topics on first use: the
-bench checks), inserted with the mode stopped; the mode starts and the bench waits until it has
-tried them (the relay: every failing key has a row with a recorded attempt; the poller: its
-session holds row locks, i.e. it claimed the head and is waiting for Kafka); then the load
-generator writes ``healthy_rows`` rows of ``healthy_keys`` other keys to the healthy topic at
-``healthy_rate`` ev/s, and the consumer times each one (commit ack -> receipt) for up to
-``healthy_timeout`` seconds. Then ``quiet`` seconds with no new row: the database's commits/s
-(``pg_stat_database``) and statements/s (``pg_stat_statements``) of the mode's database, the
-statements it ran most, and the mode's CPU. See ``bench/README.md``.
-"""
+"""The failing-head regime (``python -m bench failing-head``): do rows whose topic does not
+exist hold back the healthy rows behind them, and what does the database pay while they wait
+for their retries? Method: ``bench/README.md``, "Failing head"."""
 
 from __future__ import annotations
 
@@ -27,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.analysis import median
 from bench.arrays import load_arrays
 from bench.config import (
-    JsonRecord,
     Mode,
+    PhaseConfig,
+    add_options,
     common_options,
     from_args,
     phase_options,
@@ -44,11 +32,11 @@ from bench.config import (
 from bench.fmt import (
     environment_lines,
     finish,
+    grid,
     modes_section,
     ms,
     num,
     opt,
-    table,
     targets_section,
     whole,
 )
@@ -72,15 +60,10 @@ from bench.regimes import (
 )
 from bench.services import (
     Services,
+    connection,
     db_counters,
     statement_calls,
 )
-
-__all__ = [
-    "FailingHeadConfig",
-    "problems",
-    "summarize",
-]
 
 _QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
 _POLL_S = 0.1
@@ -101,7 +84,7 @@ WHERE datname = $1 AND application_name = 'bench-poller' AND backend_xid IS NOT 
 
 
 @dataclass
-class FailingHeadConfig(JsonRecord):
+class FailingHeadConfig(PhaseConfig):
     """Everything one failing-head run does; recorded in the result JSON."""
 
     failing_rows: list[int] = field(default_factory=lambda: [5000, 100_000])
@@ -118,11 +101,6 @@ class FailingHeadConfig(JsonRecord):
     tried_timeout: float = 60.0
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_REGIME_MODES))
     repeat: int = 1
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
-    fsync_test_seconds: int = 0
 
 
 HELP = "healthy rows behind thousands of rows whose topic does not exist"
@@ -130,32 +108,18 @@ HELP = "healthy rows behind thousands of rows whose topic does not exist"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench failing-head``."""
-    p.add_argument(
-        "--failing-rows",
-        nargs="+",
-        type=int,
-        default=[5000, 100_000],
-        help="sizes of the failing head (default 5000 100000)",
-    )
-    p.add_argument("--failing-keys", type=int, default=5, help="keys of the failing rows")
-    p.add_argument("--healthy-rows", type=int, default=300, help="healthy rows (default 300)")
-    p.add_argument("--healthy-keys", type=int, default=30, help="their keys (default 30)")
-    p.add_argument("--healthy-rate", type=float, default=100.0, help="their events/s")
-    p.add_argument(
-        "--healthy-timeout", type=float, default=60.0, help="seconds a healthy row may take"
-    )
-    p.add_argument("--quiet", type=float, default=20.0, help="seconds of the quiet window")
-    p.add_argument(
-        "--quiet-settle",
-        type=float,
-        default=11.0,
-        help="seconds before the quiet window, for PostgreSQL's delayed statistics",
-    )
-    p.add_argument(
-        "--tried-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the mode to try the failing rows",
+    add_options(
+        p,
+        FailingHeadConfig,
+        failing_rows="sizes of the failing head (default 5000 100000)",
+        failing_keys="keys of the failing rows",
+        healthy_rows="healthy rows (default 300)",
+        healthy_keys="their keys (default 30)",
+        healthy_rate="their events/s",
+        healthy_timeout="seconds a healthy row may take",
+        quiet="seconds of the quiet window",
+        quiet_settle="seconds before the quiet window, for PostgreSQL's delayed statistics",
+        tried_timeout="seconds to wait for the mode to try the failing rows",
     )
     regime_options(p)
     phase_options(p)
@@ -188,8 +152,7 @@ async def fill_failing(dsn: str, topic: str, rows: int, keys: int) -> dict[str, 
     """``rows`` committed rows of keys ``f0`` .. ``f<keys-1>`` (round robin) to ``topic``, in
     one transaction (few keys: the ordering trigger's advisory locks are few), then
     ``VACUUM ANALYZE``."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         t0 = time.monotonic()
         await conn.execute(
             "INSERT INTO outbox (topic, key, payload) "
@@ -202,8 +165,6 @@ async def fill_failing(dsn: str, topic: str, rows: int, keys: int) -> dict[str, 
         )
         inserted = time.monotonic() - t0
         await conn.execute("VACUUM ANALYZE outbox", timeout=_QUERY_TIMEOUT)
-    finally:
-        await conn.close(timeout=5)
     return {"insert_s": inserted, "vacuum_s": time.monotonic() - t0 - inserted}
 
 
@@ -240,7 +201,7 @@ def _quiet_record(
     }
 
 
-class _FailingHead(Cells):
+class _FailingHead(Cells[Mode]):
     name, short = "failing-head", "fhead"
     cfg: FailingHeadConfig
 
@@ -383,11 +344,9 @@ class _FailingHead(Cells):
         self, services: Services, mode: Mode, dsn: str, database: str, failing_topic: str
     ) -> tuple[bool, int]:
         """Wait (bounded) until the mode has tried the failing rows: the relay recorded an
-        attempt on a row of every failing key; the poller's session holds row locks (it
-        claimed the head and waits for Kafka). Nothing else signals it."""
+        attempt for every failing key; the poller's session holds row locks."""
         relay = mode.kind == "relay"
-        conn = await asyncpg.connect(dsn if relay else services.dsn, timeout=30)
-        try:
+        async with connection(dsn if relay else services.dsn) as conn:
             deadline = time.monotonic() + self.cfg.tried_timeout
             while True:
                 if relay:
@@ -398,8 +357,6 @@ class _FailingHead(Cells):
                 if done or time.monotonic() > deadline:
                     return done, time.monotonic_ns()
                 await asyncio.sleep(_POLL_S)
-        finally:
-            await conn.close(timeout=5)
 
     def _healthy(self, gen: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         """Per healthy row, commit ack -> receipt."""
@@ -470,8 +427,7 @@ def _by_second(acks: list[int], lat: list[int]) -> list[list[float]]:
 
 async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]:
     """Where the failing rows are after the quiet window, and the healthy rows left."""
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         row = await conn.fetchrow(
             "SELECT count(*) FILTER (WHERE topic = $1) AS failing_left, "
             "count(*) FILTER (WHERE topic = $1 AND attempts > 0) AS failing_tried, "
@@ -483,8 +439,6 @@ async def _end_state(dsn: str, failing_topic: str, topic: str) -> dict[str, Any]
             timeout=_QUERY_TIMEOUT,
         )
         dead = await conn.fetchval("SELECT count(*) FROM outbox_dead_letter", timeout=30)
-    finally:
-        await conn.close(timeout=5)
     assert row is not None
     return {**dict(row), "dead_letters": int(dead)}
 
@@ -499,11 +453,8 @@ def _empty_claims(quiet: dict[str, Any]) -> int | None:
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians over rounds per (size, mode), and the targets for the relay modes (issue 17,
-    design/benchmarks.md): healthy rows arrive within 1 s; no empty claims while the failing
-    rows wait. The failing keys' retries come due on their schedule in the quiet window, and
-    each is a claim with its statements: the statements/s are reported, and the retries'
-    share of them is the claims that got a row (a retry is claimed alone)."""
+    """Medians over rounds per (size, mode), and the relay modes' targets (issue 17): every
+    healthy row within 1 s; no empty claims while the failing rows wait for their retries."""
     cfg = result["config"]
     rows: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
@@ -588,9 +539,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def problems(result: dict[str, Any]) -> list[str]:
-    """What makes a failing-head result wrong (not slow): a cell that failed, a failing topic
-    that came to exist (the broker created it). Healthy rows the plain poller never delivers
-    are its result, not a problem."""
+    """What makes a failing-head result wrong: a cell that failed, a failing topic that
+    came to exist. Healthy rows the poller never delivers are its result, not a problem."""
     problems = []
     for c in result.get("cells", []):
         where = (
@@ -620,39 +570,34 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines += targets_section(summary, "design/benchmarks.md")
     t = f"{cfg['healthy_timeout']:g}"
     lines += ["", "## Healthy rows behind the failing head (medians over rounds)", ""]
-    lines += table(
-        [
-            "failing rows",
-            "mode",
-            "within 1 s",
-            f"within {t} s",
-            "p50 (ms)",
-            "p99 (ms)",
-            "max (ms)",
+    lines += grid(
+        summary["rows"],
+        ("failing rows", lambda r: f"{r['failing_rows']:,}"),
+        ("mode", lambda r: r["mode"]),
+        ("within 1 s", lambda r: f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}"),
+        (f"within {t} s", lambda r: f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}"),
+        ("p50 (ms)", lambda r: num(r["p50"], 1)),
+        ("p99 (ms)", lambda r: num(r["p99"], 1)),
+        ("max (ms)", lambda r: num(r["max"], 1)),
+        (
             "all arrived, s after the last commit",
-            "mode tried the failing rows, s after ready",
-        ],
-        [
-            [
-                f"{r['failing_rows']:,}",
-                r["mode"],
-                f"{whole(r['within_1s'])} of {whole(r['healthy_rows'])}",
-                f"{whole(r['within_timeout'])} of {whole(r['healthy_rows'])}",
-                num(r["p50"], 1),
-                num(r["p99"], 1),
-                num(r["max"], 1),
+            lambda r: (
                 num(r["all_arrived_after_last_commit_s"])
                 + (
                     ""
                     if r["all_arrived_rounds"] == r["rounds"]
-                    else f" (not all within {t} s in {r['rounds'] - r['all_arrived_rounds']} "
-                    "round(s))"
-                ),
+                    else f" (not all within {t} s in "
+                    f"{r['rounds'] - r['all_arrived_rounds']} round(s))"
+                )
+            ),
+        ),
+        (
+            "mode tried the failing rows, s after ready",
+            lambda r: (
                 num(r["tried_after_ready_s"])
-                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)"),
-            ]
-            for r in summary["rows"]
-        ],
+                + ("" if r["tried_rounds"] == r["rounds"] else " (not in every round)")
+            ),
+        ),
     )
     lines += [
         "",
@@ -666,25 +611,17 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "process and of the whole PostgreSQL cluster.",
         "",
     ]
-    lines += table(
-        (
-            "failing rows | mode | commits/s | transactions/s (with rollbacks) | statements/s | "
-            "claims/s | mode CPU % | db CPU % | mode log lines"
-        ),
-        [
-            [
-                f"{r['failing_rows']:,}",
-                r["mode"],
-                num(r["commits_per_s"], 1),
-                num(r["xacts_per_s"], 1),
-                num(r["statements_per_s"], 1),
-                num(r["claims_per_s"], 1),
-                num(r["mode_cpu_percent"], 1),
-                num(r["db_cpu_percent"], 1),
-                whole(r["mode_log_lines"]),
-            ]
-            for r in summary["rows"]
-        ],
+    lines += grid(
+        summary["rows"],
+        ("failing rows", lambda r: f"{r['failing_rows']:,}"),
+        ("mode", lambda r: r["mode"]),
+        ("commits/s", lambda r: num(r["commits_per_s"], 1)),
+        ("transactions/s (with rollbacks)", lambda r: num(r["xacts_per_s"], 1)),
+        ("statements/s", lambda r: num(r["statements_per_s"], 1)),
+        ("claims/s", lambda r: num(r["claims_per_s"], 1)),
+        ("mode CPU %", lambda r: num(r["mode_cpu_percent"], 1)),
+        ("db CPU %", lambda r: num(r["db_cpu_percent"], 1)),
+        ("mode log lines", lambda r: whole(r["mode_log_lines"])),
     )
     tops = [c for c in result.get("cells", []) if c.get("round") == 0 and "quiet" in c]
     if tops:
@@ -757,15 +694,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-REGIME = Regime(
-    "failing-head",
-    HELP,
-    arguments,
-    configure,
-    _FailingHead.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-    terminal=("## Targets", "## Healthy rows", "## Quiet window"),
-)
+REGIME = Regime.of(__name__, _FailingHead.main, "## Targets", "## Healthy rows", "## Quiet window")

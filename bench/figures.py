@@ -23,8 +23,6 @@ from typing import Any
 from . import drain, failing_head, held_snapshot, stalled_relay
 from .report import _find, summarize
 
-__all__ = ["BEGIN", "END", "PAGES", "check", "main", "render", "update"]
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PAGES = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")

@@ -6,30 +6,10 @@ Only formatting: no module of the bench is imported but ``bench.revs`` (revision
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from bench.revs import revision_text
-
-__all__ = [
-    "environment_lines",
-    "finish",
-    "mode_bullets",
-    "modes_section",
-    "ms",
-    "ms_aligned",
-    "num",
-    "opt",
-    "pct",
-    "percent",
-    "profile_lines",
-    "share",
-    "signed",
-    "table",
-    "tables_under",
-    "targets_section",
-    "whole",
-]
-
 
 # --- numbers --------------------------------------------------------------------------------
 
@@ -102,6 +82,15 @@ def table(head: str | list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return lines
+
+
+Column = tuple[str, Callable[[Any], str]]
+
+
+def grid(rows: Iterable[Any], *columns: Column) -> list[str]:
+    """A markdown table with a row per item of ``rows``: ``columns`` are (heading, the cell of
+    an item)."""
+    return table([h for h, _ in columns], [[cell(r) for _, cell in columns] for r in rows])
 
 
 def tables_under(text: str, heads: tuple[str, ...]) -> list[str]:

@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["main"]
-
 _CONFIRM_S = 1.0  # how long to wait for /proc to show the process stopped
 
 

@@ -1,15 +1,6 @@
-"""The held-snapshot regime (``python -m bench held-snapshot``): what a long transaction
-(``pg_dump``, a report, a forgotten session) does to a mode while producers keep writing.
-
-Per mode and round, on a fresh database and topic: steady open-loop writers (``rate`` ev/s over
-``keys`` keys, single-row transactions, ``bench/loadgen.py``), the latency consumer, and the
-mode. After ``baseline`` seconds another session runs ``BEGIN ISOLATION LEVEL REPEATABLE READ;
-SELECT count(*) FROM outbox;`` and keeps that transaction open for ``hold`` seconds (vacuum can
-remove no tuple that died meanwhile), then rolls back; then ``recovery`` seconds more. A sampler
-reads, every second, the mode's CPU, the database cluster's CPU and the outbox's dead tuples
-and size. Afterwards every event's commit ack and receipt are put into windows of ``window``
-seconds (by commit ack). See ``bench/README.md``.
-"""
+"""The held-snapshot regime (``python -m bench held-snapshot``): steady writers while another
+session holds a REPEATABLE READ snapshot open; latency, rate, CPU per event and dead tuples per
+window. Method: ``bench/README.md``, "Held snapshot"."""
 
 from __future__ import annotations
 
@@ -27,7 +18,15 @@ import asyncpg
 from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, regime_options
+from bench.config import (
+    Mode,
+    PhaseConfig,
+    add_options,
+    common_options,
+    from_args,
+    phase_options,
+    regime_options,
+)
 from bench.fmt import (
     environment_lines,
     finish,
@@ -63,12 +62,6 @@ from bench.regimes import (
 )
 from bench.services import Services
 
-__all__ = [
-    "HeldSnapshotConfig",
-    "problems",
-    "summarize",
-]
-
 PHASES = ("baseline", "hold", "recovery")
 _QUERY_TIMEOUT = 60.0
 _STATS = """
@@ -79,7 +72,7 @@ FROM pg_stat_user_tables WHERE relname = 'outbox'
 
 
 @dataclass
-class HeldSnapshotConfig(JsonRecord):
+class HeldSnapshotConfig(PhaseConfig):
     """Everything one held-snapshot run does; recorded in the result JSON."""
 
     rate: float = 800.0
@@ -92,17 +85,11 @@ class HeldSnapshotConfig(JsonRecord):
     repeat: int = 1
     sample_every: float = 1.0
     drain_timeout: float = 120.0  # after the load: until every committed event arrived
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
-    fsync_test_seconds: int = 0
     warmup: float = 60.0  # seconds of unmeasured load on the stack before the first cell
 
     def phase_windows(self) -> list[tuple[str, float]]:
-        """(phase, offset from the phase's start) of every window, in order: each phase cut
-        into ``window``-second pieces, a remainder under half a window joined to the piece
-        before it."""
+        """(phase, offset) of every window: each phase cut into ``window`` pieces, a
+        remainder under half a window joined to the piece before it."""
         out: list[tuple[str, float]] = []
         for phase, length in zip(PHASES, (self.baseline, self.hold, self.recovery), strict=True):
             offsets = [0.0]
@@ -117,28 +104,20 @@ HELP = "steady load while another session holds a REPEATABLE READ snapshot open"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench held-snapshot``."""
-    p.add_argument("--rate", type=float, default=800.0, help="writers' events/s (default 800)")
-    p.add_argument("--keys", type=int, default=40, help="distinct keys (default 40)")
-    p.add_argument("--baseline", type=float, default=60.0, help="seconds before the snapshot")
-    p.add_argument(
-        "--hold", type=float, default=600.0, help="seconds the snapshot is held (default 600)"
-    )
-    p.add_argument("--recovery", type=float, default=60.0, help="seconds after the rollback")
-    p.add_argument("--window", type=float, default=30.0, help="seconds per report window")
-    p.add_argument(
-        "--warmup",
-        type=float,
-        default=60.0,
-        help="seconds of unmeasured load through the relay before the first cell, so that no "
-        "mode meets a cold stack (default 60; 0: none)",
+    add_options(
+        p,
+        HeldSnapshotConfig,
+        rate="writers' events/s (default 800)",
+        keys="distinct keys (default 40)",
+        baseline="seconds before the snapshot",
+        hold="seconds the snapshot is held (default 600)",
+        recovery="seconds after the rollback",
+        window="seconds per report window",
+        warmup="seconds of unmeasured load through the relay before the first cell, so that "
+        "no mode meets a cold stack (default 60; 0: none)",
+        drain_timeout="after the load, seconds to wait for every committed event",
     )
     regime_options(p)
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="after the load, seconds to wait for every committed event",
-    )
     phase_options(p)
 
 
@@ -315,7 +294,7 @@ def analyse_cell(
     return windows, phases, event_counts(gen["ack"], recv_of)
 
 
-class _HeldSnapshot(Cells):
+class _HeldSnapshot(Cells[Mode]):
     name, short = "held-snapshot", "held"
     cfg: HeldSnapshotConfig
 
@@ -485,9 +464,8 @@ class _HeldSnapshot(Cells):
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians over rounds per mode and window, per-phase figures and the targets
-    (design/benchmarks.md: p99 within max(2x, +10 ms) of the baseline; producers keep >= 90 %
-    of their rate)."""
+    """Medians over rounds per mode and window, per phase, and the targets
+    (design/benchmarks.md)."""
     cfg = result["config"]
     modes: dict[str, Any] = {}
     targets: list[dict[str, Any]] = []
@@ -572,9 +550,9 @@ _FLAT = 1.25
 
 
 def _flat_and_beaten(modes: dict[str, Any]) -> list[dict[str, Any]]:
-    """Targets of issue #17 beyond latency and rate: the relay's and the database's CPU per
-    event stay flat across the hold (every hold window within ``_FLAT`` x the baseline
-    windows' median), and the relay's p99 is below the plain poller's in every window."""
+    """Targets of issue #17: CPU per event flat across the hold (each hold window
+    within ``_FLAT`` x the baseline's median), and the relay's p99 below the poller's in every
+    window."""
     out: list[dict[str, Any]] = []
     for mode, m in modes.items():
         if mode == "poller":
@@ -738,9 +716,7 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
 
 
 def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
-    """Per window of the held-snapshot regime, one line per mode: ack -> receive p99 (log
-    scale), the producers' achieved share of the offered rate, and the outbox's dead tuples;
-    the hold is shaded."""
+    """Per window and mode: ack -> receive p99, rate share and dead tuples; the hold shaded."""
     from bench.plots import mode_colors, plt  # matplotlib only when plotting
 
     modes, cfg = summary["modes"], result["config"]
@@ -785,15 +761,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-REGIME = Regime(
-    "held-snapshot",
-    HELP,
-    arguments,
-    configure,
-    _HeldSnapshot.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-    terminal=("## Targets", "## Per window"),
-)
+REGIME = Regime.of(__name__, _HeldSnapshot.main, "## Targets", "## Per window")

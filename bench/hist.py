@@ -12,8 +12,6 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["PERCENTILES", "Histogram"]
-
 # Precision: values below 2**_P are exact; above, 2**(_P - 1) buckets per power of two.
 _P = 8
 _EXACT = 1 << _P

@@ -1,26 +1,8 @@
-"""The inbox regime (``python -m bench inbox``): a consumer group drains a backlog of messages
-through the inbox into a fresh database, and the bench measures messages per second.
-
-Modes, interleaved in every round, each with its own consumer group and database:
-
-- ``apply``: ``Inbox.apply`` per message, one transaction each (what ``consume`` did before
-  the batch path);
-- ``consume``: ``notify_outbox.inbox.consume``, a handler per message (one INSERT each), one
-  transaction and one claim statement per fetched partition batch;
-- ``consume_batches``: ``consume_batches``, the handler writes the fresh messages in one
-  statement;
-- ``consume_batches_parallel``: the same with ``concurrency`` = the topic's partitions (a
-  fetch's partition batches in overlapping transactions on a pool);
-- ``baseline``: the simple batched inbox of issue 18, written out below in 40 lines: the same
-  consumer, one transaction per partition batch, ``INSERT ... SELECT unnest($1::uuid[]) ON
-  CONFLICT DO NOTHING RETURNING``, the rows in one statement, then the offset commit.
-
-Every mode runs in this process (uvloop, as the relay) against the bench's own devstack, or
-``NOTIFY_OUTBOX_DSN`` / ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``. The handler of every mode
-writes the same row per message (event id, value). The clock runs from the moment the consumer
-has its partitions (the group join before it is reported apart, as ``join_seconds``) until every
-message is committed in the database (the offset commit of the last batch follows it).
-"""
+"""The inbox regime (``python -m bench inbox``): messages per second of a consumer group
+draining a backlog through the inbox into a fresh database, per mode (``apply``, ``consume``,
+``consume_batches``, ``consume_batches_parallel``, and ``baseline``: the simple batched inbox of
+issue 18, below). Every mode runs in this process; the clock runs from the partitions' assignment
+(the join apart, ``join_seconds``) until every message is committed. See ``bench/README.md``."""
 
 from __future__ import annotations
 
@@ -42,15 +24,20 @@ import anyio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from bench.config import JsonRecord, from_args, output_options
+from bench.config import JsonRecord, add_options, from_args, output_options
 from bench.phase import loadavg, utc
 from bench.procs import BenchError
 from bench.regimes import Regime
-from bench.services import close_services, dsn_for, make_work_dir, open_services, remove_work_dir
+from bench.services import (
+    close_services,
+    connection,
+    dsn_for,
+    make_work_dir,
+    open_services,
+    remove_work_dir,
+)
 from devstack.relayproc import create_topics
 from notify_outbox.inbox import Inbox, consume, consume_batches, migrate_inbox
-
-__all__ = ["MODES", "REGIME", "InboxBenchConfig", "problems", "run_inbox_bench", "summarize"]
 
 MODES = ("apply", "consume", "consume_batches", "consume_batches_parallel", "baseline")
 APPLIED_SQL = "CREATE TABLE applied (event_id text NOT NULL, value bytea)"
@@ -80,16 +67,18 @@ HELP = (
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench inbox``."""
-    p.add_argument("--messages", type=int, default=20_000, help="backlog size (default 20000)")
-    p.add_argument("--partitions", type=int, default=4, help="topic partitions (default 4)")
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        choices=["apply", "consume", "consume_batches", "consume_batches_parallel", "baseline"],
-        help="default: all five (apply consume consume_batches consume_batches_parallel baseline)",
+    add_options(
+        p,
+        InboxBenchConfig,
+        messages="backlog size (default 20000)",
+        partitions="topic partitions (default 4)",
+        modes=(
+            "default: all five (apply consume consume_batches consume_batches_parallel baseline)",
+            {"choices": list(MODES), "default": None},
+        ),
+        repeat="rounds (modes interleaved; medians)",
+        max_records="getmany max_records",
     )
-    p.add_argument("--repeat", type=int, default=3, help="rounds (modes interleaved; medians)")
-    p.add_argument("--max-records", type=int, default=500, help="getmany max_records")
     output_options(p)
 
 
@@ -230,13 +219,10 @@ async def _produce(bootstrap: str, topic: str, n: int) -> None:
 async def _cell(
     cfg: InboxBenchConfig, dsn: str, bootstrap: str, topic: str, mode: str, drain: Drain
 ) -> dict[str, Any]:
-    conn = await asyncpg.connect(dsn)
-    try:
+    async with connection(dsn) as conn:
         await migrate_inbox(conn)
         await conn.execute(APPLIED_SQL)
         await conn.execute(BASELINE_SQL)
-    finally:
-        await conn.close()
     # A connection per partition for the parallel mode (its concurrency), two for the others.
     size = cfg.partitions + 1 if mode == "consume_batches_parallel" else 2
     pool = await asyncpg.create_pool(dsn, min_size=size, max_size=size)
@@ -284,13 +270,10 @@ async def _cell(
         await asyncio.gather(task, return_exceptions=True)
         await consumer.stop()
         await pool.close()
-    conn = await asyncpg.connect(dsn)
-    try:
+    async with connection(dsn) as conn:
         table = "baseline_applied" if mode == "baseline" else "applied"
         rows = await conn.fetchval(f"SELECT count(*) FROM {table}")
         distinct = await conn.fetchval(f"SELECT count(DISTINCT event_id) FROM {table}")
-    finally:
-        await conn.close()
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     return {
         "mode": mode,
@@ -351,7 +334,7 @@ async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = Fals
     finally:
         result["environment"]["loadavg_after"] = loadavg()
         result["finished"] = utc()
-        result["summary"] = _summary(result["cells"])
+        result["summary"] = summarize(result)
         await asyncio.to_thread(path.write_text, json.dumps(result, indent=2) + "\n")
         await close_services(services)
         if not keep:
@@ -359,7 +342,9 @@ async def run_inbox_bench(cfg: InboxBenchConfig, out: Path, *, keep: bool = Fals
     return path
 
 
-def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: the median msg/s over rounds, and its ratio to the baseline's."""
+    cells = result["cells"]
     by: dict[str, list[float]] = {}
     for c in cells:
         by.setdefault(c["mode"], []).append(c["msg_per_s"])
@@ -383,11 +368,6 @@ def _summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 s["paired_vs_baseline"] = [round(r, 3) for r in paired]
                 s["median_paired_vs_baseline"] = round(statistics.median(paired), 3)
     return summary
-
-
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Per mode: the median msg/s over rounds, and its ratio to the baseline's."""
-    return _summary(result["cells"])
 
 
 def problems(result: dict[str, Any]) -> list[str]:
@@ -461,14 +441,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], png: Path) -> bool:
     return True
 
 
-REGIME = Regime(
-    "inbox",
-    HELP,
-    arguments,
-    configure,
-    run_inbox_bench,
-    summarize,
-    problems,
-    markdown,
-    plot,
-)
+REGIME = Regime.of(__name__, run_inbox_bench)

@@ -1,35 +1,16 @@
 """The load generator, run as its own process (``python -m bench _loadgen CONFIG``).
 
-Open loop: a send schedule is fixed before the first event (constant rate, or Poisson
-arrivals), and ``writers`` connections take the events in schedule order. A writer sleeps until
-its event's scheduled time, or sends at once when it is late; it never skips an event. Each
-event is one single-row transaction, written either with plain SQL (one autocommit INSERT) or
-through the Python API (``BEGIN``; ``notify_outbox.enqueue``; ``COMMIT``). With ``tx_events`` N > 1
-a writer puts up to N events that are already due into one transaction (one multi-row INSERT,
-or ``enqueue_many``), as a batching service would: this measures a relay's throughput past
-the single-row commit rate of the machine; latency is still taken from each event's own
-scheduled time, so the wait for a transaction's other events is counted. The payload carries
-the cell number, the event's index and its scheduled time (``time.monotonic_ns()``, which is one
-clock for every process of the host), so the consumer can compute latency from the schedule:
-a stalled writer cannot hide latency (no coordinated omission). For every event the generator
-also records when the send started and when the commit was acknowledged, keyed by index.
-
-With ``reconnect`` a writer whose connection broke (a PostgreSQL restart) connects again before
-its next event; the events that failed meanwhile count as errors and are not retried. With
-``stop_on_input`` a line (or the end of input) on stdin ends the schedule early: the outage
-bench runs a schedule as long as its deadline and stops it when its restarts are done. With
-``announce`` the generator prints ``{"t0": ...}`` (the schedule's start, monotonic ns) on stdout
-before the first event, so the orchestrator can time its own steps (the held snapshot) from it.
-
-With ``sink: "kafka"`` there is no database: the generator is the bench's Kafka floor. It
-sends every event, on the same schedule and with the same key and payload, straight to the
-topic with the relay's own producer (``KafkaPublisher``'s aiokafka settings: acks=all,
-idempotent, linger 0), and its "commit ack" is the moment ``send()`` has taken the record, so
-that ack->recv is what Kafka and the consumer alone cost.
-
-Closed loop (``closed: true``): ``writers`` connections insert as fast as they can for
-``duration`` seconds; used for producer overhead when pgbench is not available.
-"""
+Open loop: the send schedule (constant rate, or Poisson) is fixed before the first event, and
+``writers`` connections take the events in schedule order, never skipping one; each event is a
+single-row transaction (plain SQL, or ``notify_outbox.enqueue``), or with ``tx_events`` N > 1 up
+to N due events per transaction. The payload carries the cell, the event's index and its
+scheduled ``time.monotonic_ns()`` (one clock for the host), so latency counts from the schedule
+(no coordinated omission); per event the send start and commit ack are recorded too.
+``reconnect``: a broken connection is opened again before the next event (failed events are
+errors, not retried). ``stop_on_input``: a line on stdin ends the schedule. ``announce``: prints
+``{"t0": ...}`` before the first event. ``sink: "kafka"``: no database, the relay's own producer
+sends straight to the topic (the Kafka floor). ``closed``: as fast as possible for ``duration``
+(producer overhead without pgbench)."""
 
 from __future__ import annotations
 
@@ -50,8 +31,6 @@ from aiokafka.errors import KafkaError
 
 from bench.arrays import new_array, save_arrays
 from bench.hist import Histogram
-
-__all__ = ["LoadConfig", "build_schedule", "event_key", "event_payload", "main"]
 
 SQL_INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, $3::jsonb)"
 SQL_INSERT_MANY = (

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -26,25 +27,52 @@ from bench.config import Mode, writers_for
 from bench.loadgen import LoadConfig
 from bench.pooler import end_record, mode_dsns, start_pgbouncer
 from bench.procs import ROOT, BenchError, Child, python_argv
-from bench.progress import Progress
 from bench.revs import label_modes
 from bench.services import Services, close_services, make_work_dir, remove_work_dir
 from devstack.relayproc import READY, child_env, cli_argv, relay_env
 
-__all__ = [
-    "READY_TIMEOUT",
-    "PhaseRun",
-    "loadavg",
-    "record_environment",
-    "slug",
-    "snapshot_source",
-    "start_mode",
-    "utc",
-    "wait_mode_ready",
-]
-
 READY_TIMEOUT = 60.0  # a child process's start, until it says it is ready
 _STOP_TIMEOUT = 40.0  # above the relay's default shutdown_timeout (30 s)
+
+
+class Progress:
+    """Progress on stderr: ``status()`` rewrites a live line (terminal only), ``line()`` prints
+    a lasting one, with the time and the cells done."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.total = 0  # cells
+        self.done = 0
+        self._live = sys.stderr.isatty()
+        self._shown = False
+
+    def _stamp(self) -> str:
+        s = int(time.monotonic() - self.start)
+        cells = f" {self.done}/{self.total}" if self.total else ""
+        return f"[{s // 60:02d}:{s % 60:02d}{cells}]"
+
+    def _clear(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\x1b[2K")
+            self._shown = False
+
+    def status(self, text: str) -> None:
+        """Show what is happening now."""
+        if not self._live:
+            return
+        width = shutil.get_terminal_size((100, 20)).columns - 1
+        self._clear()
+        sys.stderr.write(f"{self._stamp()} {text}"[:width])
+        sys.stderr.flush()
+        self._shown = True
+
+    def line(self, text: str, *, cell: bool = False) -> None:
+        """Print a lasting line (``cell``: one more cell is done)."""
+        if cell:
+            self.done += 1
+        self._clear()
+        sys.stderr.write(f"{self._stamp()} {text}\n")
+        sys.stderr.flush()
 
 
 def utc() -> str:
@@ -63,9 +91,8 @@ def slug(name: str) -> str:
 
 
 def snapshot_source(work: Path) -> tuple[Path, dict[str, Any]]:
-    """Copy ``notify_outbox/`` and ``sql/`` of this checkout into ``work/src``: every process
-    of the run imports the relay from there (it is the working directory of every child, so
-    first on ``sys.path``), so edits to the checkout during a run cannot mix two versions."""
+    """Copy ``notify_outbox/`` and ``sql/`` into ``work/src``, every child's working
+    directory, so that edits to the checkout during a run cannot mix two versions."""
     src = work / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "notify_outbox", src / "notify_outbox", ignore=ignore)
@@ -137,9 +164,8 @@ async def start_mode(
     extra_env: dict[str, str] | None = None,
     wait_ready: bool = True,
 ) -> Child:
-    """Start a mode's process (the relay CLI or the bench's poller) on ``dsn``, from the
-    source snapshot ``src`` (or the mode's own tree), and wait until it logs that it runs
-    (unless ``wait_ready`` is false: then the caller waits, e.g. for several at once)."""
+    """Start a mode's process on ``dsn`` from the snapshot ``src`` (or the mode's own
+    tree), and unless ``wait_ready`` is false wait until it logs that it runs."""
     if mode.kind == "relay":
         argv = cli_argv("run", *mode.args)
     else:
@@ -184,8 +210,7 @@ def _clean(o: Any) -> Any:
 
 class PhaseRun:
     """One run of a phase: ``run(body)`` opens the services, records the environment, runs
-    ``body`` and writes ``<out>/<phase>-<UTC timestamp>.json`` (``<UTC timestamp>.json`` for
-    the latency run, ``phase`` None)."""
+    ``body`` and writes ``<out>/[<phase>-]<UTC timestamp>.json``."""
 
     def __init__(
         self, phase: str | None, config: dict[str, Any], out_dir: Path, *, keep: bool
@@ -241,6 +266,25 @@ class PhaseRun:
             wait_ready=wait_ready,
         )
 
+    async def start_all(
+        self,
+        services: Services,
+        mode: Mode,
+        dsn: str,
+        names: list[str],
+        into: list[Child],
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """Start a process of ``mode`` per name (appended to ``into``, so that the caller stops
+        those started if one fails), then wait until every one runs."""
+        for name in names:
+            into.append(
+                await self.start(
+                    services, mode, dsn, name=name, extra_env=extra_env, wait_ready=False
+                )
+            )
+        await asyncio.gather(*(wait_mode_ready(p, mode) for p in into))
+
     async def pace(
         self,
         until_ns: int,
@@ -249,10 +293,8 @@ class PhaseRun:
         alive: Sequence[tuple[Child, str]] = (),
         step: float = 1.0,
     ) -> None:
-        """Let time pass until ``until_ns`` (monotonic): a measurement window, or the schedule
-        of writers already running; ``status(seconds left)`` is shown every ``step`` seconds. A
-        BenchError as soon as one of the ``alive`` processes (each with what to call it) has
-        exited."""
+        """Let time pass until ``until_ns`` (monotonic), showing ``status(seconds left)``; a
+        BenchError as soon as one of the ``alive`` processes has exited."""
         while (left := (until_ns - time.monotonic_ns()) / 1e9) > 0:
             for child, what in alive:
                 if not child.running():
@@ -267,17 +309,22 @@ class PhaseRun:
         cells.mkdir(parents=True, exist_ok=True)
         return cells / f"{stem}-gen.bin", cells / f"{stem}-got.bin"
 
-    async def start_consumer(self, bootstrap: str, topic: str, *, name: str) -> Child:
-        """Start the latency consumer (``bench/consumer.py``) on ``topic`` and wait (bounded)
-        until it is positioned at the end of every partition."""
-        consumer = await Child.start(
+    async def start_helper(self, name: str, *argv: str, log: str | None = None) -> Child:
+        """Start one of the bench's own processes (``python -m bench <argv>``: the consumer,
+        the load generator, ...) from the source snapshot, its stdin and stdout piped."""
+        return await Child.start(
             name,
-            python_argv("-m", "bench", "_consumer", bootstrap, topic),
+            python_argv("-m", "bench", *argv),
             env=child_env(),
-            log_path=self.log_path(name),
+            log_path=self.log_path(log or name),
             pipes=True,
             cwd=self.src,
         )
+
+    async def start_consumer(self, bootstrap: str, topic: str, *, name: str) -> Child:
+        """Start the latency consumer (``bench/consumer.py``) on ``topic`` and wait (bounded)
+        until it is positioned at the end of every partition."""
+        consumer = await self.start_helper(name, "_consumer", bootstrap, topic)
         try:
             ready = json.loads(await consumer.read_line(READY_TIMEOUT))
             if not ready.get("ready"):
@@ -308,22 +355,14 @@ class PhaseRun:
         piped (``stop_on_input``, ``announce`` and its summary line)."""
         config_path = Path(lc.out).with_suffix(".config.json")
         lc.save(config_path)
-        return await Child.start(
-            name,
-            python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env(),
-            log_path=self.log_path(name),
-            pipes=True,
-            cwd=self.src,
-        )
+        return await self.start_helper(name, "_loadgen", str(config_path))
 
     async def start_steady_writers(
         self, dsn: str, topic: str, *, rate: float, keys: int, seconds: float, out: Path, name: str
     ) -> tuple[Child, int]:
-        """Open-loop writers (single-row autocommit INSERTs over ``keys`` keys) at ``rate``
-        ev/s, on a schedule 10 minutes longer than ``seconds``: ``stop_writers`` ends it. Returns
-        them and the schedule's start (monotonic ns), which they announce before the first
-        event."""
+        """Open-loop writers at ``rate`` ev/s over ``keys`` keys, on a schedule 10
+        minutes longer than ``seconds`` (``stop_writers`` ends it); returns them and the
+        schedule's start (monotonic ns)."""
         lc = LoadConfig(
             dsn=dsn,
             topic=topic,
@@ -371,9 +410,8 @@ class PhaseRun:
         consumer: Child,
         arrays: tuple[Path, ...],
     ) -> None:
-        """The end of a cell, whatever happened in it: the writers stopped, the mode stopped
-        gracefully (its exit code in ``record``), the consumer ended, the per-event arrays
-        removed."""
+        """The end of a cell, whatever happened: writers stopped, the mode stopped (its exit
+        code in ``record``), the consumer ended, the arrays removed."""
         if writers is not None:
             await writers.stop(10)
         if mode is not None:
@@ -405,9 +443,8 @@ class PhaseRun:
         fsync_seconds: int = 0,
         pgbouncer: bool = False,
     ) -> Path:
-        """Open the services (and, with ``pgbouncer``, a transaction-pooling PgBouncer in
-        front of PostgreSQL, for the pooled modes), record the environment, run ``body``;
-        always write the JSON. BenchError when the bench itself broke (``self.errors``)."""
+        """Open the services (and PgBouncer with ``pgbouncer``), record the environment, run
+        ``body``; always write the JSON. BenchError when the bench itself broke."""
         self.result["load_average_start"] = loadavg()
         cpu0 = envinfo.cpu_times()
         t0 = time.monotonic()

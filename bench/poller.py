@@ -1,24 +1,12 @@
 """The baseline: the plain polling outbox publisher of the outbox literature, in one process
 (``python -m bench _poller --interval 0.1``).
 
-Every ``interval`` seconds it opens a transaction, claims up to ``batch`` rows with
-``SELECT ... ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED``, sends them with an idempotent
-aiokafka producer (acks=all; every ``send()`` first, then all acknowledgements together),
-deletes them (``--mark delete``, the default) or sets ``published_at = now()`` on them
-(``--mark update``, as the outbox literature's publisher keeps its rows), and commits. While a
-claim comes back full it claims again at once (it drains a backlog); otherwise it sleeps
-``interval``. No LISTEN, no trigger, no per-key ordering logic
-(the outbox's own BEFORE INSERT ordering trigger stays, as for every mode).
-
-No failure handling either, as in the literature: when Kafka refuses a batch (an error, or no
-acknowledgement within 15 s; a topic that does not exist makes aiokafka's ``send()`` wait for
-its metadata for its 40 s request timeout first), the batch's transaction rolls back, a warning
-is logged, and the same rows, the head of the queue, are claimed again after ``interval``.
-
-It reads ``NOTIFY_OUTBOX_DSN`` and ``NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS``, logs
-``poller running`` once connected, and on SIGTERM finishes its batch (given up and rolled back
-after 5 s) and exits 0.
-"""
+Every ``interval`` seconds: a transaction claims up to ``batch`` rows (``ORDER BY id LIMIT n FOR
+UPDATE SKIP LOCKED``), sends them with an idempotent aiokafka producer (acks=all), deletes them
+(``--mark delete``) or sets ``published_at`` (``--mark update``) and commits; a full claim claims
+again at once. No LISTEN, no per-key logic, and no failure handling, as in the literature: a
+batch Kafka refuses rolls back and the same head is claimed again after ``interval``. Logs
+``poller running`` once connected; on SIGTERM finishes its batch (5 s at most) and exits 0."""
 
 from __future__ import annotations
 
@@ -33,8 +21,6 @@ import sys
 import asyncpg
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-
-__all__ = ["main"]
 
 log = logging.getLogger("bench.poller")
 

@@ -22,14 +22,6 @@ from bench.services import Services
 from devstack._common import StackError
 from devstack.pgbouncer import PgBouncer, ensure_pgbouncer
 
-__all__ = [
-    "end_record",
-    "mode_dsns",
-    "needs_pgbouncer",
-    "pgbouncer_version",
-    "start_pgbouncer",
-]
-
 _VERSION_TIMEOUT = 10.0
 
 
@@ -91,10 +83,8 @@ def _start(services: Services) -> dict[str, Any]:
 
 
 async def start_pgbouncer(services: Services) -> dict[str, Any]:
-    """Start the run's PgBouncer (transaction pooling) in front of ``services``' PostgreSQL;
-    ``services.pgbouncer`` holds it. Returns the environment
-    record: that it ran, ``pgbouncer --version``, its pool mode and main settings.
-    ``close_services`` stops it."""
+    """Start the run's transaction-pooling PgBouncer (``services.pgbouncer``); returns
+    the environment record (version, pool mode, settings)."""
     return await asyncio.to_thread(_start, services)
 
 
@@ -133,10 +123,8 @@ def _end_record(pooler: PgBouncer) -> dict[str, Any]:
 
 
 async def end_record(services: Services) -> dict[str, Any]:
-    """What the environment record adds at the end of the run: whether the run's PgBouncer
-    still ran (1.18 can die on its own: pgbouncer issue #801; that explains failed pooled
-    cells) and its ``SHOW STATS`` counters per database (proof the pooled modes' traffic went
-    through it). Empty when the run started none."""
+    """At the run's end: whether PgBouncer still ran (1.18 can die on its own, pgbouncer
+    issue #801) and its ``SHOW STATS`` per database (the pooled traffic went through it)."""
     pooler = services.pgbouncer
     if not isinstance(pooler, PgBouncer):
         return {}
@@ -157,9 +145,8 @@ def _through(pooler: PgBouncer, dsn: str) -> str:
 
 
 def mode_dsns(services: Services, mode: Mode, dsn: str) -> dict[str, str]:
-    """The DSN settings of a process of ``mode`` whose database is ``dsn`` (direct):
-    ``NOTIFY_OUTBOX_DSN``, and for a pooled mode that goes through the run's PgBouncer, with
-    ``NOTIFY_OUTBOX_LISTEN_DSN`` direct when the mode listens (LISTEN needs a session)."""
+    """``NOTIFY_OUTBOX_DSN`` of a process of ``mode`` (through PgBouncer for a pooled mode),
+    and ``NOTIFY_OUTBOX_LISTEN_DSN`` direct when a pooled mode listens."""
     if not mode.pgbouncer:
         return {"NOTIFY_OUTBOX_DSN": dsn}
     pooler = services.pgbouncer

@@ -21,18 +21,6 @@ from typing import IO, Any, TypeVar
 
 _T = TypeVar("_T")
 
-__all__ = [
-    "ROOT",
-    "BenchError",
-    "Child",
-    "cluster_cpu_seconds",
-    "cpu_seconds",
-    "parent_pid",
-    "python_argv",
-    "run_async",
-    "tcp_ports",
-]
-
 ROOT = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -17,8 +17,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_py_spy", "start_profiler", "stop_profiler", "top_self"]
-
 _RATE = 250  # samples per second
 
 

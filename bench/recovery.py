@@ -1,15 +1,7 @@
 """The outage-recovery phase (``python -m bench recovery``): how soon after Kafka (or
-PostgreSQL) comes back does the relay deliver again, and how loud is its log meanwhile?
-
-One relay process (default settings) on a fresh database and topic, writers inserting keyed
-events at a steady rate the whole time (``bench/loadgen.py``, reconnecting after a PostgreSQL
-restart), and the latency consumer (``bench/consumer.py``). Then, ``repeat`` times per service:
-stop it (Kafka: SIGTERM to the broker; PostgreSQL: ``pg_ctl stop -m fast``), pause, start it
-again, and note when it accepted connections again. Afterwards the per-event arrays of writers
-and consumer give, per restart, the first delivered event committed after the stop and the
-worst commit-to-consumer latency. It needs services it may restart: its own devstack stack, or
-an existing devstack stack directory (``--stack-dir``). See ``bench/README.md``.
-"""
+PostgreSQL) comes back does the relay deliver again, and how loud is its log meanwhile? It
+restarts the services, so it needs its own devstack stack or ``--stack-dir``. Method:
+``bench/README.md``, "Outage recovery"."""
 
 from __future__ import annotations
 
@@ -28,16 +20,22 @@ import asyncpg
 
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, common_options, from_args, phase_options, writers_for
-from bench.fmt import environment_lines, finish, num, percent, table, targets_section
+from bench.config import (
+    Mode,
+    PhaseConfig,
+    add_options,
+    common_options,
+    from_args,
+    phase_options,
+    writers_for,
+)
+from bench.fmt import environment_lines, finish, grid, num, percent, targets_section
 from bench.loadgen import LoadConfig
 from bench.phase import PhaseRun
 from bench.procs import BenchError, Child
 from bench.regimes import QUERY_ERRORS, Looker, Regime, RegimeRun, received_at, target
-from bench.services import Services, check_loopback, open_services, set_notify
+from bench.services import Services, check_loopback, connection, open_services, set_notify
 from devstack.relayproc import create_topics
-
-__all__ = ["RecoveryConfig", "problems", "summarize"]
 
 _SERVICE_TIMEOUT = 180.0  # a stop or start of Kafka or PostgreSQL on a busy machine
 _SAMPLE_S = 0.1
@@ -60,7 +58,7 @@ _DIGITS = re.compile(r"\d+")
 
 
 @dataclass
-class RecoveryConfig(JsonRecord):
+class RecoveryConfig(PhaseConfig):
     """Everything one recovery run does; recorded in the result JSON."""
 
     services: list[str] = field(default_factory=lambda: ["kafka", "postgres"])
@@ -71,12 +69,7 @@ class RecoveryConfig(JsonRecord):
     settle: float = 5.0  # steady seconds before every stop and after the last restart
     recover_timeout: float = 90.0  # per restart: from "accepting connections" to caught up
     drain_timeout: float = 60.0  # at the end: until every committed event arrived
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     stack_dir: str | None = None
-    partitions: int = 3
-    fsync_test_seconds: int = 0
 
 
 HELP = "outage recovery: Kafka and PostgreSQL restarts"
@@ -84,19 +77,15 @@ HELP = "outage recovery: Kafka and PostgreSQL restarts"
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench recovery``."""
-    p.add_argument("--repeat", type=int, default=5, help="restarts per service (default 5)")
-    p.add_argument(
-        "--services",
-        nargs="+",
-        choices=["kafka", "postgres"],
-        default=["kafka", "postgres"],
-        help="what to restart, in this order",
-    )
-    p.add_argument("--pause", type=float, default=2.0, help="seconds between stop and start")
-    p.add_argument("--rate", type=float, default=200.0, help="writers' events/s (keyed)")
-    p.add_argument("--settle", type=float, default=5.0, help="steady seconds between restarts")
-    p.add_argument(
-        "--recover-timeout", type=float, default=90.0, help="per restart, seconds to catch up"
+    add_options(
+        p,
+        RecoveryConfig,
+        repeat="restarts per service (default 5)",
+        services=("what to restart, in this order", {"choices": ["kafka", "postgres"]}),
+        pause="seconds between stop and start",
+        rate="writers' events/s (keyed)",
+        settle="steady seconds between restarts",
+        recover_timeout="per restart, seconds to catch up",
     )
     p.add_argument(
         "--stack-dir",
@@ -180,11 +169,9 @@ class _Xact:
 
 
 class _XactSampler(Looker):
-    """Every 50 ms, on its own connection to the relay's database: the relay's worker sessions
-    that are in a transaction (``pg_stat_activity``, ``application_name``
-    'notify-outbox-worker/<relay id>'), from just before a Kafka stop until every transaction
-    begun before Kafka came back has ended. A claim transaction that waits for Kafka's acks
-    keeps the database's horizon (vacuum) where it was, and its rows and key buckets locked."""
+    """Every 50 ms, from just before a Kafka stop until every transaction begun before
+    Kafka came back has ended: the relay's worker sessions in a transaction (a claim waiting
+    for Kafka holds the vacuum horizon and its rows' locks)."""
 
     def __init__(self, dsn: str) -> None:
         super().__init__(dsn, _XACT_SAMPLE_S, "bench-xact-sampler")
@@ -221,11 +208,9 @@ def _outage_xacts(xacts: list[_Xact], t: int, up_at: int) -> list[_Xact]:
 def xact_record(
     samples: list[tuple[int, list[_Xact]]], t_stop: int, t_up: int, errors: list[str]
 ) -> dict[str, Any]:
-    """The relay's transactions around one outage: while the service was down (the stop to
-    accepting connections), the oldest transaction's age and whether any held an xid; for
-    every transaction begun before the service came back, how long it stayed open; and when
-    none of those was open any more (seconds after the stop; None if one still was when the
-    sampling ended)."""
+    """The relay's transactions around one outage: the oldest's age and any xid while
+    the service was down; how long each begun before it came back stayed open; and when the
+    last of those ended (None if one still was at the end of the sampling)."""
     down = [(t, xs) for t, xs in samples if t_stop <= t <= t_up]
     longest: dict[tuple[int, float], float] = {}
     last_open: int | None = None
@@ -343,11 +328,8 @@ class _Recovery(RegimeRun):
         if not kafka.is_running():
             raise BenchError(f"--stack-dir {base}: no running Kafka in {base / 'kafka'}")
         check_loopback(probe.dsn, kafka.bootstrap_servers)
-        conn = await asyncpg.connect(probe.dsn, timeout=30)
-        try:
+        async with connection(probe.dsn) as conn:
             fsync = await conn.fetchval("SHOW fsync")
-        finally:
-            await conn.close(timeout=5)
         # devstack rewrites its settings file on every start: restart it as it was.
         self.handles.postgres = PostgresServer(base / "postgres", durable=fsync == "on")
         self.handles.kafka = kafka
@@ -523,11 +505,8 @@ class _Recovery(RegimeRun):
         limit = time.monotonic() + within
         while time.monotonic() < limit:
             with contextlib.suppress(*QUERY_ERRORS):
-                conn = await asyncpg.connect(dsn, timeout=5)
-                try:
+                async with connection(dsn, within=5) as conn:
                     left = int(await conn.fetchval("SELECT count(*) FROM outbox", timeout=5))
-                finally:
-                    await conn.close(timeout=2)
                 if left <= max(10, int(self.cfg.rate)):
                     return True
             await asyncio.sleep(0.2)
@@ -677,48 +656,31 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "## Per service (medians over restarts)",
         "",
     ]
-    lines += table(
-        (
-            "service | restarts | accepting connections after the stop (s) | "
-            "recovery median (s) | recovery max (s) | max latency (ms) | log lines/s median | max"
-        ),
-        [
-            [
-                s,
-                str(r["restarts"]),
-                num(r["up_after_stop_median_s"]),
-                num(r["recovery_median_s"]),
-                num(r["recovery_max_s"]),
-                num(r["max_latency_ms"], 0),
-                num(r["log_lines_per_s_median"], 1),
-                num(r["log_lines_per_s_max"], 1),
-            ]
-            for s, r in summary["services"].items()
-        ],
+    lines += grid(
+        [{"service": s, **r} for s, r in summary["services"].items()],
+        ("service", lambda r: r["service"]),
+        ("restarts", lambda r: str(r["restarts"])),
+        ("accepting connections after the stop (s)", lambda r: num(r["up_after_stop_median_s"])),
+        ("recovery median (s)", lambda r: num(r["recovery_median_s"])),
+        ("recovery max (s)", lambda r: num(r["recovery_max_s"])),
+        ("max latency (ms)", lambda r: num(r["max_latency_ms"], 0)),
+        ("log lines/s median", lambda r: num(r["log_lines_per_s_median"], 1)),
+        ("max", lambda r: num(r["log_lines_per_s_max"], 1)),
     )
     lines += targets_section(summary, "issue 10")
     lines += ["", "## Every restart", ""]
-    lines += table(
-        (
-            "service | # | stop took (s) | accepting after stop (s) | "
-            "first delivery after accepting (s) | after stop (s) | max latency (ms) | missing | "
-            "log lines | lines/s"
-        ),
-        [
-            [
-                r["service"],
-                str(r["n"]),
-                num(r["stop_s"]),
-                num(r["up_after_stop_s"]),
-                num(r.get("first_delivery_after_up_s")),
-                num(r.get("first_delivery_after_stop_s")),
-                num(r.get("max_latency_ms"), 0),
-                str(r.get("missing_in_slot", "-")),
-                str(r.get("log_lines", "-")),
-                num(r.get("log_lines_per_s"), 1),
-            ]
-            for r in result.get("restarts", [])
-        ],
+    lines += grid(
+        result.get("restarts", []),
+        ("service", lambda r: r["service"]),
+        ("#", lambda r: str(r["n"])),
+        ("stop took (s)", lambda r: num(r["stop_s"])),
+        ("accepting after stop (s)", lambda r: num(r["up_after_stop_s"])),
+        ("first delivery after accepting (s)", lambda r: num(r.get("first_delivery_after_up_s"))),
+        ("after stop (s)", lambda r: num(r.get("first_delivery_after_stop_s"))),
+        ("max latency (ms)", lambda r: num(r.get("max_latency_ms"), 0)),
+        ("missing", lambda r: str(r.get("missing_in_slot", "-"))),
+        ("log lines", lambda r: str(r.get("log_lines", "-"))),
+        ("lines/s", lambda r: num(r.get("log_lines_per_s"), 1)),
     )
     lines += _xact_lines(result, summary)
     kinds = [
@@ -764,28 +726,24 @@ def _xact_lines(result: dict[str, Any], summary: dict[str, Any]) -> list[str]:
                 + (f"; one still open at the end of the looks in {left}" if left else "")
             )
     lines.append("")
-    lines += table(
+    lines += grid(
+        [{"service": r["service"], "n": r["n"], **r["xact"]} for r in rs],
+        ("service", lambda x: x["service"]),
+        ("#", lambda x: str(x["n"])),
         (
-            "service | # | open at the stop (oldest, s) | oldest while down (s) | xid | "
-            "looks with one open % | longest (s) | none open, s after stop | after accepting | "
-            "looks"
+            "open at the stop (oldest, s)",
+            lambda x: f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
         ),
-        [
-            [
-                r["service"],
-                str(r["n"]),
-                f"{x['open_at_stop']} ({num(x['oldest_at_stop_s'])})",
-                num(x["max_age_down_s"]),
-                "yes" if x["xid_down"] else "no",
-                num(percent(x["open_share_down"]), 0),
-                num(x["longest_outage_xact_s"]),
-                num(x["clear_after_stop_s"]),
-                num(x["clear_after_up_s"]),
-                str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
-            ]
-            for r in rs
-            for x in [r["xact"]]
-        ],
+        ("oldest while down (s)", lambda x: num(x["max_age_down_s"])),
+        ("xid", lambda x: "yes" if x["xid_down"] else "no"),
+        ("looks with one open %", lambda x: num(percent(x["open_share_down"]), 0)),
+        ("longest (s)", lambda x: num(x["longest_outage_xact_s"])),
+        ("none open, s after stop", lambda x: num(x["clear_after_stop_s"])),
+        ("after accepting", lambda x: num(x["clear_after_up_s"])),
+        (
+            "looks",
+            lambda x: str(x["samples"]) + (f" ({len(x['errors'])} errors)" if x["errors"] else ""),
+        ),
     )
     return lines
 
@@ -808,14 +766,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-REGIME = Regime(
-    "recovery",
-    HELP,
-    arguments,
-    configure,
-    _Recovery.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-)
+REGIME = Regime.of(__name__, _Recovery.main)

@@ -1,10 +1,6 @@
-"""What the regimes share. ``Regime``: the parts every regime module fills in (options and
-config, run, summary, problems, markdown, plot; ``bench.catalog`` lists the regimes);
-``RegimeRun`` and ``Cells``: the skeleton of a regime's run. For the production-condition
-regimes (``held-snapshot``, ``failing-head``, ``stalled-relay``) and the outage phase: their
-modes, the join of the writers' and the consumer's per-event arrays, latency figures, targets,
-the sampling of a mode's and the database's CPU, and a periodic look at the database on a
-connection of its own."""
+"""What the regimes share: ``Regime`` (the parts a regime module fills in; ``bench.catalog``
+lists them), ``RegimeRun`` and ``Cells`` (the skeleton of a run), modes, the join of writers' and
+consumer's per-event arrays, latency figures, targets, CPU sampling and ``Looker``."""
 
 from __future__ import annotations
 
@@ -12,12 +8,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import asyncpg
 
@@ -29,29 +26,6 @@ from bench.procs import BenchError, Child, cluster_cpu_seconds
 from bench.revs import with_alt_modes
 from bench.services import Services, open_services, postmaster_pid, prepare_mode
 
-__all__ = [
-    "DEFAULT_REGIME_MODES",
-    "QUERY_ERRORS",
-    "Cells",
-    "CpuMeter",
-    "Looker",
-    "Regime",
-    "RegimeRun",
-    "acked_events",
-    "add_cell",
-    "cell_record",
-    "database_postmaster",
-    "event_counts",
-    "in_fresh_database",
-    "latency_ms",
-    "received_at",
-    "regime_mode",
-    "regime_modes",
-    "target",
-    "unfinished",
-    "warm_up",
-]
-
 DEFAULT_REGIME_MODES = ("notify", "poller")
 # What a look at the database may fail with (it is recorded, and the look is skipped).
 QUERY_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
@@ -62,15 +36,10 @@ Result = dict[str, Any]
 
 @dataclass(frozen=True)
 class Regime:
-    """A regime of ``python -m bench``: ``name`` is its command, its result's ``phase`` and the
-    prefix of its files (``<name>-<UTC timestamp>.json``, ``.md``, ``.png``). ``help`` and
-    ``arguments`` make its command's options, ``configure`` its config from them (a BenchError
-    for a bad value), ``run(config, out_dir, keep=...)`` runs it and writes the result JSON
-    (even when the run fails half-way) and returns its path. From a result:
-    ``summarize`` (medians over rounds, targets), ``problems`` (what makes the result wrong, not
-    slow), ``markdown`` (the report, given the summary and the plots' file names) and ``plot``
-    (one PNG; False when there is nothing to draw). ``terminal``: the headings of the report's
-    tables shown on the terminal at the end of a run."""
+    """A regime of ``python -m bench``: ``name`` is its command, its result's ``phase`` and
+    its files' prefix. ``run`` writes the result JSON (even when it fails half-way) and returns
+    its path; ``problems`` say what makes a result wrong, not slow; ``plot`` returns False when
+    there is nothing to draw; ``terminal``: the report's tables shown at the end of a run."""
 
     name: str
     help: str
@@ -82,6 +51,18 @@ class Regime:
     markdown: Callable[[Result, Result, list[str]], str]
     plot: Callable[[Result, Result, Path], bool]
     terminal: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls, module: str, run: Callable[..., Coroutine[Any, Any, Path]], *terminal: str
+    ) -> Regime:
+        """The regime of a module: its name is the module's with dashes, its parts the
+        module's ``HELP``, ``arguments``, ``configure``, ``summarize``, ``problems``,
+        ``markdown`` and ``plot``."""
+        m = sys.modules[module]
+        name = module.rpartition(".")[2].replace("_", "-")
+        parts = (m.summarize, m.problems, m.markdown, m.plot)
+        return cls(name, m.HELP, m.arguments, m.configure, run, *parts, terminal=terminal)
 
     def write_report(self, json_path: Path, *, plots: bool = True) -> Path:
         """Write ``<stem>.md`` (and, with ``plots``, ``<stem>.png``) next to a result JSON;
@@ -108,9 +89,8 @@ class Regime:
 
 
 class RegimeRun:
-    """The run of a regime: ``body`` does its work on the services that ``open_services``
-    opens (the bench's own stack, or those of the environment); ``main`` makes the run's
-    ``PhaseRun`` (result, work directory, JSON), prints ``intro`` and runs the body."""
+    """The run of a regime: ``main`` makes its ``PhaseRun``, prints ``intro`` and runs
+    ``body`` on the services ``open_services`` opens."""
 
     name = ""  # the regime's name: its result's "phase"
 
@@ -148,15 +128,25 @@ class RegimeRun:
         )
 
 
-class Cells(RegimeRun):
-    """A regime run as cells, one after another, each on a fresh database and topic
-    (``bench_<short>_<run id>_<n>``): ``grid`` lists them (identity, label; round first),
-    ``prepare`` runs before the first, ``cell`` measures one and returns its record (see
-    ``add_cell``: the JSON is rewritten after each)."""
+class _Described(Protocol):
+    """A mode as a regime records it: its name and a JSON description."""
+
+    @property
+    def name(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+M = TypeVar("M", bound=_Described)
+
+
+class Cells(RegimeRun, Generic[M]):
+    """A regime run as cells (``grid``: identity and label of each, round first), each on
+    a fresh database and topic, ``prepare`` before the first; the JSON is rewritten after each."""
 
     short = ""
 
-    def __init__(self, cfg: Any, run: PhaseRun, modes: list[Mode]) -> None:
+    def __init__(self, cfg: Any, run: PhaseRun, modes: list[M]) -> None:
         super().__init__(cfg, run)
         self.modes = {m.name: m for m in modes}
         self.cells: list[dict[str, Any]] = []
@@ -197,7 +187,8 @@ class Cells(RegimeRun):
         cell: dict[str, Any],
         measure: Callable[[str], Awaitable[None]],
     ) -> None:
-        """``measure(dsn)`` on the cell's fresh database and topic (``in_fresh_database``)."""
+        """``measure(dsn)`` on a fresh database and topic for ``mode`` (the cell's
+        ``database_setup``), the database dropped afterwards whatever happened."""
         database, topic = self.names(cell)
         await in_fresh_database(
             self.run,
@@ -212,9 +203,8 @@ class Cells(RegimeRun):
 
 
 def regime_mode(name: str, alt_tree: str | None) -> Mode:
-    """``notify`` (the relay, default settings), ``notify-alt`` (the same from the
-    ``--alt-relay`` tree) or ``poller`` (the drain phase's plain poller: ``ORDER BY id LIMIT
-    200 FOR UPDATE SKIP LOCKED`` every 0.1 s, ``--mark update``)."""
+    """``notify`` (the relay, default settings), ``notify-alt`` (from the ``--alt-relay``
+    tree) or ``poller`` (the drain phase's plain poller)."""
     if name == "notify":
         return MODES["notify"]
     if name == "notify-alt":
@@ -318,9 +308,8 @@ async def add_cell(
     label: str,
     measure: Awaitable[dict[str, Any]],
 ) -> None:
-    """Run one cell and append its record; a cell the bench could not finish is recorded
-    with its error (the other cells still run). The JSON is rewritten after every cell, so a
-    long run keeps what it has if it is stopped."""
+    """Run one cell and append its record, or its error (the other cells still run); the
+    JSON is rewritten after every cell, so a stopped run keeps what it has."""
     try:
         cell = await measure
     except BenchError as e:
@@ -348,9 +337,8 @@ async def in_fresh_database(
     partitions: int,
     measure: Callable[[str], Awaitable[None]],
 ) -> None:
-    """A fresh database and topic for ``mode`` (what was done is the cell's
-    ``database_setup``), ``measure(dsn)`` on them, and the database dropped afterwards,
-    whatever happened."""
+    """``measure(dsn)`` on a fresh database and topic for ``mode`` (the cell's
+    ``database_setup``), the database dropped afterwards whatever happened."""
     try:
         dsn, cell["database_setup"] = await prepare_mode(
             services, mode, database, topic, partitions=partitions
@@ -369,15 +357,10 @@ async def warm_up(
     keys: int,
     partitions: int,
 ) -> dict[str, Any]:
-    """Load the stack before the first measured cell, and throw the figures away: a fresh
-    stack (the bench's own devstack) answers slowly for its first minute under load (the
-    broker's JVM compiles its hot paths; PostgreSQL's cluster is new), and without this the
-    run's first mode paid for it alone. Measured on 2026-11-27: the relay's first 10 s window
-    had a p99 of 186 ms in round 1 and 25 ms in round 2 of one run (fresh relay process and
-    database each round), so it is the stack, not the mode. The relay (``notify``, default
-    settings) carries the load: it sends the most produce requests per event of the modes,
-    and every mode meets the same warm stack after it. Returns what was done (recorded in the
-    result's ``warmup``)."""
+    """Load the stack through the relay before the first measured cell, figures thrown
+    away: a fresh stack answers slowly for its first minute under load (the broker's JVM; on
+    2026-11-27 the first 10 s window's p99 was 186 ms in round 1, 25 ms in round 2), and the
+    run's first mode paid for it alone. Returns the result's ``warmup`` record."""
     mode = regime_mode("notify", None)
     database = f"bench_warmup_{run.run_id.lower()}"
     topic = f"bench-warmup-{run.run_id.lower()}"
@@ -436,12 +419,10 @@ def unfinished(cell: dict[str, Any], where: str, needs: str) -> list[str]:
 
 
 class Looker:
-    """Looks at a database every ``every`` seconds, on a connection of its own (named
-    ``application_name`` in ``pg_stat_activity``): ``start()`` connects and takes the first look,
-    then looks in the background, paced from the start so that slow looks do not make it drift;
-    ``stop()`` ends it. A subclass's ``look()`` takes one look (under ``lock`` if the bench also
-    calls it: one query at a time on the connection); ``fetch`` records a failed query in
-    ``errors`` (the first five) and returns None."""
+    """Looks at a database every ``every`` seconds on a connection of its own (named
+    ``application_name``), paced from the start so slow looks do not drift; a subclass's
+    ``look()`` takes one (under ``lock`` when the bench calls it too); ``fetch`` records a
+    failed query in ``errors`` and returns None."""
 
     def __init__(self, dsn: str, every: float, application_name: str) -> None:
         self.dsn = dsn

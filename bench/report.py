@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import median
-from bench.fmt import environment_lines, modes_section, num, pct, profile_lines, signed, table
+from bench.fmt import environment_lines, grid, modes_section, num, pct, profile_lines, signed, table
 from bench.stages import STAGES
-
-__all__ = ["floor_lines", "summarize", "write_run_report"]
 
 _PCTS = ("p50", "p95", "p99", "p99.9", "max")
 
@@ -451,24 +449,14 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "## Producer overhead (single-row INSERT transactions, as fast as possible)",
         "",
     ]
-    lines += table(
-        (
-            "variant | writers | commits/s | latency p50 | p99 | vs no-trigger | "
-            "vs no-trigger+relay | vs no-trigger+fast-relay"
-        ),
-        [
-            [
-                r["variant"],
-                str(r["writers"]),
-                num(r["commits_per_s"]),
-                num(r["p50"], 3),
-                num(r["p99"], 3),
-                pct(r["vs_no-trigger"]),
-                pct(r["vs_no-trigger+relay"]),
-                pct(r["vs_no-trigger+fast-relay"]),
-            ]
-            for r in summary["producer"]
-        ],
+    lines += grid(
+        summary["producer"],
+        ("variant", lambda r: r["variant"]),
+        ("writers", lambda r: str(r["writers"])),
+        ("commits/s", lambda r: num(r["commits_per_s"])),
+        ("latency p50", lambda r: num(r["p50"], 3)),
+        ("p99", lambda r: num(r["p99"], 3)),
+        *((f"vs {ref}", lambda r, ref=ref: pct(r[f"vs_{ref}"])) for ref in _PRODUCER_REFS),
     )
     variants = result.get("variants", {})
     lines += [""] + [f"- `{n}`: {v['description']}" for n, v in variants.items()]
@@ -572,21 +560,16 @@ def _over_floor_section(summary: dict[str, Any]) -> list[str]:
         "median over rounds of the mode's value minus the floor's in the same round.",
         "",
     ]
-    return lines + table(
-        "offered ev/s | mode | p50 | floor p50 | over p50 | p99 | floor p99 | over p99",
-        [
-            [
-                f"{r['load']:g}",
-                r["mode"],
-                num(r["p50"]),
-                num(r["floor_p50"]),
-                signed(r["over_p50"]),
-                num(r["p99"]),
-                num(r["floor_p99"]),
-                signed(r["over_p99"]),
-            ]
-            for r in rows
-        ],
+    return lines + grid(
+        rows,
+        ("offered ev/s", lambda r: f"{r['load']:g}"),
+        ("mode", lambda r: r["mode"]),
+        ("p50", lambda r: num(r["p50"])),
+        ("floor p50", lambda r: num(r["floor_p50"])),
+        ("over p50", lambda r: signed(r["over_p50"])),
+        ("p99", lambda r: num(r["p99"])),
+        ("floor p99", lambda r: num(r["floor_p99"])),
+        ("over p99", lambda r: signed(r["over_p99"])),
     )
 
 

@@ -16,8 +16,6 @@ from typing import Any
 
 from bench.envinfo import git_output
 
-__all__ = ["AltRevision", "compare_tree", "label_modes", "revision_text", "with_alt_modes"]
-
 
 @dataclass(frozen=True)
 class AltRevision:

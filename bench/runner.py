@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import re
@@ -25,21 +26,20 @@ from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
-from bench.procs import BenchError, Child, python_argv
+from bench.procs import BenchError, Child
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.services import (
     Services,
+    connection,
     db_counters,
     open_services,
     prepare_mode,
     set_notify,
 )
 from bench.stages import STAGE_LOG_ENV, StageLog, collect_stages
-from devstack.relayproc import child_env, create_topics
+from devstack.relayproc import create_topics
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.pg.sqlfiles import Queries
-
-__all__ = ["Runner"]
 
 _QUERY_TIMEOUT = 30.0
 _EMPTY_TIMEOUT = 30.0
@@ -206,13 +206,8 @@ class Runner:
         cfg = self.cfg
         name = db.mode.name
         self.progress.status(f"{name} rep {rep + 1}: starting consumer and {db.mode.kind}")
-        consumer = await Child.start(
-            f"consumer {name}",
-            python_argv("-m", "bench", "_consumer", services.bootstrap, db.topic),
-            env=child_env(),
-            log_path=self._run.log_path(f"consumer-{name}"),
-            pipes=True,
-            cwd=self.src,
+        consumer = await self._run.start_helper(
+            f"consumer {name}", "_consumer", services.bootstrap, db.topic, log=f"consumer-{name}"
         )
         process: Child | None = None
         conn: asyncpg.Connection | None = None
@@ -231,57 +226,37 @@ class Runner:
                 raise BenchError(f"consumer for {name} did not get ready: {ready}")
             if db.dsn:  # the floor has no database
                 conn = await asyncpg.connect(db.dsn, timeout=_QUERY_TIMEOUT)
+            cell = functools.partial(
+                self._cell, services, db, consumer, process, conn, rep, stage_log=stage_log
+            )
             planned = loads_of.get(name)
             if planned is None:
                 done: list[float] = []
                 queue = list(cfg.loads)
                 while queue:
                     load = queue.pop(0)
-                    cell = await self._cell(
-                        services, db, consumer, process, conn, rep, load, stage_log=stage_log
-                    )
-                    if not cell["keeps_up"]:
+                    record = await cell(load)
+                    if not record["keeps_up"]:
                         # One noisy minute must not end the climb: a load counts as saturated
                         # only when a second attempt fails too (both are kept and reported).
                         self.progress.line(f"{name} {load:g} ev/s: not keeping up; once more")
-                        cell = await self._cell(
-                            services,
-                            db,
-                            consumer,
-                            process,
-                            conn,
-                            rep,
-                            load,
-                            attempt=2,
-                            stage_log=stage_log,
-                        )
+                        record = await cell(load, attempt=2)
                     done.append(load)
-                    if not cell["keeps_up"]:
+                    if not record["keeps_up"]:
                         break
                     if not queue and cfg.extend_loads and load * 1.5 <= cfg.max_load:
                         queue.append(float(math.ceil(load * 1.5 / 500.0) * 500))
                 loads_of[name] = done
             else:
                 for load in planned:
-                    await self._cell(
-                        services, db, consumer, process, conn, rep, load, stage_log=stage_log
-                    )
+                    await cell(load)
             if name in cfg.variant_modes:
                 for arrival, producer in (("poisson", "sql"), ("constant", "enqueue")):
                     if producer == "enqueue" and db.mode.kind == "floor":
                         continue  # the Python API writes to the database the floor has not
-                    await self._cell(
-                        services,
-                        db,
-                        consumer,
-                        process,
-                        conn,
-                        rep,
-                        cfg.variant_load,
-                        arrival=arrival,
-                        producer=producer,
-                        profile=cfg.profile and rep == 0 and producer == "sql",
-                        stage_log=stage_log,
+                    profile = cfg.profile and rep == 0 and producer == "sql"
+                    await cell(
+                        cfg.variant_load, arrival=arrival, producer=producer, profile=profile
                     )
         finally:
             if conn is not None:
@@ -455,8 +430,7 @@ class Runner:
         await create_topics(services.bootstrap, [topic], partitions=cfg.partitions)
         pgbench = _find_pgbench()
         self.result["producer_driver"] = "pgbench" if pgbench else "python"
-        conn = await asyncpg.connect(dsn, timeout=_QUERY_TIMEOUT)
-        try:
+        async with connection(dsn, within=_QUERY_TIMEOUT) as conn:
             original = await conn.fetchval(
                 "SELECT CASE WHEN to_regclass('public.outbox_config') IS NULL THEN NULL "
                 "ELSE (SELECT notify_mode FROM outbox_config) END"
@@ -467,8 +441,6 @@ class Runner:
                     await self._variant_block(
                         services, conn, dsn, topic, variant, rep, pgbench, original
                     )
-        finally:
-            await conn.close(timeout=5)
 
     async def _variant_block(
         self,
@@ -553,6 +525,8 @@ class Runner:
             str(writers),
             "-j",
             str(min(writers, 2)),
+        ]
+        argv += [
             "-T",
             str(seconds),
             "-f",
@@ -614,13 +588,8 @@ class Runner:
             keys=self.cfg.keys,
             closed=True,
         ).save(config_path)
-        gen = await Child.start(
-            "closed-loop writers",
-            python_argv("-m", "bench", "_loadgen", str(config_path)),
-            env=child_env(),
-            log_path=self._run.log_path("closed-loop"),
-            pipes=True,
-            cwd=self.src,
+        gen = await self._run.start_helper(
+            "closed-loop writers", "_loadgen", str(config_path), log="closed-loop"
         )
         try:
             summary = json.loads(await gen.read_line(self.cfg.producer_seconds + 60))

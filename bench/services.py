@@ -14,6 +14,7 @@ import ipaddress
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,19 +27,19 @@ from bench.config import Mode
 from bench.procs import BenchError, Child, parent_pid
 from devstack.relayproc import cli_argv, create_topics, relay_env
 
-__all__ = [
-    "Services",
-    "check_loopback",
-    "db_counters",
-    "dsn_for",
-    "open_services",
-    "postmaster_pid",
-    "prepare_mode",
-    "statement_calls",
-]
-
 _ADMIN_TIMEOUT = 30.0
 _MIGRATE_TIMEOUT = 120.0
+
+
+@contextlib.asynccontextmanager
+async def connection(dsn: str, *, within: float = 30.0, **kw: Any) -> AsyncIterator[Any]:
+    """A connection to ``dsn`` (``asyncpg.connect`` keywords in ``kw``), closed (bounded) at the
+    end."""
+    conn = await asyncpg.connect(dsn, timeout=within, **kw)
+    try:
+        yield conn
+    finally:
+        await conn.close(timeout=5)
 
 
 def dsn_for(dsn: str, database: str) -> str:
@@ -83,14 +84,10 @@ class Services:
 
     async def admin(self, *statements: str, database: str | None = None) -> None:
         """Run statements on a fresh superuser connection."""
-        conn = await asyncpg.connect(
-            dsn_for(self.dsn, database) if database else self.dsn, timeout=_ADMIN_TIMEOUT
-        )
-        try:
+        dsn = dsn_for(self.dsn, database) if database else self.dsn
+        async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
             for sql in statements:
                 await conn.execute(sql, timeout=_ADMIN_TIMEOUT)
-        finally:
-            await conn.close(timeout=5)
 
     async def create_database(self, name: str, *, src: Path | None = None) -> str:
         """Create an empty database, migrate it with the CLI (from the source tree ``src``,
@@ -173,19 +170,15 @@ POLLER_INDEX = (
 
 async def prepare_poller(dsn: str) -> None:
     """Give the plain poller's database the index its claim needs (``POLLER_INDEX``)."""
-    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
-    try:
+    async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
         await conn.execute(POLLER_INDEX)
-    finally:
-        await conn.close(timeout=5)
 
 
 async def set_notify(dsn: str, notify: str) -> dict[str, Any]:
     """Switch the NOTIFY trigger of the outbox in ``dsn``: "shipped" leaves it, "disabled"
     disables every trigger on the table whose function calls ``pg_notify``, and any other value
     is written as migration 0002's ``notify_mode``. Returns what was done."""
-    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
-    try:
+    async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
         has_config = bool(
             await conn.fetchval("SELECT to_regclass('public.outbox_config') IS NOT NULL")
         )
@@ -215,8 +208,6 @@ async def set_notify(dsn: str, notify: str) -> dict[str, Any]:
         await conn.execute("UPDATE outbox_config SET notify_mode = $1", notify)
         done["notify_mode"] = notify
         return done
-    finally:
-        await conn.close(timeout=5)
 
 
 async def prepare_mode(
@@ -242,8 +233,7 @@ async def db_counters(dsn: str, names: list[str], *, statements: bool) -> dict[s
     """Per database of ``names``: transactions (``pg_stat_database`` commits + rollbacks)
     and, with ``statements``, statements (``pg_stat_statements`` calls), read through ``dsn``
     (the maintenance database, so that the reading itself counts in neither)."""
-    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
-    try:
+    async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
         await conn.execute("SELECT pg_stat_clear_snapshot()")
         rows = await conn.fetch(
             "SELECT datname, oid, xact_commit, xact_rollback FROM pg_stat_database "
@@ -271,34 +261,26 @@ async def db_counters(dsn: str, names: list[str], *, statements: bool) -> dict[s
                 if out[name]["calls"] is None:
                     out[name]["calls"] = 0
         return out
-    finally:
-        await conn.close(timeout=5)
 
 
 async def statement_calls(dsn: str, database: str) -> dict[int, tuple[str, int, int]]:
     """``pg_stat_statements`` of one database: query id -> (query text, calls, rows)."""
-    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
-    try:
+    async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
         rows = await conn.fetch(
             "SELECT s.queryid, s.query, s.calls, s.rows FROM pg_stat_statements s "
             "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1 AND s.queryid IS NOT NULL",
             database,
         )
-    finally:
-        await conn.close(timeout=5)
     return {int(r["queryid"]): (r["query"], int(r["calls"]), int(r["rows"])) for r in rows}
 
 
 async def postmaster_pid(dsn: str) -> int | None:
     """The pid of the PostgreSQL server's postmaster, when it runs on this host and its
     processes are visible here: the parent of this connection's backend."""
-    conn = await asyncpg.connect(dsn, timeout=_ADMIN_TIMEOUT)
-    try:
+    async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
         backend = int(await conn.fetchval("SELECT pg_backend_pid()"))
         # The backend must still exist while its parent is read.
         parent = parent_pid(backend)
-    finally:
-        await conn.close(timeout=5)
     return parent if parent is not None and parent > 1 else None
 
 

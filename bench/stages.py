@@ -28,8 +28,6 @@ from typing import Any
 from bench.analysis import by_index, window_indices
 from bench.hist import Histogram
 
-__all__ = ["STAGES", "STAGE_LOG_ENV", "StageLog", "analyse_stages", "collect_stages"]
-
 STAGE_LOG_ENV = "NOTIFY_OUTBOX_STAGE_LOG"
 
 # Per event, in the order an event goes through them; the report's column titles.

@@ -1,29 +1,11 @@
-"""The stalled-relay regime (``python -m bench stalled-relay``): what one frozen relay costs
-the rest of a fleet.
-
-Per key mix, notify mode and round, on a fresh database and topic: ``relays`` relay processes
-(``python -m notify_outbox run``, default settings), open-loop writers at ``rate`` ev/s
-(single-row transactions over ``keys`` keys, ``bench/loadgen.py``) and the latency consumer.
-After ``warmup`` seconds (in no phase) and ``baseline`` seconds, ``freezes`` times: one relay
-is frozen with SIGSTOP for ``freeze``
-seconds (a VM stall, a debugger, a long GC pause), then continued, then ``gap`` seconds; then
-``recovery`` seconds. The relay frozen is the one holding the awake marker of the gated notify
-(migration 0006: an advisory lock per epoch, on the relay's listening session), found in
-``pg_locks`` and mapped to a process by the session's client port; when no relay holds it (or
-with ``pick="alternate"``), the relays take turns. A watch samples, every ``look_every``
-seconds, which relay holds the current epoch's marker.
-
-Afterwards every event is put into a phase by its commit ack (baseline, a freeze, between
-freezes, recovery); per phase: commit ack -> consumer receipt p50 / p99 / max and the
-producers' achieved rate. Events committed during a freeze are also split by key: keys whose
-claim bucket the frozen relay held in an open claim transaction (they must wait for it: per-key
-order) and the others. See ``bench/README.md``.
-"""
+"""The stalled-relay regime (``python -m bench stalled-relay``): what one relay frozen with
+SIGSTOP (the holder of the gated notify's awake marker, found in ``pg_locks``) costs the rest of
+a fleet; per phase and, during a freeze, per key (in a bucket the frozen relay held, or not).
+Method: ``bench/README.md``, "Stalled relay"."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
 import contextlib
 import dataclasses
@@ -36,12 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 from bench import envinfo
 from bench.analysis import median
 from bench.arrays import load_arrays
-from bench.config import JsonRecord, Mode, common_options, from_args, phase_options
+from bench.config import Mode, PhaseConfig, add_options, common_options, from_args, phase_options
 from bench.fmt import (
     environment_lines,
     finish,
@@ -55,8 +35,8 @@ from bench.fmt import (
     targets_section,
 )
 from bench.hist import Histogram
-from bench.phase import PhaseRun, loadavg, wait_mode_ready
-from bench.procs import BenchError, Child, python_argv, tcp_ports
+from bench.phase import PhaseRun, loadavg
+from bench.procs import BenchError, Child, tcp_ports
 from bench.regimes import (
     Cells,
     Looker,
@@ -70,16 +50,8 @@ from bench.regimes import (
     target,
     unfinished,
 )
-from bench.services import Services
-from devstack.relayproc import child_env
+from bench.services import Services, connection
 from notify_outbox import OutboxNames
-
-__all__ = [
-    "NOTIFY_MODES",
-    "StalledRelayConfig",
-    "problems",
-    "summarize",
-]
 
 NOTIFY_MODES = ("gated", "always")
 PHASES = ("baseline", "freeze", "between", "recovery")
@@ -101,7 +73,7 @@ l AS MATERIALIZED (
       AND classid::bigint IN ($1, $2)
 ),
 s AS (
-    SELECT a.pid, a.client_port, a.application_name,
+    SELECT a.pid, a.client_port,
            extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS xact_age,
            a.backend_xid IS NOT NULL AS has_xid,
            ARRAY(SELECT l.k FROM l WHERE l.pid = a.pid AND l.ns = $1 ORDER BY l.k) AS awake,
@@ -119,7 +91,7 @@ _KEY_BUCKETS = (
 
 
 @dataclass
-class StalledRelayConfig(JsonRecord):
+class StalledRelayConfig(PhaseConfig):
     """Everything one stalled-relay run does; recorded in the result JSON."""
 
     rate: float = 1200.0
@@ -136,11 +108,6 @@ class StalledRelayConfig(JsonRecord):
     repeat: int = 3
     look_every: float = 0.1
     drain_timeout: float = 120.0  # after the load: until every committed event arrived
-    relay_env: dict[str, str] = field(default_factory=dict)
-    alt_relay: str | None = None
-    alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
-    partitions: int = 3
-    fsync_test_seconds: int = 0
 
     def cell_seconds(self) -> float:
         """The length of a cell's load, set-up and drain left out."""
@@ -158,43 +125,29 @@ HELP = "two relays under steady load, one of them frozen (SIGSTOP) again and aga
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench stalled-relay``."""
-    p.add_argument("--rate", type=float, default=1200.0, help="writers' events/s (default 1200)")
-    p.add_argument(
-        "--keys",
-        nargs="+",
-        type=int,
-        default=[20, 5000],
-        help="key mixes: distinct keys (default 20 5000)",
-    )
-    p.add_argument(
-        "--notify-modes",
-        nargs="+",
-        choices=["gated", "always"],
-        default=["gated", "always"],
-        help="the outbox's notify_mode per cell (default gated always)",
-    )
-    p.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
-    p.add_argument(
-        "--warmup", type=float, default=2.0, help="seconds of load before the baseline (default 2)"
-    )
-    p.add_argument("--baseline", type=float, default=20.0, help="seconds before the 1st freeze")
-    p.add_argument("--freezes", type=int, default=6, help="freezes per cell (default 6)")
-    p.add_argument("--freeze", type=float, default=6.0, help="seconds per freeze (default 6)")
-    p.add_argument("--gap", type=float, default=6.0, help="seconds between freezes (default 6)")
-    p.add_argument("--recovery", type=float, default=10.0, help="seconds after the last freeze")
-    p.add_argument(
-        "--pick",
-        choices=["marker", "alternate"],
-        default="marker",
-        help="which relay to freeze: the one holding the awake marker (else in turn; default), "
-        "or always in turn",
-    )
-    p.add_argument("--repeat", type=int, default=3, help="rounds (cells interleaved; medians)")
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="after the load, seconds to wait for every committed event",
+    add_options(
+        p,
+        StalledRelayConfig,
+        rate="writers' events/s (default 1200)",
+        keys="key mixes: distinct keys (default 20 5000)",
+        notify_modes=(
+            "the outbox's notify_mode per cell (default gated always)",
+            {"choices": list(NOTIFY_MODES)},
+        ),
+        relays="relay processes (default 2)",
+        warmup="seconds of load before the baseline (default 2)",
+        baseline="seconds before the 1st freeze",
+        freezes="freezes per cell (default 6)",
+        freeze="seconds per freeze (default 6)",
+        gap="seconds between freezes (default 6)",
+        recovery="seconds after the last freeze",
+        pick=(
+            "which relay to freeze: the one holding the awake marker (else in turn; default), "
+            "or always in turn",
+            {"choices": ["marker", "alternate"]},
+        ),
+        repeat="rounds (cells interleaved; medians)",
+        drain_timeout="after the load, seconds to wait for every committed event",
     )
     phase_options(p)
 
@@ -234,7 +187,6 @@ class _Fleet:
 @dataclass
 class _Session:
     relay: int | None  # None: not mapped to a relay process
-    app: str
     xact_age: float | None  # seconds; None: not in a transaction
     has_xid: bool
     awake: list[int]  # epochs of the awake marker it holds
@@ -303,7 +255,6 @@ class _Watch(Looker):
             [
                 _Session(
                     self.fleet.relay_of(r["client_port"]),
-                    r["application_name"],
                     r["xact_age"],
                     bool(r["has_xid"]),
                     list(r["awake"]),
@@ -318,9 +269,8 @@ class _Watch(Looker):
 
 
 def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str, Any]:
-    """What the frozen relay held in the database, from a look taken just after its stop
-    (see _freezes): its sessions, those in a transaction, the claim buckets it held and how
-    many of the writers' keys fall in them."""
+    """What the frozen relay held, from a look just after its stop: its sessions, those
+    in a transaction, its claim buckets and the writers' keys in them."""
     if look is None:
         return {"looked": False}
     own = look.of(relay)
@@ -342,10 +292,9 @@ def frozen_state(look: _Look | None, relay: int, buckets: list[int]) -> dict[str
 
 
 def _spans(freezes: list[dict[str, Any]], t0: int, t_end: int) -> list[tuple[str, int, int, int]]:
-    """(phase, start ns, end ns, freeze index or -1) of every part of a cell, in order. The
-    baseline ends a guard (1 s, at most half of it) before the first SIGSTOP: an event
-    committed just before it may be in the claim that the SIGSTOP freezes. The guard belongs
-    to no phase."""
+    """(phase, start ns, end ns, freeze index or -1) of every part of a cell. The baseline
+    ends a guard (1 s, at most half of it) before the first SIGSTOP, in no phase: an event
+    committed just before it may be in the claim the SIGSTOP freezes."""
     stop = freezes[0]["t_stop_ns"]
     guard = min(_GUARD_NS, (stop - t0) // 2)
     out = [("baseline", t0, stop - guard, -1), ("guard", stop - guard, stop, -1)]
@@ -360,10 +309,9 @@ def _spans(freezes: list[dict[str, Any]], t0: int, t_end: int) -> list[tuple[str
 def _marker_shares(
     timeline: list[tuple[int, int]], start: int, end: int, frozen: int | None
 ) -> dict[str, Any]:
-    """Of the watch's looks in [start, end): the share in which the current epoch's marker was
-    held by the frozen relay, by another relay, by nobody (or by a session not mapped to a
-    relay, or unknown); and, with a frozen relay, the last look at which it held it (seconds
-    after ``start``)."""
+    """Of the watch's looks in [start, end): the shares of the marker's holders
+    (frozen relay, other relay, nobody, unmapped, unknown) and the last look at which the
+    frozen relay held it (s after ``start``)."""
     looks = [(t, h) for t, h in timeline if start <= t < end]
     n = len(looks)
     if n == 0:
@@ -404,9 +352,8 @@ def analyse_cell(
     t_base: int,
     t_end: int,
 ) -> dict[str, Any]:
-    """Per phase (all its events pooled): commit ack -> receipt latency, commits and the
-    producers' achieved rate; the same per freeze, and a freeze's events split by whether the
-    frozen relay held their key's claim bucket; the marker's holders per phase."""
+    """Per phase and per freeze: ack -> receipt latency, commits and rate share; a freeze's
+    events split by whether the frozen relay held their key's bucket; the marker's holders."""
     spans = _spans(freezes, t_base, t_end)
     starts = [s[1] for s in spans]
     hist = {p: Histogram() for p in PHASES}
@@ -483,7 +430,7 @@ def analyse_cell(
     }
 
 
-class _StalledRelay(Cells):
+class _StalledRelay(Cells[Mode]):
     name, short = "stalled-relay", "stalled"
     cfg: StalledRelayConfig
 
@@ -557,27 +504,11 @@ class _StalledRelay(Cells):
         keys = int(cell["keys"])
         host0 = envinfo.cpu_times()
         try:
-            for i in range(cfg.relays):
-                relays.append(
-                    await run.start(
-                        services,
-                        mode,
-                        dsn,
-                        name=f"relay-{i + 1}-{label}",
-                        extra_env=cfg.relay_env,
-                        wait_ready=False,
-                    )
-                )
-            await asyncio.gather(*(wait_mode_ready(r, mode) for r in relays))
+            names = [f"relay-{i + 1}-{label}" for i in range(cfg.relays)]
+            await run.start_all(services, mode, dsn, names, relays, cfg.relay_env)
             cell["relay_pids"] = [r.pid for r in relays]
-            freezer = await Child.start(
-                f"freezer-{label}",
-                python_argv("-m", "bench", "_freezer", *(str(r.pid) for r in relays)),
-                env=child_env(),
-                log_path=run.log_path(f"freezer-{label}"),
-                pipes=True,
-                cwd=run.src,
-            )
+            pids = [str(r.pid) for r in relays]
+            freezer = await run.start_helper(f"freezer-{label}", "_freezer", *pids)
             if not json.loads(await freezer.read_line(_FREEZER_TIMEOUT * 3)).get("ready"):
                 raise BenchError(f"the freezer of {label} did not get ready")
             watch = _Watch(dsn, _Fleet(relays), cfg.look_every)
@@ -734,17 +665,13 @@ async def _command(freezer: Child, line: str) -> dict[str, Any]:
 
 
 async def _fetchval(dsn: str, sql: str, *args: object) -> Any:
-    conn = await asyncpg.connect(dsn, timeout=30)
-    try:
+    async with connection(dsn) as conn:
         return await conn.fetchval(sql, *args, timeout=_QUERY_TIMEOUT)
-    finally:
-        await conn.close(timeout=5)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Per notify mode and key mix: medians over rounds of every phase's latency and rate,
-    the freezes' split by held keys, the marker's holders; the issue's target (p99 of the
-    events committed during the freezes <= 100 ms)."""
+    """Medians over rounds per notify mode and key mix, and the target: p99 of the events
+    committed during the freezes <= 100 ms."""
     cfg = result["config"]
     rows: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
@@ -948,9 +875,7 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
 
 
 def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
-    """Per cell (notify mode x key mix): commit ack -> receive p99 of the baseline, of the
-    events committed during the freezes, and of those of keys the frozen relay did not hold
-    (log scale; grey line: the 100 ms target)."""
+    """Per cell, ack -> receive p99 of the baseline, the freezes and the freezes' free keys."""
     from bench.plots import bar_figure, save_bar_chart  # matplotlib only when plotting
 
     rows, cfg = summary["rows"], result["config"]
@@ -978,15 +903,4 @@ def plot(result: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return save_bar_chart(fig, ax, path)
 
 
-REGIME = Regime(
-    "stalled-relay",
-    HELP,
-    arguments,
-    configure,
-    _StalledRelay.main,
-    summarize,
-    problems,
-    markdown,
-    plot,
-    terminal=("## Targets", "## Latency per phase"),
-)
+REGIME = Regime.of(__name__, _StalledRelay.main, "## Targets", "## Latency per phase")

@@ -29,8 +29,6 @@ from fastavro import parse_schema, schemaless_reader
 from bench.consumer import assign_all, fetch_loop, serve_lines
 from bench.drain_schema import DRAIN_AVRO_SCHEMA
 
-__all__ = ["Tally", "framed", "main", "sequence"]
-
 _START_TIMEOUT = 30.0
 _HEADER = "outbox-event-id"
 # Confluent's wire format: magic byte 0 and a 4-byte schema id before the body. A JSON
