@@ -207,11 +207,12 @@ def test_the_codec_reads_what_confluents_serializer_writes() -> None:
     message that is not the file's first and a nested one; the codec decodes both."""
     registry = MockSchemaRegistryClient({"url": "mock://registry"})
     codec = shop()
-    for name, fields in [
+    cases: list[tuple[str, dict[str, Any]]] = [
         ("shop.OrderCancelled", {"order_id": "o-3", "reason": "r"}),
         ("shop.OrderPlaced.Line", {"sku": "q", "qty": 3}),
         ("shop.OrderPlaced", {"order_id": "o-4", "total_cents": 5}),
-    ]:
+    ]
+    for name, fields in cases:
         cls = message_class(SHOP, name)
         serialize = ProtobufSerializer(cls, registry, {"use.deprecated.format": False})
         written = serialize(cls(**fields), CONTEXT)
