@@ -524,10 +524,15 @@ async def test_the_relay_encodes_json_rows_to_a_protobuf_subject(
     indexes; RegistryDeserializer and confluent-kafka's ProtobufDeserializer read the same
     values, each key's in commit order. A row with a field the message does not have is
     dead-lettered at its first attempt with the reason; its key's next row and the other
-    keys' rows flow."""
+    keys' rows flow. The producer's ``schemas=`` refuses that event before its commit."""
     schema_id = await registry.register(f"{topic}-value", ORDER_PROTO, schema_type="PROTOBUF")
+    schemas = EventSchemas(registry)
     conn = await asyncpg.connect(db_dsn)
     try:
+        with pytest.raises(SchemaMismatch, match='no field named "coupon"'):
+            async with conn.transaction():
+                await enqueue(conn, topic=topic, payload={"coupon": "x"}, schemas=schemas)
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
         with anyio.fail_after(60):
             async with Relay(
                 relay_settings(db_dsn, services, schema_registry.url, max_attempts=5)
