@@ -45,6 +45,7 @@ from notify_outbox.schemaregistry import (
 from tests.conftest import Services
 from tests.integration.test_inbox_batch import group_consumer, pool, until_committed
 from tests.support import consume, http_server, logged
+from tests.unit.test_protobuf_codec import message_class
 
 pytestmark = pytest.mark.anyio
 
@@ -489,6 +490,140 @@ async def test_protobuf_events_encoded_by_the_producer_go_out_as_written(
     assert [deserialize(v, context).total_cents for v in values] == [0, 100, 200, 300, 400]
     assert [(d["key"], d["attempts"]) for d in dead] == [("x", 1)]
     assert f"schema id {other}, which is not registered under subject" in dead[0]["error"]
+
+
+ORDER_PROTO = """
+syntax = "proto3";
+package acme;
+
+import "google/protobuf/timestamp.proto";
+
+message OrderPlaced {
+  int32 order = 1;
+  double total = 2;
+  string note = 3;
+  google.protobuf.Timestamp at = 4;
+}
+
+message OrderCancelled {
+  int32 order = 1;
+  string reason = 2;
+}
+"""
+
+
+async def test_the_relay_encodes_json_rows_to_a_protobuf_subject(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+) -> None:
+    """A PROTOBUF schema registered for the topic's subject (importing a well-known type):
+    JSON rows written by plain SQL go out as its first message with Confluent's message
+    indexes; RegistryDeserializer and confluent-kafka's ProtobufDeserializer read the same
+    values, each key's in commit order. A row with a field the message does not have is
+    dead-lettered at its first attempt with the reason; its key's next row and the other
+    keys' rows flow. The producer's ``schemas=`` refuses that event before its commit."""
+    schema_id = await registry.register(f"{topic}-value", ORDER_PROTO, schema_type="PROTOBUF")
+    schemas = EventSchemas(registry)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with pytest.raises(SchemaMismatch, match='no field named "coupon"'):
+            async with conn.transaction():
+                await enqueue(conn, topic=topic, payload={"coupon": "x"}, schemas=schemas)
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+        with anyio.fail_after(60):
+            async with Relay(
+                relay_settings(db_dsn, services, schema_registry.url, max_attempts=5)
+            ) as relay:
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) VALUES "
+                    '($1, \'bad\', \'{"order": 0, "coupon": "x"}\'), '
+                    "($1, 'bad', '{\"order\": 100, \"total\": 1.5}')",
+                    topic,
+                )
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || (n % 3), "
+                    "jsonb_build_object('order', n, 'total', n * 0.5, 'note', 'n' || n, "
+                    "'at', '2026-11-28T12:00:0' || n || 'Z') FROM generate_series(1, 9) n",
+                    topic,
+                )
+                await relay.events.wait_for("dead_lettered", 1)
+                records, _ = await consume(services.bootstrap, topic, expect=10)
+            dead = await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
+    finally:
+        await conn.close()
+    assert [(d["key"], d["attempts"]) for d in dead] == [("bad", 1)]
+    assert "schema: does not match Protobuf schema" in dead[0]["error"]
+    assert 'no field named "coupon"' in dead[0]["error"]
+    ours = RegistryDeserializer(registry)
+    order_placed = message_class(ORDER_PROTO, "acme.OrderPlaced")
+    theirs = ProtobufDeserializer(order_placed, {"use.deprecated.format": False})
+    context = SerializationContext(topic, MessageField.VALUE)
+    per_key: dict[bytes | None, list[dict[str, Any]]] = collections.defaultdict(list)
+    for record in sorted(records, key=lambda r: (r.partition, r.offset)):
+        assert record.value is not None
+        assert record.value[:6] == frame(schema_id, b"\x00")  # message indexes [0]
+        value = await ours(record.value)
+        message = theirs(record.value, context)
+        assert (message.order, message.total, message.note) == (
+            value["order"],
+            value["total"],
+            value["note"],
+        )
+        per_key[record.key].append(value)
+    # Zeros printed, an unset message field (with presence) left out: the proto3 JSON mapping.
+    assert per_key[b"bad"] == [{"order": 100, "total": 1.5, "note": ""}]
+    for key in (b"k0", b"k1", b"k2"):
+        orders = [v["order"] for v in per_key[key]]
+        assert orders == sorted(orders), f"key {key!r} out of order"
+    decoded = sorted(
+        (v for k, vs in per_key.items() if k != b"bad" for v in vs), key=lambda v: v["order"]
+    )
+    assert decoded == [
+        {"order": n, "total": n * 0.5, "note": f"n{n}", "at": f"2026-11-28T12:00:0{n}Z"}
+        for n in range(1, 10)
+    ]
+
+
+async def test_the_topic_record_strategy_picks_the_protobuf_message_by_event_type(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+) -> None:
+    """``topic-record``: a row's subject is ``<topic>-<event_type>`` and the event_type names
+    the message of the .proto, here its second (message indexes [1])."""
+    subject = f"{topic}-acme.OrderCancelled"
+    schema_id = await registry.register(subject, ORDER_PROTO, schema_type="PROTOBUF")
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with anyio.fail_after(60):
+            settings = relay_settings(
+                db_dsn,
+                services,
+                schema_registry.url,
+                schema_registry_subject_strategy="topic-record",
+            )
+            async with Relay(settings):
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload, event_type) VALUES ($1, 'k', "
+                    '\'{"order": 7, "reason": "late"}\', \'acme.OrderCancelled\')',
+                    topic,
+                )
+                records, _ = await consume(services.bootstrap, topic, expect=1)
+    finally:
+        await conn.close()
+    value = records[0].value
+    assert value is not None
+    assert value[:7] == frame(schema_id, b"\x02\x02")
+    assert await RegistryDeserializer(registry)(value) == {"order": 7, "reason": "late"}
+    order_cancelled = message_class(ORDER_PROTO, "acme.OrderCancelled")
+    theirs = ProtobufDeserializer(order_cancelled, {"use.deprecated.format": False})
+    decoded = theirs(value, SerializationContext(topic, MessageField.VALUE))
+    assert decoded == order_cancelled(order=7, reason="late")
 
 
 @pytest.fixture(scope="module")

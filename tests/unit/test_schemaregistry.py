@@ -27,7 +27,6 @@ from notify_outbox.schemaregistry import (
     SchemaMismatch,
     StaticSchema,
     SubjectNotFound,
-    UnsupportedSchema,
     frame,
     subject_name,
     unframe,
@@ -136,11 +135,6 @@ def test_json_schema_says_where_an_event_breaks_it() -> None:
     assert codec.encode({"lines": [1]}, b'{"lines": [1]}') == frame(3, b'{"lines": [1]}')
     with pytest.raises(SchemaMismatch, match=r"at lines/1: 'x' is not of type 'integer'"):
         codec.check({"lines": [1, "x"]})
-
-
-def test_protobuf_subjects_are_refused_with_what_to_do_instead() -> None:
-    with pytest.raises(UnsupportedSchema, match="value_bytes"):
-        codec_for(RegisteredSchema(id=1, schema="syntax = 'proto3';", schema_type="PROTOBUF"))
 
 
 async def test_the_encoder_caches_subjects_and_encodes_only_governed_topics() -> None:

@@ -1,7 +1,8 @@
 """Schema Registry support: events checked against their topic's schema before the
-producer's commit, encoded by the relay in Confluent's wire format (Avro, JSON Schema), and
-decoded by consumers. Needs the ``schema-registry`` extra (httpx, fastavro, jsonschema), which
-is imported only when used. Users import it as ``notify_outbox.schemaregistry``.
+producer's commit, encoded by the relay in Confluent's wire format (Avro, JSON Schema,
+Protobuf), and decoded by consumers. Needs the ``schema-registry`` extra (httpx, fastavro,
+jsonschema, orjson, protobuf, grpcio-tools), each imported only when used (protobuf and
+grpcio-tools: for a Protobuf schema). Users import it as ``notify_outbox.schemaregistry``.
 """
 
 from notify_outbox.kafka.registry.client import (

@@ -218,6 +218,9 @@ class RowEncoder:
         self._subjects = _Subjects(client, refresh)
         # The topic strategy's subjects, per topic: no string is built per event.
         self._topic_subjects: dict[str, str] | None = {} if strategy == "topic" else None
+        # The record strategies name the record by the event_type: a Protobuf schema's
+        # message is chosen by it (the topic strategy's event_type is free text).
+        self._by_record = strategy != "topic"
 
     def _value_subject(self, row: OutboxRow) -> str:
         by_topic = self._topic_subjects
@@ -269,7 +272,8 @@ class RowEncoder:
         if value is not None:
             if row.payload is not None:
                 codec = self._subjects.codec(self._value_subject(row))
-                value = codec.encode(_loads(row.payload), value)
+                record = row.event_type if self._by_record else None
+                value = codec.encode(_loads(row.payload), value, record)
             else:
                 _check_bytes(self._subjects, row.topic, value, self._value_subject(row))
         if self._keys and row.key is not None:
@@ -319,7 +323,7 @@ class SchemaCheck(Protocol):
         does not match its schema."""
 
 
-def _check_one(codec_of: Any, event: EventToCheck, subject: str) -> None:
+def _check_one(codec_of: Any, event: EventToCheck, subject: str, record: str | None) -> None:
     if event.value_bytes is not None:
         if not is_framed(event.value_bytes):
             raise SchemaMismatch(
@@ -330,7 +334,7 @@ def _check_one(codec_of: Any, event: EventToCheck, subject: str) -> None:
     if not event.has_payload:
         return  # a tombstone
     try:
-        codec_of(subject).check(event.payload)
+        codec_of(subject).check(event.payload, record)
     except SchemaMismatch as e:
         raise SchemaMismatch(f"event for topic {event.topic!r} {e}") from None
 
@@ -378,15 +382,17 @@ class EventSchemas:
             if event.value_bytes is not None:
                 _check_bytes(self._subjects, event.topic, event.value_bytes, subject)
                 continue
+            record = event.event_type if self._strategy != "topic" else None
             try:
-                _check_one(self._subjects.codec, event, subject)
+                _check_one(self._subjects.codec, event, subject, record)
             except SubjectNotFound as e:
                 raise SchemaMismatch(f"event for topic {event.topic!r}: {e}") from None
 
 
 class StaticSchema:
     """One schema given in code (no registry): every event checked must match it. For a
-    producer that owns its topic's schema, or for tests."""
+    producer that owns its topic's schema, or for tests. ``schema_type``: ``AVRO``, ``JSON``
+    or ``PROTOBUF`` (.proto text; events are checked against its first message)."""
 
     def __init__(self, schema: str | dict[str, Any], schema_type: str = "AVRO") -> None:
         text = schema if isinstance(schema, str) else json.dumps(schema)
@@ -399,16 +405,16 @@ class StaticSchema:
     def check_events_now(self, events: Sequence[EventToCheck]) -> None:
         """``check_events`` without awaiting (for synchronous producers)."""
         for event in events:
-            _check_one(lambda _: self.codec, event, "")
+            _check_one(lambda _: self.codec, event, "", None)
 
     async def check_events(self, events: Sequence[EventToCheck]) -> None:
         self.check_events_now(events)
 
 
 class RegistryDeserializer:
-    """A consumer's side: the value of a record in Confluent's wire format (Avro or JSON
-    Schema), decoded with the writer's schema fetched by id (cached: ids never change).
-    ``None`` stays ``None`` (a tombstone)."""
+    """A consumer's side: the value of a record in Confluent's wire format (Avro, JSON Schema
+    or Protobuf, as a dict by the proto3 JSON mapping), decoded with the writer's schema
+    fetched by id (cached: ids never change). ``None`` stays ``None`` (a tombstone)."""
 
     def __init__(self, client: RegistryClient) -> None:
         self.client = client
