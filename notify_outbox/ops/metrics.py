@@ -214,6 +214,9 @@ class RelayMetrics:
         )
         for reason in FAILURE_REASONS:
             self.failures.labels(self.table, reason)
+        # Labelled children by label values: prometheus_client's labels() validates and looks
+        # them up under a lock at every call, a few per claim on the hot path.
+        self._children: dict[tuple[object, ...], Any] = {}
         self.registry.register(_StateCollector(self))
         relay.events.add_hook(self._on_event)
         relay.events.add_batch_observer(self._on_batch)
@@ -278,14 +281,20 @@ class RelayMetrics:
             return topic
         return OTHER_TOPIC
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(self.table, *values)``, looked up once."""
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.table, *values)
+        return child
+
     def _on_event(self, name: str, amount: int) -> None:
         if name.startswith("wake:"):
             source = name[5:]
-            self.wakeups.labels(self.table, source if source in WAKE_SOURCES else "other").inc(
-                amount
-            )
+            self._child(self.wakeups, source if source in WAKE_SOURCES else "other").inc(amount)
         elif name == "claimed":
-            self.batch_size.labels(self.table).observe(amount)
+            self._child(self.batch_size).observe(amount)
         elif name == "db_error":
             self.failures.labels(self.table, "database").inc(amount)
         elif name == "claim_lost":
@@ -301,7 +310,7 @@ class RelayMetrics:
         everything = len(outcome.published) == len(rows)
         by_id = {} if everything else {row.id: row for row in rows}
         published: Tally[str] = Tally()
-        latency = self.commit_to_ack.labels(self.table)
+        latency = self._child(self.commit_to_ack)
         for row in rows if everything else [by_id[i] for i in outcome.published]:
             published[row.topic] += 1
             if row.created_at is not None:
@@ -328,7 +337,7 @@ class RelayMetrics:
 
     def _add(self, counter: Counter, by_topic: Tally[str]) -> None:
         for topic, n in by_topic.items():
-            counter.labels(self.table, self._topic(topic)).inc(n)
+            self._child(counter, self._topic(topic)).inc(n)
 
     # --- the table gauges --------------------------------------------------------------------
 

@@ -631,7 +631,7 @@ class Relay:
                 continue  # an error was handled (and waited out): claim again
             claimed, more = done
             if claimed:
-                now = anyio.current_time()
+                now = time.monotonic()  # not anyio.current_time(): its backend look-up, per claim
                 if self._busy_since is None:
                     self._busy_since = now
                 await self.gate.busy_for(now - self._busy_since, claimed)
