@@ -99,8 +99,10 @@ def _topic_gone(producer: AIOKafkaProducer, topic: str, error: BaseException) ->
     )
 
 
-# An ack's callback: the batch's future, its (topic, partition) and its number of records.
-_OnAck = Callable[[asyncio.Future[Any], tuple[str, int], int], None]
+# What a failed batch is reported to: its error, its (topic, partition), its number of
+# records, and whether the report comes from inside aiokafka's handling of the broker's answer
+# (True, ``_on_failure``) or from a done-callback one loop turn later.
+_OnAck = Callable[[BaseException, tuple[str, int], int, bool], None]
 
 
 class _Abandoned(kafka_errors.KafkaError):  # type: ignore[misc]  # aiokafka has no type hints
@@ -832,26 +834,27 @@ class KafkaPublisher:
         )
 
     def _watch(self, producer: AIOKafkaProducer) -> _OnAck:
-        """A done-callback for ``producer``'s acks: a record that fails must not let anything
-        queued behind it on its partition go out of order.
+        """What ``producer``'s failed batches are reported to: a record that fails must not
+        let anything queued behind it on its partition go out of order.
 
         aiokafka numbers a partition's record batches when it sends them and never takes a
         number back, so a batch the broker refused (a record over the topic's
         ``max.message.bytes``, say) leaves a gap, and aiokafka still sends the partition's next
         batch. The broker refuses that one (OutOfOrderSequenceNumber) only if it holds state
         for this producer on the partition; if the refused batch was the producer's first
-        there, it appends it, and a key's later rows are in Kafka before its failed row. This
-        callback is scheduled when the record's future fails, before aiokafka's sender is woken
-        to send the next batch, so acting here stops it in time: a batch refused as too large
+        there, it appends it, and a key's later rows are in Kafka before its failed row. The
+        report comes while aiokafka handles the broker's answer (``_on_failure``), before its
+        sender can send the partition's next batch, so acting here stops it in time (a
+        done-callback came a loop turn later, after the sender had sent that batch when
+        other claims' batches woke it: seen with four workers). A batch refused as too large
         (appended by no broker) has its numbers taken back and its partition's queued batches
         dropped (``_skip_partition``); any other failure abandons the producer, whose unsent
         records fail with ``_Abandoned`` and stay pending for the next producer. Either way
         the other topics' records go on.
         """
 
-        def on_ack(fut: asyncio.Future[Any], tp: tuple[str, int], records: int) -> None:
-            error = None if fut.cancelled() else fut.exception()
-            if error is None or isinstance(error, _Abandoned):
+        def on_ack(error: BaseException, tp: tuple[str, int], records: int, now: bool) -> None:
+            if isinstance(error, _Abandoned):
                 return
             topic = tp[0]
             if isinstance(error, kafka_errors.TopicAuthorizationFailedError) or _topic_gone(
@@ -865,7 +868,7 @@ class KafkaPublisher:
                 # the reason. Left open: an ACL granted, or the topic created again, in the
                 # instant between two batches of one partition queued together.
                 return
-            if isinstance(error, _TOO_LARGE) and _skip_partition(producer, tp, records):
+            if isinstance(error, _TOO_LARGE) and _skip_partition(producer, tp, records, now):
                 return
             if producer is self._producer and not self._broken:
                 self._broken = True
@@ -995,13 +998,17 @@ def _abandon(producer: AIOKafkaProducer) -> None:
         sender_task.add_done_callback(fail_unsent)
 
 
-def _skip_partition(producer: AIOKafkaProducer, tp: tuple[str, int], records: int) -> bool:
+def _skip_partition(
+    producer: AIOKafkaProducer, tp: tuple[str, int], records: int, now: bool
+) -> bool:
     """After the broker refused a batch of ``tp`` as too large, appending none of it: take
     back the ``records`` sequence numbers aiokafka gave that batch, and fail the partition's
     queued batches with ``_Abandoned`` (they may hold a key's later rows; they stay pending),
     so the partition's next batch follows the last one appended, with no gap. The producer
-    and its other partitions go on. False (abandon the producer instead) when aiokafka's
-    state is not the one this relies on: a batch of ``tp`` in flight, or internals moved."""
+    and its other partitions go on. ``now``: called while aiokafka handles the refusal, the
+    refused batch still in flight (its partition muted); otherwise no batch of ``tp`` may be
+    in flight. False (abandon the producer instead) when aiokafka's state is not the one this
+    relies on: another batch of ``tp`` in flight, or internals moved."""
     sender = getattr(producer, "_sender", None)
     accumulator = getattr(producer, "_message_accumulator", None)
     manager = getattr(producer, "_txn_manager", None)
@@ -1009,13 +1016,13 @@ def _skip_partition(producer: AIOKafkaProducer, tp: tuple[str, int], records: in
     queues = getattr(accumulator, "_batches", None)
     numbers = getattr(manager, "_sequence_numbers", None)
     partition = TopicPartition(*tp)
-    if not isinstance(muted, set) or not isinstance(queues, dict) or partition in muted:
+    if not isinstance(muted, set) or not isinstance(queues, dict) or (partition in muted) != now:
         return False
     if manager is not None:
         if not isinstance(numbers, dict) or numbers.get(partition, 0) < records:
             return False
         # aiokafka mutes a partition while its batch is in flight: nothing was numbered
-        # after the refused batch, whose numbers are the last ones given.
+        # after the refused batch (in flight, or just answered), whose numbers are the last.
         numbers[partition] -= records
     for queued in queues.pop(partition, ()):
         queued.failure(_Dropped(f"a batch before it on {tp[0]}[{tp[1]}] was refused"))
@@ -1053,8 +1060,44 @@ async def _submit(
     the producer sends anything after it (see ``KafkaPublisher._watch``)."""
     future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
     records = len(batch.rows)
-    future.add_done_callback(lambda fut: on_ack(fut, tp, records))
+    if not _on_failure(producer, batch.builder, tp, lambda e: on_ack(e, tp, records, True)):
+
+        def failed(fut: asyncio.Future[Any]) -> None:
+            error = None if fut.cancelled() else fut.exception()
+            if error is not None:
+                on_ack(error, tp, records, False)
+
+        future.add_done_callback(failed)
     return _Sent(batch.rows, future, tp[0], batch.builder.size())
+
+
+def _on_failure(
+    producer: AIOKafkaProducer,
+    builder: Any,
+    tp: tuple[str, int],
+    report: Callable[[BaseException], None],
+) -> bool:
+    """Have aiokafka call ``report(error)`` as it fails the batch of ``builder`` just handed
+    over, from inside its handling of the broker's answer: before its sender can send the
+    partition's next batch. False when that batch is not found (aiokafka's internals moved):
+    the caller watches the batch's future instead, a loop turn late."""
+    queues = getattr(getattr(producer, "_message_accumulator", None), "_batches", None)
+    # send_batch appended it and returned without yielding: it is the partition's last.
+    queued = queues.get(TopicPartition(*tp)) if isinstance(queues, dict) else None
+    handed = queued[-1] if queued else None
+    if handed is None or getattr(handed, "_builder", None) is not builder:
+        return False
+    failure = handed.failure
+
+    def failed(exception: BaseException) -> None:
+        failure(exception)
+        try:
+            report(exception)
+        except Exception:  # never into aiokafka's sender: it would stop sending
+            log.exception("handling a failed batch of %s[%d] failed", *tp)
+
+    handed.failure = failed
+    return True
 
 
 def _fail(

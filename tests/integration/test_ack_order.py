@@ -223,3 +223,53 @@ async def test_batches_over_the_topics_limit_are_split_and_no_row_fails(
     finally:
         await conn.close()
     assert _first_occurrences(await _topic_now(services.bootstrap, topic)) == committed
+
+
+async def test_refused_records_among_four_workers_keep_every_keys_order(
+    db_dsn: str, services: Services
+) -> None:
+    """Four workers share one producer and one partition while rows come in: each refused
+    batch drops whatever the other claims had queued behind it on the partition. Every row
+    but the big ones is delivered, each key's first occurrences in commit order, the big
+    rows are dead-lettered, and the producer is never replaced."""
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    await create_topics(
+        services.bootstrap, [topic], partitions=1, configs={"max.message.bytes": "4000"}
+    )
+    committed: dict[str, list[str]] = defaultdict(list)
+    big_ids: list[str] = []
+    settings = make_settings(
+        db_dsn,
+        services,
+        workers=4,
+        batch_size=20,
+        max_attempts=2,
+        retry_base_delay=0.05,
+        retry_max_delay=0.1,
+        poll_interval=0.2,
+    )
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        with logged("notify_outbox.publisher", "replacing the producer") as replaced:
+            async with Relay(settings) as relay:
+                for n in range(400):
+                    key = f"k{n % 20}"
+                    big = n % 37 == 5
+                    payload = {"n": n, "pad": "x" * (8_000 if big else 200)}
+                    event_id = str(await enqueue(conn, topic=topic, key=key, payload=payload))
+                    if big:
+                        big_ids.append(event_id)
+                    else:
+                        committed[key].append(event_id)
+                with anyio.fail_after(WAIT):
+                    await relay.events.wait_for("dead_lettered", len(big_ids))
+                    await relay.events.wait_for("published", 400 - len(big_ids))
+            dead = [
+                str(r["event_id"])
+                for r in await conn.fetch("SELECT event_id FROM outbox_dead_letter")
+            ]
+        assert not replaced.is_set()
+    finally:
+        await conn.close()
+    assert sorted(dead) == sorted(big_ids)
+    assert _first_occurrences(await _topic_now(services.bootstrap, topic)) == committed
