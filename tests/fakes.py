@@ -356,6 +356,8 @@ class FakePublisher:
         self.answering = True  # False: Kafka went away (seen by check()); see back()
         self._back = anyio.Event()
         self.check_calls = 0
+        #: The dependency an "unavailable" verdict names (PublishResult.dependency).
+        self.dependency = "Kafka"
 
     async def publish(self, rows: Sequence[OutboxRow]) -> PublishResult:
         self.entered.set()
@@ -374,6 +376,7 @@ class FakePublisher:
             kind, reason = verdict
             if kind == "unavailable":
                 result.unavailable = reason
+                result.dependency = self.dependency
                 break
             (result.failed if kind == "fail" else result.rejected).append((row.id, reason))
             if row.key is not None:

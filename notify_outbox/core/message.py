@@ -17,6 +17,7 @@ __all__ = [
     "EVENT_ID_HEADER",
     "EVENT_TYPE_HEADER",
     "RESERVED_HEADERS",
+    "SCHEMA_REGISTRY",
     "KafkaMessage",
     "PublishResult",
 ]
@@ -46,6 +47,10 @@ class KafkaMessage:
     headers: Sequence[tuple[str, bytes | None]]
 
 
+#: The dependency a ``PublishResult`` names when the rows' schemas could not be loaded.
+SCHEMA_REGISTRY = "Schema Registry"
+
+
 @dataclass
 class PublishResult:
     """Per-row outcome of one batch. Rows in no list were not sent (held back behind a failed
@@ -55,6 +60,9 @@ class PublishResult:
     failed: list[tuple[int, str]] = field(default_factory=list)  # retry with backoff
     rejected: list[tuple[int, str]] = field(default_factory=list)  # can never be sent
     unavailable: str | None = None  # Kafka trouble: back off before claiming again
+    #: The dependency ``unavailable`` is about: "Kafka", or "Schema Registry" when the rows'
+    #: schemas could not be loaded (the relay's outage log and ``/readyz`` name it).
+    dependency: str = "Kafka"
     #: When the last record was handed to the producer (``time.monotonic_ns()``; None:
     #: none was): the stage log's "handed" (stagelog.py).
     handed_at: int | None = None

@@ -96,7 +96,7 @@ def record_send_spans(
         elif row.id in reasons:
             error = reasons[row.id]
         elif result.unavailable is not None:
-            error = f"Kafka unavailable: {result.unavailable}"
+            error = f"{result.dependency} unavailable: {result.unavailable}"
         else:
             continue  # held back behind an earlier row of its key: not sent
         linked = trace.get_current_span(_propagator.extract(carrier)).get_span_context()

@@ -30,7 +30,7 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from notify_outbox.core.backoff import Backoff
 from notify_outbox.core.errors import ConfigurationError
-from notify_outbox.core.message import KafkaMessage, PublishResult
+from notify_outbox.core.message import SCHEMA_REGISTRY, KafkaMessage, PublishResult
 from notify_outbox.core.outbox import OutboxRow
 from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.core.tracing import record_send_spans
@@ -536,6 +536,8 @@ class KafkaPublisher:
         result = PublishResult()
         if not self.available:
             result.unavailable = self._down or "the Kafka producer must be replaced"
+            if self._registry_down:
+                result.dependency = SCHEMA_REGISTRY
             return result
         if self.encoder is not None and not await self._schemas_ready(rows, result):
             return result
@@ -587,6 +589,7 @@ class KafkaPublisher:
             await self.encoder.prepare(rows)
         except RegistryError as e:
             result.unavailable = self._down = str(e)
+            result.dependency = SCHEMA_REGISTRY
             self._registry_down = True
             return False
         return True

@@ -33,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from notify_outbox.core.logs import redact
+from notify_outbox.core.message import SCHEMA_REGISTRY
 from notify_outbox.pg.db import DATABASE_ERRORS, session_parameters, terminate
 from notify_outbox.pg.sqlfiles import Queries
 
@@ -396,8 +397,15 @@ class RelayMetrics:
         """Whether the relay has connected to both and its workers run."""
         return self.relay.events.counts["wake:start"] > 0
 
+    def _down(self, dependency: str) -> bool:
+        """Whether the relay's publishing outage is ``dependency``'s ("Kafka", or the Schema
+        Registry when the rows' schemas could not be loaded)."""
+        outage = self.relay.kafka_outage
+        return outage.active and outage.dependency == dependency
+
     def components(self) -> dict[str, bool]:
-        """Up or down, per dependency: database, kafka, and (unless poll-only) listener."""
+        """Up or down, per dependency: database, kafka, schema_registry (when one is set) and
+        (unless poll-only) listener."""
         relay = self.relay
         db_outage = relay.db_outage
         database = not db_outage.active or (
@@ -409,8 +417,10 @@ class RelayMetrics:
         )
         up = {
             "database": self.started and database,
-            "kafka": self.started and not relay.kafka_outage.active,
+            "kafka": self.started and not self._down("Kafka"),
         }
+        if relay.settings.schema_registry_url:
+            up["schema_registry"] = self.started and not self._down(SCHEMA_REGISTRY)
         if not relay.settings.poll_only:
             listener = relay.listener
             conn = listener.connection if listener is not None else None
@@ -429,10 +439,15 @@ class RelayMetrics:
             checks["relay"] = "ok"
         up = self.components()
         checks["database"] = "ok" if up["database"] else "unreachable"
-        if relay.kafka_outage.active:
+        if self._down("Kafka"):
             checks["kafka"] = "unavailable (does not answer)"
         else:
             checks["kafka"] = "ok" if up["kafka"] else "not connected yet"
+        if "schema_registry" in up:
+            if self._down(SCHEMA_REGISTRY):
+                checks["schema_registry"] = "unavailable (does not answer)"
+            else:
+                checks["schema_registry"] = "ok" if up["schema_registry"] else "not connected yet"
         if relay.settings.poll_only:
             checks["listener"] = "poll-only"
         else:
@@ -485,8 +500,8 @@ class _StateCollector(Collector):
         t = ["table"]
         yield GaugeMetricFamily(
             PREFIX + "up",
-            "1 while a dependency is reachable: database, kafka, listener (the LISTEN "
-            "connection; absent when poll-only)",
+            "1 while a dependency is reachable: database, kafka, schema_registry (absent "
+            "without one), listener (the LISTEN connection; absent when poll-only)",
             labels=[*t, "component"],
         )
         yield GaugeMetricFamily(

@@ -18,10 +18,15 @@ __all__ = ["Outage", "RateLimitFilter", "tame_third_party_logs"]
 
 
 class Outage:
-    """The state of one dependency ("Kafka", "PostgreSQL") as seen by a relay."""
+    """The state of one dependency ("Kafka", "PostgreSQL") as seen by a relay.
+
+    An outage may name another dependency that stands in the way of the same work (the
+    Schema Registry, for Kafka's): ``failed(reason, dependency)``; ``dependency`` is the
+    one named by the current (or last) outage."""
 
     def __init__(self, what: str, log: logging.Logger, *, remind_every: float = 30.0) -> None:
         self.what = what
+        self.dependency = what
         self._log = log
         self._remind_every = remind_every
         self.started: float | None = None  # time.monotonic() of the first failure
@@ -34,18 +39,20 @@ class Outage:
         """Whether the dependency is currently failing."""
         return self.started is not None
 
-    def failed(self, reason: str) -> bool:
-        """Record a failure; logs (and returns True) only for the first of an outage."""
+    def failed(self, reason: str, dependency: str | None = None) -> bool:
+        """Record a failure of ``dependency`` (default: this outage's own); logs (and
+        returns True) only for the first of an outage, which names the dependency."""
         if self.started is not None:
             return False
+        self.dependency = dependency or self.what
         self.started = self._reminded = time.monotonic()
         self.held = 0
         self.count += 1
         self._log.warning(
             "%s unavailable (%s); rows stay pending",
-            self.what,
+            self.dependency,
             reason,
-            extra={"dependency": self.what, "outage": "started", "reason": reason},
+            extra={"dependency": self.dependency, "outage": "started", "reason": reason},
         )
         return True
 
@@ -58,11 +65,11 @@ class Outage:
             self._reminded = now
             self._log.warning(
                 "%s still unavailable after %.0fs; %d claimed rows given back so far",
-                self.what,
+                self.dependency,
                 now - self.started,
                 self.held,
                 extra={
-                    "dependency": self.what,
+                    "dependency": self.dependency,
                     "outage": "ongoing",
                     "outage_seconds": round(now - self.started, 3),
                     "rows_given_back": self.held,
@@ -78,12 +85,12 @@ class Outage:
         backlog = "" if pending is None else f"; {pending} rows pending now"
         self._log.warning(
             "%s available again after %.1fs; %d claimed rows were given back meanwhile%s",
-            self.what,
+            self.dependency,
             duration,
             self.held,
             backlog,
             extra={
-                "dependency": self.what,
+                "dependency": self.dependency,
                 "outage": "ended",
                 "outage_seconds": round(duration, 3),
                 "rows_given_back": self.held,

@@ -815,7 +815,7 @@ class Relay:
         self.events.emit("batch_done")
         settled = len(outcome.published) + len(outcome.dead) + len(outcome.retry)
         if result.unavailable is not None:
-            self.kafka_outage.failed(result.unavailable)
+            self.kafka_outage.failed(result.unavailable, result.dependency)
             self.kafka_outage.held += len(rows) - settled
             raise PublisherUnavailable(result.unavailable)
         # Rows left as they were (held back behind a failed row of their key) count for

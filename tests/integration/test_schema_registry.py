@@ -33,6 +33,7 @@ from devstack.schema_registry import SchemaRegistryServer
 from notify_outbox import OutboxSettings, Relay, enqueue
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.inbox import Inbox, consume_batches
+from notify_outbox.ops.metrics import RelayMetrics
 from notify_outbox.schemaregistry import (
     EventSchemas,
     RegistryClient,
@@ -302,14 +303,18 @@ async def test_the_registry_down_rows_wait_uncounted_and_flow_once_it_answers(
     registry: RegistryClient,
 ) -> None:
     """The registry stops while the relay runs, and a row comes for a subject the relay has
-    not loaded yet: one outage line, the row stays pending with no attempt counted; when
-    the registry is back (its schemas kept), the row goes out."""
+    not loaded yet: one outage line naming the registry (as does ``/readyz``), the row stays
+    pending with no attempt counted; when the registry is back (its schemas kept), the row
+    goes out."""
     await registry.register(f"{topic}-value", json.dumps(ORDER))
     conn = await asyncpg.connect(db_dsn)
     try:
         with anyio.fail_after(120):
             async with Relay(relay_settings(db_dsn, services, schema_registry.url)) as relay:
-                with logged("notify_outbox", "Schema Registry at") as outage:
+                with (
+                    logged("notify_outbox", "Schema Registry at") as outage,
+                    logged("notify_outbox.relay", "Schema Registry unavailable (") as named,
+                ):
                     schema_registry.stop()
                     try:
                         await conn.execute(
@@ -319,6 +324,7 @@ async def test_the_registry_down_rows_wait_uncounted_and_flow_once_it_answers(
                         )
                         await outage.wait()
                         await relay.events.wait_for("kafka_unavailable", 1)
+                        readiness = RelayMetrics(relay).readiness()
                         row = await conn.fetchrow("SELECT attempts, published_at FROM outbox")
                     finally:
                         await asyncio.to_thread(schema_registry.start)
@@ -327,6 +333,8 @@ async def test_the_registry_down_rows_wait_uncounted_and_flow_once_it_answers(
                 back = time.monotonic() - answered
     finally:
         await conn.close()
+    assert named.is_set()
+    assert readiness.reason == "schema_registry: unavailable (does not answer)"
     assert row is not None
     assert row["attempts"] == 0
     assert row["published_at"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from notify_outbox import OutboxSettings, Relay
 from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.core.message import SCHEMA_REGISTRY
 from notify_outbox.ops.http import MonitoringServer, healthcheck
 from notify_outbox.ops.metrics import OTHER_TOPIC, OutboxStats, RelayMetrics, failure_class
 from tests.fakes import FakePublisher, FakeStore, fake_settings
@@ -137,6 +139,49 @@ async def test_kafka_unavailable_rows_count_as_failures_and_state_gauges() -> No
         # Poll-only: no listener series at all.
         assert value(metrics, "notify_outbox_up", component="listener") is None
         assert value(metrics, "notify_outbox_awake") == 0
+
+
+async def test_a_schema_registry_outage_is_named_in_the_log_readiness_and_gauges(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rows that wait for the Schema Registry (their schemas could not be loaded): the
+    outage's lines, ``/readyz`` and ``notify_outbox_up`` name the registry, not Kafka."""
+    store = FakeStore()
+    store.add(topic="orders")
+    pub = FakePublisher()
+    pub.dependency = SCHEMA_REGISTRY
+
+    def registry_down(_row: object) -> tuple[str, str]:
+        pub.available = False  # as KafkaPublisher: unavailable until wait_available returns
+        return ("unavailable", "Schema Registry at http://registry unreachable (refused)")
+
+    pub.behaviour = registry_down
+    url = "http://registry:8081"
+    relay = Relay(settings(workers=1, schema_registry_url=url), store=store, publisher=pub)
+    metrics = RelayMetrics(relay)
+    with caplog.at_level(logging.WARNING, logger="notify_outbox.relay"):
+        async with relay:
+            assert metrics.readiness().checks["schema_registry"] == "ok"
+            await relay.events.wait_for("kafka_unavailable")
+            down = metrics.readiness()
+            assert not down.ready
+            assert down.reason == "schema_registry: unavailable (does not answer)"
+            assert down.checks["kafka"] == "ok"
+            assert value(metrics, "notify_outbox_up", component="schema_registry") == 0
+            assert value(metrics, "notify_outbox_up", component="kafka") == 1
+            pub.behaviour = lambda _row: None
+            pub.back()
+            await drained(store, relay)
+            assert metrics.readiness().ready
+            assert value(metrics, "notify_outbox_up", component="schema_registry") == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "notify_outbox.relay"]
+    outage = [line for line in lines if "unavailable" in line or "available again" in line]
+    assert outage[0] == (
+        "Schema Registry unavailable (Schema Registry at http://registry unreachable "
+        "(refused)); rows stay pending"
+    )
+    assert outage[1].startswith("Schema Registry available again after ")
+    assert len(outage) == 2
 
 
 async def test_readiness_follows_the_relay() -> None:
