@@ -134,8 +134,18 @@ def _pgbench(db: str, files: list[str], writers: int, seconds: int) -> float:
     return float(m.group(1))
 
 
-async def producers(db: str, n: int, writers: list[int], seconds: int, rounds: int) -> None:
-    cells = [(v, m) for v in VARIANTS for m in MODES if not (v == "none" and m == "gated")]
+async def producers(
+    db: str,
+    n: int,
+    writers: list[int],
+    seconds: int,
+    rounds: int,
+    variants: list[str],
+    modes: list[str],
+) -> None:
+    cells = [(v, m) for v in variants for m in modes if not (v == "none" and m == "gated")]
+    if "none" in variants and "always" not in modes:
+        cells.append(("none", "always"))
     results: dict[str, list[float]] = {}
     conn = await asyncpg.connect(_dsn(db))
     with tempfile.TemporaryDirectory() as tmp:
@@ -414,6 +424,8 @@ def main() -> None:
     pr.add_argument("--writers", default="16,4")
     pr.add_argument("--seconds", type=int, default=5)
     pr.add_argument("--rounds", type=int, default=3)
+    pr.add_argument("--variants", default=",".join(VARIANTS))
+    pr.add_argument("--modes", default=",".join(MODES))
     li = sub.add_parser("listener")
     li.add_argument("--rate", type=int, default=1000)
     li.add_argument("--seconds", type=float, default=10.0)
@@ -432,7 +444,8 @@ def main() -> None:
         asyncio.run(setup(a.db, a.n))
     elif a.cmd == "producers":
         ws = [int(w) for w in a.writers.split(",")]
-        asyncio.run(producers(a.db, a.n, ws, a.seconds, a.rounds))
+        vs, ms = a.variants.split(","), a.modes.split(",")
+        asyncio.run(producers(a.db, a.n, ws, a.seconds, a.rounds, vs, ms))
     elif a.cmd == "listener":
         asyncio.run(listener(a.db, a.n, a.rate, a.seconds, a.rounds))
     elif a.cmd == "listen-child":
