@@ -1006,7 +1006,7 @@ def _skip_partition(
 ) -> bool:
     """After the broker refused a batch of ``tp`` as too large, appending none of it: take
     back the ``records`` sequence numbers aiokafka gave that batch, and fail the partition's
-    queued batches with ``_Abandoned`` (they may hold a key's later rows; they stay pending),
+    queued batches with ``_Dropped`` (they may hold a key's later rows; they stay pending),
     so the partition's next batch follows the last one appended, with no gap. The producer
     and its other partitions go on. ``now``: called while aiokafka handles the refusal, the
     refused batch still in flight (its partition muted); otherwise no batch of ``tp`` may be
@@ -1058,9 +1058,9 @@ async def _submit(
     tp: tuple[str, int],
     on_ack: _OnAck,
 ) -> _Sent:
-    """Hand a batch to the producer, and watch its ack at once: the next batch of its
-    partition may wait for this one to be taken, and ``on_ack`` must see a failure before
-    the producer sends anything after it (see ``KafkaPublisher._watch``)."""
+    """Hand a batch to the producer, and watch for its failure at once: ``on_ack`` must see
+    it before the producer sends anything after it on the partition (``_on_failure``; see
+    ``KafkaPublisher._watch``)."""
     future = await producer.send_batch(batch.builder, tp[0], partition=tp[1])
     records = len(batch.rows)
     if not _on_failure(producer, batch.builder, tp, lambda e: on_ack(e, tp, records, True)):
@@ -1085,8 +1085,9 @@ def _on_failure(
     partition's next batch. False when that batch is not found (aiokafka's internals moved):
     the caller watches the batch's future instead, a loop turn late."""
     queues = getattr(getattr(producer, "_message_accumulator", None), "_batches", None)
-    # send_batch appended it and returned without yielding: it is the partition's last.
-    queued = queues.get(TopicPartition(*tp)) if isinstance(queues, dict) else None
+    # send_batch appended it and returned without yielding: it is the partition's last. (A
+    # plain tuple finds aiokafka's TopicPartition key: a named tuple hashes as its values.)
+    queued = queues.get(tp) if isinstance(queues, dict) else None
     handed = queued[-1] if queued else None
     if handed is None or getattr(handed, "_builder", None) is not builder:
         return False
