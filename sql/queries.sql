@@ -319,3 +319,52 @@ WHERE id > $4 AND id <= $5
   AND published_at >= $2 AND published_at < $3 AND topic = $1
 ORDER BY id
 LIMIT $6;
+
+-- name: delivery
+-- The delivery mode the outbox is set to (migration 0007; NULL before it).
+-- (Read through to_jsonb, so that the statement also parses where the column is missing.)
+SELECT to_jsonb(c) ->> 'delivery' FROM @config@ AS c;
+
+-- name: set_delivery
+UPDATE @config@ SET delivery = $1 RETURNING delivery;
+
+-- name: eos_lease
+-- Take exactly-once slot $1 for owner $2 for $3 ms, if it is free, expired or already $2's.
+-- Returns the sequence of the batch it has in flight (NULL: none), or no row if not taken.
+WITH slot AS (
+    INSERT INTO @eos_slot@ AS s (slot, owner, expires_at)
+    VALUES ($1, $2, now() + make_interval(secs => $3 / 1000.0))
+    ON CONFLICT (slot) DO UPDATE
+        SET owner = excluded.owner, expires_at = excluded.expires_at
+        WHERE s.owner IS NULL OR s.owner = excluded.owner OR s.expires_at < now()
+    RETURNING s.slot
+)
+SELECT (SELECT max(st.seq) FROM @eos_stamp@ AS st WHERE st.slot = slot.slot) AS outstanding
+FROM slot;
+
+-- name: eos_renew
+-- Extend owner $2's lease of slot $1 by $3 ms; no row if the slot is no longer $2's.
+UPDATE @eos_slot@ SET expires_at = now() + make_interval(secs => $3 / 1000.0)
+WHERE slot = $1 AND owner = $2
+RETURNING slot;
+
+-- name: eos_release
+UPDATE @eos_slot@ SET owner = NULL, expires_at = now() WHERE slot = $1 AND owner = $2;
+
+-- name: eos_orphans
+-- Slots below $1 whose lease expired while a batch was in flight: someone must settle them.
+SELECT s.slot FROM @eos_slot@ AS s
+WHERE s.slot < $1 AND s.expires_at < now()
+  AND EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.slot = s.slot)
+ORDER BY s.slot;
+
+-- name: eos_free
+-- Slots below $1 not held by anyone (never used, released or expired), orphans first.
+SELECT g.slot
+FROM generate_series(0, $1 - 1) AS g(slot)
+LEFT JOIN @eos_slot@ AS s ON s.slot = g.slot
+WHERE s.slot IS NULL OR s.owner IS NULL OR s.expires_at < now()
+ORDER BY EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.slot = g.slot) DESC, g.slot;
+
+-- name: eos_step
+SELECT * FROM @schema@.@prefix@_eos_step($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);

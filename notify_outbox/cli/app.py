@@ -41,6 +41,7 @@ from notify_outbox.pg.db import (
 from notify_outbox.pg.deadletters import DeadLetterFilter
 from notify_outbox.pg.migrations import migrate, render_migrations, verify
 from notify_outbox.pg.sqlfiles import Queries, render, sql_dir
+from notify_outbox.relay.exactly_once import ExactlyOnceRelay
 from notify_outbox.relay.relay import Relay
 
 from .admin import (
@@ -141,6 +142,20 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
+        "delivery",
+        parents=[common],
+        help="show or set the outbox's delivery mode (relays of the other mode refuse to start)",
+    )
+    add_db_flags(p)
+    p.add_argument(
+        "mode",
+        nargs="?",
+        choices=["at-least-once", "exactly-once"],
+        help="at-least-once (default) or exactly-once (Kafka transactions; "
+        "docs/concepts/exactly-once.md). Stop every relay of the outbox before a change.",
+    )
+
+    p = sub.add_parser(
         "requeue", parents=[common], help="move dead-lettered events back into the outbox"
     )
     add_db_flags(p)
@@ -224,6 +239,22 @@ async def _notify_mode(settings: DatabaseSettings, mode: str | None) -> int:
         await conn.close()
 
 
+async def _delivery(settings: DatabaseSettings, mode: str | None) -> int:
+    conn = await _connect(settings)
+    q = Queries(settings.names)
+    try:
+        current = await conn.fetchval(q["delivery"])
+        if current is None:
+            raise MigrationError(
+                f"outbox {settings.names.target} predates migration 0007: run "
+                "`notify-outbox migrate` first"
+            )
+        print(current if mode is None else await conn.fetchval(q["set_delivery"], mode))
+        return EXIT_OK
+    finally:
+        await conn.close()
+
+
 async def _requeue(settings: DatabaseSettings, ids: list[int]) -> int:
     conn = await _connect(settings)
     try:
@@ -296,7 +327,26 @@ def _remove_loop_handler(
         signal.signal(sig, previous)
 
 
+async def _run_exactly_once(settings: OutboxSettings) -> int:
+    if settings.http_port is not None:
+        raise ConfigurationError(
+            "NOTIFY_OUTBOX_HTTP_PORT (/metrics, /readyz) is not supported with exactly-once "
+            "delivery yet: unset it"
+        )
+    relay = ExactlyOnceRelay(settings, fault_hook=_fault_hook_from_env())
+    uninstall = _install_signal_handlers(
+        asyncio.get_running_loop(), lambda _s: relay.request_stop()
+    )
+    try:
+        await relay.run()
+    finally:
+        uninstall()
+    return EXIT_OK if relay.outcome == "stopped" else EXIT_FAILED
+
+
 async def _run_relay(settings: OutboxSettings) -> int:
+    if settings.delivery == "exactly-once":
+        return await _run_exactly_once(settings)
     relay = Relay(settings, fault_hook=_fault_hook_from_env())
     loop = asyncio.get_running_loop()
     signals_seen = 0
@@ -426,6 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "notify-mode":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_notify_mode(db, args.mode))
+        if args.command == "delivery":
+            db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
+            return asyncio.run(_delivery(db, args.mode))
         if args.command == "requeue":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_requeue(db, args.ids))

@@ -100,6 +100,11 @@ class OutboxNames:
         relay of that time; since 0006 the marker is ``awake_namespace`` with an epoch)."""
         return (2 << 33) + self.lock_namespace
 
+    @property
+    def eos_key(self) -> int:
+        """Bigint advisory key that serializes exactly-once claims (migration 0007)."""
+        return (3 << 33) + self.lock_namespace
+
     def substitutions(self) -> dict[str, str]:
         """Tokens that the SQL files use, mapped to their rendered text."""
         s, t = _quote(self.schema), self.table
@@ -114,11 +119,14 @@ class OutboxNames:
             "@channel_literal@": f"'{self.channel}'",
             "@prefix@": t,
             "@config@": f"{s}.{_quote(t + '_config')}",
+            "@eos_slot@": f"{s}.{_quote(t + '_eos_slot')}",
+            "@eos_stamp@": f"{s}.{_quote(t + '_eos_stamp')}",
             "@lock_ns@": str(self.lock_namespace),
             "@claim_ns@": str(self.claim_namespace),
             "@gate_key@": str(self.gate_key),
             "@awake_key@": str(self.awake_key),
             "@awake_ns@": str(self.awake_namespace),
+            "@eos_key@": str(self.eos_key),
         }
 
     # Tokens whose values do not depend on the schema's name (see migrations.verify).
@@ -128,5 +136,6 @@ class OutboxNames:
         "@gate_key@",
         "@awake_key@",
         "@awake_ns@",
+        "@eos_key@",
         "@channel_literal@",
     )

@@ -477,6 +477,48 @@ class OutboxSettings(DatabaseSettings):
         "event router; see notify_outbox/debezium/)",
     )
 
+    # --- delivery -----------------------------------------------------------------------------
+    delivery: Literal["at-least-once", "exactly-once"] = Field(
+        "at-least-once",
+        description="at-least-once (the default: a crash can send an event twice; consumers "
+        "drop repeats by outbox-event-id) or exactly-once (Kafka transactions: a read_committed "
+        "consumer sees each event once; see docs/concepts/exactly-once.md). The outbox must be "
+        "set to the same mode (`notify-outbox delivery`)",
+    )
+    eos_slots: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="exactly-once: the transactional slots of this outbox, shared by every relay "
+        "(each worker holds one; a relay's workers beyond the free slots wait). Keep it the same "
+        "on every relay of the outbox",
+    )
+    eos_lease: Seconds = Field(
+        10.0,
+        gt=0,
+        description="exactly-once: how long a slot stays a relay's without renewal (renewed "
+        "every third of it). A relay frozen for longer loses its slots: another relay fences "
+        "its producer and settles its batch in flight",
+    )
+    eos_transaction_timeout: Seconds = Field(
+        10.0,
+        ge=1,
+        description="exactly-once: Kafka's transaction.timeout.ms for the relay's transactions: "
+        "how long a transaction left open by a frozen relay holds back read_committed "
+        "consumers (its partitions' last stable offset) before the broker aborts it",
+    )
+    eos_marker_topic: str = Field(
+        "notify_outbox.eos_markers",
+        pattern=r"^[A-Za-z0-9._-]{1,249}$",
+        description="exactly-once: the compacted topic of batch markers (created by the relay "
+        "if missing): recovery reads it to learn whether a batch's transaction committed",
+    )
+    eos_transactional_id_prefix: str | None = Field(
+        None,
+        description="exactly-once: prefix of the slots' transactional.id (slot number "
+        "appended); unset: notify-outbox.<schema>.<table>.",
+    )
+
     # --- failures -----------------------------------------------------------------------------
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is dead-lettered")
     retry_base_delay: Seconds = Field(

@@ -46,6 +46,7 @@ __all__ = [
     "RowRejected",
     "TokenProvider",
     "load_token_provider",
+    "missing_topics",
     "to_message",
 ]
 
@@ -123,6 +124,38 @@ _PROBE_TIMEOUT = 1.0
 # nothing, and delivery should resume well within a second of the broker's return.
 _RECOVERY_FIRST = 0.02
 _RECOVERY_CAP = 0.2
+
+
+async def missing_topics(producer: AIOKafkaProducer, topics: set[str]) -> dict[str, str]:
+    """Topics whose rows cannot go, with the reason: Kafka says they do not exist, or
+    will not even describe them to this relay's principal (no DESCRIBE: the metadata
+    answer is TOPIC_AUTHORIZATION_FAILED). Raises TimeoutError or KafkaError when Kafka
+    cannot be asked, so that a broker outage is never mistaken for a missing topic."""
+    client = producer.client
+    unknown = {t for t in topics if client.cluster.partitions_for_topic(t) is None}
+    if not unknown:
+        return {}
+    for topic in unknown:
+        client.add_topic(topic)
+    # aiokafka hands back the metadata request already in flight, if there is one, and it
+    # may have gone out before these topics were added: what its answer lacks is asked
+    # for once more before it counts as missing (seen: a new topic's rows failed once).
+    for _ in range(2):
+        if not await client.force_metadata_update():
+            raise kafka_errors.KafkaConnectionError("metadata request failed")
+        unknown = {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
+        if not unknown:
+            break
+    denied = client.cluster.unauthorized_topics
+    return {
+        topic: (
+            f"not authorized to describe topic {topic!r} (TopicAuthorizationFailedError): "
+            "grant the relay's principal DESCRIBE and WRITE on it"
+            if topic in denied
+            else f"topic {topic!r} does not exist in Kafka"
+        )
+        for topic in unknown
+    }
 
 
 class Publisher(Protocol):
@@ -325,9 +358,10 @@ class KafkaPublisher:
             log.error("%s", message)
             raise ConfigurationError(message) from None
 
-    def _connection_options(self) -> dict[str, Any]:
-        """How to reach and authenticate with the brokers: the producer's, and the probe's
-        that finds why a start failed (``_diagnose``)."""
+    def connection_options(self) -> dict[str, Any]:
+        """How to reach and authenticate with the brokers (aiokafka's keywords): the
+        producer's, the probe's that finds why a start failed, and the exactly-once mode's
+        clients'."""
         s = self._settings
         return {
             "client_id": s.kafka_client_id,
@@ -352,7 +386,7 @@ class KafkaPublisher:
             max_batch_size=min(s.kafka_batch_size, s.kafka_max_request_size),
             max_request_size=s.kafka_max_request_size,
             compression_type=s.kafka_compression_type,
-            **self._connection_options(),
+            **self.connection_options(),
         )
 
     async def _diagnose(self) -> str | None:
@@ -360,7 +394,7 @@ class KafkaPublisher:
         the CA, the broker's name): aiokafka's start only says "Unable to bootstrap" and logs
         the cause itself. One connection to each bootstrap server, with the producer's
         options; None when none refused for such a reason (down, or not reachable)."""
-        options = self._connection_options()
+        options = self.connection_options()
         for server in self._settings.kafka_bootstrap_servers.split(","):
             host, _, port = server.strip().rpartition(":")
             try:
@@ -465,35 +499,7 @@ class KafkaPublisher:
         return self._producer
 
     async def _missing_topics(self, topics: set[str]) -> dict[str, str]:
-        """Topics whose rows cannot go, with the reason: Kafka says they do not exist, or
-        will not even describe them to this relay's principal (no DESCRIBE: the metadata
-        answer is TOPIC_AUTHORIZATION_FAILED). Raises TimeoutError or KafkaError when Kafka
-        cannot be asked, so that a broker outage is never mistaken for a missing topic."""
-        client = self.producer.client
-        unknown = {t for t in topics if client.cluster.partitions_for_topic(t) is None}
-        if not unknown:
-            return {}
-        for topic in unknown:
-            client.add_topic(topic)
-        # aiokafka hands back the metadata request already in flight, if there is one, and it
-        # may have gone out before these topics were added: what its answer lacks is asked
-        # for once more before it counts as missing (seen: a new topic's rows failed once).
-        for _ in range(2):
-            if not await client.force_metadata_update():
-                raise kafka_errors.KafkaConnectionError("metadata request failed")
-            unknown = {t for t in unknown if client.cluster.partitions_for_topic(t) is None}
-            if not unknown:
-                break
-        denied = client.cluster.unauthorized_topics
-        return {
-            topic: (
-                f"not authorized to describe topic {topic!r} (TopicAuthorizationFailedError): "
-                "grant the relay's principal DESCRIBE and WRITE on it"
-                if topic in denied
-                else f"topic {topic!r} does not exist in Kafka"
-            )
-            for topic in unknown
-        }
+        return await missing_topics(self.producer, topics)
 
     async def _reachable(self, topics: Iterable[str] = ()) -> bool:
         """Whether Kafka answers a metadata request within ``_PROBE_TIMEOUT`` and every

@@ -146,7 +146,14 @@ class MigrationTrack(Generic[N]):
 OUTBOX_TRACK = MigrationTrack[OutboxNames](
     folder="migrations",
     command="notify-outbox migrate",
-    relations=lambda t: [t, f"{t}_dead_letter", f"{t}_id_seq", f"{t}_config"],
+    relations=lambda t: [
+        t,
+        f"{t}_dead_letter",
+        f"{t}_id_seq",
+        f"{t}_config",
+        f"{t}_eos_slot",
+        f"{t}_eos_stamp",
+    ],
     in_schema=lambda names, schema: dataclasses.replace(names, schema=schema),
     schema_independent=OutboxNames.SCHEMA_INDEPENDENT,
 )

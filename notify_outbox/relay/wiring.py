@@ -50,6 +50,21 @@ async def require_schema(pool: asyncpg.Pool, settings: OutboxSettings) -> None:
         raise MigrationError(
             f"outbox {names.target} is missing or not up to date: run `notify-outbox migrate` first"
         )
+    # Migration 0007: the delivery mode the outbox is set to (none before it: at-least-once).
+    mode = await pool.fetchval(Queries(names)["delivery"])
+    if mode is None and settings.delivery == "exactly-once":
+        raise MigrationError(
+            f"outbox {names.target} predates exactly-once delivery (migration 0007): run "
+            "`notify-outbox migrate` first"
+        )
+    mode = mode or "at-least-once"
+    if mode != settings.delivery:
+        raise ConfigurationError(
+            f"outbox {names.target} is set to {mode} delivery and this relay to "
+            f"{settings.delivery} (NOTIFY_OUTBOX_DELIVERY): the two must agree. To switch, stop "
+            f"every relay of the outbox, run `notify-outbox delivery {settings.delivery}`, and "
+            "start relays of that mode only"
+        )
     sequence = render("@id_seq@", names)
     cache = await pool.fetchval(
         "SELECT seqcache FROM pg_sequence WHERE seqrelid = to_regclass($1)", sequence

@@ -1,0 +1,641 @@
+"""The exactly-once relay: each committed event appears once to read_committed consumers.
+
+Opt-in (``NOTIFY_OUTBOX_DELIVERY=exactly-once``); the design, its invariants and the faults
+each one covers are in docs/concepts/exactly-once.md. In short, each worker holds a *slot*
+(a row of ``<table>_eos_slot``, leased on the database's clock) with its own transactional
+producer (``transactional.id`` = prefix + slot). A step of a slot is one database
+transaction (``<table>_eos_step``): it settles the slot's previous batch and *stamps* the next
+batch with (slot, sequence) before anything of it goes to Kafka. The batch then goes out in
+one Kafka transaction together with a marker record (slot, sequence, ids) on a compacted
+topic. Whoever takes a slot over (this relay after a restart, or another one after the lease
+expired) first fences the slot's previous producer (``init_transactions`` with the same
+transactional id ends its open transaction), then reads the slot's markers read_committed up
+to the last stable offset: the one batch that can be outstanding is published if its marker
+committed, given back if not. A batch whose commit's outcome is unknown (a timeout, a broker
+lost mid-commit) is settled the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import secrets
+import socket
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import errors as kafka_errors
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from notify_outbox.core.backoff import Backoff
+from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.core.events import RelayEvents
+from notify_outbox.core.message import PublishResult
+from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.core.settings import OutboxSettings
+from notify_outbox.kafka.publisher import KafkaPublisher, TokenProvider, missing_topics
+from notify_outbox.kafka.records import RowRejected, to_message
+from notify_outbox.pg.db import connect_worker_pool
+from notify_outbox.pg.sqlfiles import Queries
+
+from .listener import Listener
+from .policy import decide
+from .wakeup import Doorbell
+from .wiring import require_schema
+
+__all__ = ["ExactlyOnceRelay", "SlotLost", "marker_key"]
+
+log = logging.getLogger("notify_outbox.exactly_once")
+
+#: What the step function raises when the slot is no longer the caller's (migration 0007).
+_SLOT_LOST_STATE = "NO001"
+#: Errors of a Kafka transaction after which this producer must not be used again: another
+#: producer with the slot's transactional id took over (fenced), or the client says so.
+_FENCED: tuple[type[Exception], ...] = (
+    kafka_errors.ProducerFenced,
+    kafka_errors.InvalidProducerEpoch,
+    kafka_errors.TransactionalIdAuthorizationFailed,
+)
+#: A record that Kafka refuses by itself: the row's own failure (retried, then dead-lettered).
+_ROW_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.CorruptRecordException,
+    kafka_errors.UnsupportedForMessageFormatError,
+)
+
+FaultHook = Callable[[str], None]
+
+
+class SlotLost(Exception):
+    """The slot is no longer this worker's (its lease was taken over, or its producer fenced):
+    the worker lets it go, sends nothing more with it, and leases another."""
+
+
+def marker_key(target: str, slot: int) -> bytes:
+    """The key of a slot's markers: the outbox and the slot (compaction keeps the last)."""
+    return f"{target}:{slot}".encode()
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+def _jitter() -> float:
+    return random.uniform(0.5, 1.0)
+
+
+@dataclass
+class _Settle:
+    """How to settle a slot's batch at its next step."""
+
+    seq: int
+    committed: bool
+    retry: list[tuple[int, str, float]] = field(default_factory=list)
+    dead: list[tuple[int, str]] = field(default_factory=list)
+
+
+class ExactlyOnceRelay:
+    """Moves committed outbox rows to Kafka in transactions: a read_committed consumer sees
+    each event once, in per-key commit order, whatever crashes, freezes or restarts happen.
+
+    Use it as an async context manager, or call ``run()`` and ``request_stop()``; ``counters``
+    counts transactions committed and aborted, fences, recoveries and leases."""
+
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        *,
+        fault_hook: FaultHook | None = None,
+        kafka_token_provider: TokenProvider | None = None,
+    ) -> None:
+        if settings.delivery != "exactly-once":
+            raise ConfigurationError(
+                "ExactlyOnceRelay needs NOTIFY_OUTBOX_DELIVERY=exactly-once in its settings"
+            )
+        if settings.schema_registry_url:
+            raise ConfigurationError(
+                "NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL is not supported with exactly-once delivery "
+                "yet: unset it, or use at-least-once delivery"
+            )
+        self.settings = settings
+        self.events = RelayEvents()
+        self.counters: Counter[str] = Counter()
+        self.relay_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        names = settings.names
+        self._target = names.target
+        self._q = Queries(names)
+        self._kafka = KafkaPublisher(settings, token_provider=kafka_token_provider)
+        self._prefix = settings.eos_transactional_id_prefix or f"notify-outbox.{names.target}."
+        self._fault_hook = fault_hook
+        self._doorbell = Doorbell()
+        self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._pool: asyncpg.Pool | None = None
+        self._marker_partitions = 1
+        self._lease_ms = max(1, round(settings.eos_lease * 1000))
+        #: How the relay ended: "stopped" (asked to), or None while it runs (or if it failed).
+        self.outcome: str | None = None
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether the relay is connected and its workers run."""
+        return self._ready.is_set()
+
+    async def wait_ready(self) -> None:
+        """Return once the relay is ready (connected, the marker topic there)."""
+        await self._ready.wait()
+
+    def request_stop(self) -> None:
+        """Finish the batches in flight, settle them, let the slots go and return from run()."""
+        self._stop.set()
+        self._doorbell.close()
+
+    async def __aenter__(self) -> ExactlyOnceRelay:
+        self._task = asyncio.ensure_future(self.run())
+        ready = asyncio.ensure_future(self._ready.wait())
+        await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if self._task.done():
+            ready.cancel()
+            self._task.result()  # raises what ended it
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.request_stop()
+        await self._task
+
+    async def run(self) -> None:
+        """Run until ``request_stop()``."""
+        s = self.settings
+        pool, _ = await connect_worker_pool(s, "notify-outbox-eos")
+        self._pool = pool
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await require_schema(pool, s)
+            await self._ensure_marker_topic()
+            if not s.poll_only:
+                listener = Listener(s, self._on_wake, self.events, notify=self._notify)
+                tasks.append(asyncio.create_task(listener.run()))
+            workers = min(s.workers, s.eos_slots)
+            worker_tasks = [asyncio.create_task(self._worker(i)) for i in range(workers)]
+            tasks += worker_tasks
+            tasks.append(asyncio.create_task(self._rescuer()))
+            self._ready.set()
+            log.info(
+                "exactly-once relay %s running: %d workers, %d slots, transactional ids %s<slot>",
+                self.relay_id,
+                workers,
+                s.eos_slots,
+                self._prefix,
+            )
+            stop = asyncio.create_task(self._stop.wait())
+            await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            for t in tasks:
+                if t.done() and not t.cancelled() and (error := t.exception()) is not None:
+                    raise error
+            self.request_stop()
+            # Workers finish their batch and settle it; the rest is cancelled.
+            await asyncio.wait(worker_tasks, timeout=s.shutdown_timeout)
+            self.outcome = "stopped"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await pool.close()
+
+    def _on_wake(self, source: str) -> None:
+        self.events.emit(f"wake:{source}")
+        self._doorbell.ring()
+
+    async def _notify(self, channel: str, payload: str) -> None:
+        assert self._pool is not None
+        await self._pool.execute("SELECT pg_notify($1, $2)", channel, payload)
+
+    def _fault(self, point: str) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(point)
+
+    # --- Kafka clients ------------------------------------------------------------------------
+
+    async def _ensure_marker_topic(self) -> None:
+        """Create the compacted marker topic if it is missing; learn its partition count."""
+        s = self.settings
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
+            **{k: v for k, v in self._kafka.connection_options().items() if k != "client_id"},
+        )
+        await admin.start()
+        try:
+            topics = await admin.list_topics()
+            if s.eos_marker_topic not in topics:
+                brokers = len((await admin.describe_cluster())["brokers"])
+                topic = NewTopic(
+                    s.eos_marker_topic,
+                    num_partitions=1,
+                    replication_factor=min(3, brokers),
+                    topic_configs={
+                        "cleanup.policy": "compact",
+                        "segment.ms": "600000",
+                        "min.insync.replicas": str(min(2, brokers)),
+                    },
+                )
+                with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
+                    await admin.create_topics([topic])
+                log.info("created the exactly-once marker topic %s", s.eos_marker_topic)
+            described = await admin.describe_topics([s.eos_marker_topic])
+            self._marker_partitions = max(1, len(described[0]["partitions"]))
+        except kafka_errors.KafkaError as e:
+            raise ConfigurationError(
+                f"the exactly-once marker topic {s.eos_marker_topic!r} cannot be described or "
+                f"created ({_describe(e)}): create it (compacted) or grant the relay CREATE and "
+                "DESCRIBE on it"
+            ) from None
+        finally:
+            await admin.close()
+
+    async def _producer_for(self, slot: int) -> AIOKafkaProducer:
+        """A started transactional producer of ``slot``: starting it fences any earlier
+        producer of the slot and ends that one's open transaction (committed or aborted by
+        the coordinator, whichever it was doing). Retries while Kafka is unreachable."""
+        s = self.settings
+        backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
+        while True:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=s.kafka_bootstrap_servers.split(","),
+                transactional_id=f"{self._prefix}{slot}",
+                transaction_timeout_ms=round(s.eos_transaction_timeout * 1000),
+                enable_idempotence=True,
+                acks="all",
+                linger_ms=s.kafka_linger_ms,
+                max_batch_size=min(s.kafka_batch_size, s.kafka_max_request_size),
+                max_request_size=s.kafka_max_request_size,
+                compression_type=s.kafka_compression_type,
+                **self._kafka.connection_options(),
+            )
+            try:
+                await asyncio.wait_for(producer.start(), s.kafka_send_timeout)
+                self.counters["fences"] += 1
+                self.events.emit("eos_fence")
+                return producer
+            except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
+                await _stop_quietly(producer)
+                log.warning(
+                    "exactly-once slot %d: transactional producer not started (%s); retrying",
+                    slot,
+                    _describe(e),
+                )
+                await backoff.sleep()
+
+    async def _committed_seq(self, slot: int) -> int:
+        """The highest sequence of ``slot`` whose marker committed (0: none), read
+        read_committed from the start of the marker partition up to its last stable offset.
+        Call it only after this slot's producer was started (fenced the one before)."""
+        s = self.settings
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            group_id=None,
+            **self._kafka.connection_options(),
+        )
+        await consumer.start()
+        try:
+            tp = TopicPartition(s.eos_marker_topic, slot % self._marker_partitions)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            end = (await consumer.end_offsets([tp]))[tp]
+            key = marker_key(self._target, slot)
+            best = 0
+            while await consumer.position(tp) < end:
+                batches = await consumer.getmany(tp, timeout_ms=1000)
+                for record in batches.get(tp, []):
+                    if record.key == key and record.value is not None:
+                        best = max(best, int(json.loads(record.value)["seq"]))
+            return best
+        finally:
+            await consumer.stop()
+
+    # --- slots --------------------------------------------------------------------------------
+
+    async def _lease(self, owner: str) -> tuple[int, int | None] | None:
+        """A slot for ``owner`` and its outstanding sequence, waiting for one to be free; None
+        once the relay stops."""
+        pool = self._pool
+        assert pool is not None
+        s = self.settings
+        backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
+        while not self._stop.is_set():
+            try:
+                for record in await pool.fetch(self._q["eos_free"], s.eos_slots):
+                    slot = int(record["slot"])
+                    leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
+                    if leased is not None:
+                        self.counters["leases"] += 1
+                        out = leased["outstanding"]
+                        return slot, None if out is None else int(out)
+                wait = min(1.0, s.eos_lease / 3)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning("exactly-once: leasing a slot failed (%s); retrying", _describe(e))
+                wait = backoff.next_delay()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+        return None
+
+    async def _renew(self, slot: int, owner: str, lost: asyncio.Event) -> None:
+        """Keep the lease of ``slot`` while it is served; set ``lost`` if it was taken."""
+        pool = self._pool
+        assert pool is not None
+        while True:
+            await asyncio.sleep(self.settings.eos_lease / 3)
+            try:
+                if await pool.fetchval(self._q["eos_renew"], slot, owner, self._lease_ms) is None:
+                    lost.set()
+                    return
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning("exactly-once slot %d: renewing its lease failed (%s)", slot, e)
+
+    async def _step(
+        self, slot: int, owner: str, settle: _Settle | None, batch: int
+    ) -> list[tuple[OutboxRow, int]]:
+        """Settle the slot's batch and stamp the next: its rows, each with the batch's sequence."""
+        pool = self._pool
+        assert pool is not None
+        retry = settle.retry if settle else []
+        dead = settle.dead if settle else []
+        try:
+            records = await pool.fetch(
+                self._q["eos_step"],
+                slot,
+                owner,
+                self._lease_ms,
+                settle.seq if settle else None,
+                settle.committed if settle else None,
+                [r[0] for r in retry],
+                [r[1] for r in retry],
+                [r[2] for r in retry],
+                [d[0] for d in dead],
+                [d[1] for d in dead],
+                self.settings.delete_on_publish,
+                batch,
+                max(batch * 2, 100),
+            )
+        except asyncpg.PostgresError as e:
+            if getattr(e, "sqlstate", None) == _SLOT_LOST_STATE:
+                raise SlotLost(str(e)) from None
+            raise
+        return [(OutboxRow(*r[:12]), int(r["seq"])) for r in records]
+
+    async def _worker(self, index: int) -> None:
+        owner = f"{self.relay_id}/{index}"
+        backoff = Backoff(self.settings.reconnect_min_delay, self.settings.reconnect_max_delay)
+        while not self._stop.is_set():
+            leased = await self._lease(owner)
+            if leased is None:
+                return
+            slot, outstanding = leased
+            try:
+                await self._serve(slot, owner, outstanding)
+                backoff.reset()
+            except SlotLost as e:
+                self.counters["slots_lost"] += 1
+                self.events.emit("eos_slot_lost")
+                log.warning("exactly-once slot %d is no longer this relay's: %s", slot, e)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning(
+                    "exactly-once slot %d: database error (%s); its batch in flight is "
+                    "settled when the slot is taken again",
+                    slot,
+                    _describe(e),
+                )
+                await backoff.sleep()
+
+    async def _serve(self, slot: int, owner: str, outstanding: int | None) -> None:
+        lost = asyncio.Event()
+        renewer = asyncio.create_task(self._renew(slot, owner, lost))
+        producer: AIOKafkaProducer | None = None
+        settle: _Settle | None = None
+        released = False
+        try:
+            producer = await self._producer_for(slot)
+            if outstanding is not None:
+                settle = await self._recover(slot, outstanding)
+            while True:
+                if lost.is_set():
+                    raise SlotLost(f"the lease of slot {slot} was taken over")
+                stopping = self._stop.is_set()
+                stamped = await self._step(
+                    slot, owner, settle, 0 if stopping else self.settings.batch_size
+                )
+                settle = None
+                if not stamped:
+                    if stopping:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._doorbell.wait(), self.settings.poll_interval)
+                    continue
+                seq = stamped[0][1]
+                rows = [row for row, _ in stamped]
+                self.events.emit("claimed", len(rows))
+                self._fault("eos_after_stamp")
+                settle, producer = await self._send(producer, slot, seq, rows)
+            pool = self._pool
+            assert pool is not None
+            await pool.execute(self._q["eos_release"], slot, owner)
+            released = True
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            if producer is not None:
+                await _stop_quietly(producer)
+            if not released:
+                log.debug("exactly-once slot %d left to its lease (%s)", slot, owner)
+
+    async def _recover(self, slot: int, seq: int) -> _Settle:
+        """How to settle the batch ``seq`` of ``slot`` that its previous producer may or may
+        not have committed (call with this slot's producer started: the old one is fenced)."""
+        committed = await self._committed_seq(slot) >= seq
+        self.counters["recoveries"] += 1
+        self.counters["recovered_committed" if committed else "recovered_aborted"] += 1
+        self.events.emit("eos_recovered")
+        log.warning(
+            "exactly-once slot %d: batch %d was in flight; its transaction %s",
+            slot,
+            seq,
+            "committed: its rows are marked published"
+            if committed
+            else "did not commit: its rows are sent again",
+        )
+        return _Settle(seq, committed)
+
+    async def _send(
+        self, producer: AIOKafkaProducer, slot: int, seq: int, rows: Sequence[OutboxRow]
+    ) -> tuple[_Settle, AIOKafkaProducer]:
+        """Send a stamped batch in one Kafka transaction with its marker; how to settle it."""
+        s = self.settings
+        messages = []
+        rejected: list[tuple[int, str]] = []
+        for row in rows:
+            try:
+                messages.append((row, to_message(row, header_style=s.header_style)))
+            except RowRejected as e:
+                rejected.append((row.id, str(e)))
+        try:
+            missing = await missing_topics(producer, {row.topic for row in rows})
+        except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
+            log.warning("exactly-once slot %d: Kafka unavailable (%s)", slot, _describe(e))
+            await asyncio.sleep(0.5)
+            return _Settle(seq, False), producer
+        failed = [(row.id, missing[row.topic]) for row in rows if row.topic in missing]
+        if rejected or failed:
+            # Nothing goes: the rows at fault wait (or are dead-lettered), the rest is stamped
+            # again at the next step, behind them in their keys.
+            return self._aborted(
+                seq, rows, PublishResult(failed=failed, rejected=rejected)
+            ), producer
+        result = PublishResult()
+        try:
+            await producer.begin_transaction()
+            acks: list[tuple[OutboxRow | None, asyncio.Future[Any]]] = []
+            for row, message in messages:
+                try:
+                    ack = await producer.send(
+                        message.topic,
+                        value=message.value,
+                        key=message.key,
+                        headers=list(message.headers),
+                    )
+                except _ROW_ERRORS as e:
+                    result.failed.append((row.id, _describe(e)))
+                    break
+                acks.append((row, ack))
+            if not result.failed:
+                marker = json.dumps(
+                    {"outbox": self._target, "slot": slot, "seq": seq, "ids": [r.id for r in rows]}
+                ).encode()
+                acks.append(
+                    (
+                        None,
+                        await producer.send(
+                            s.eos_marker_topic,
+                            value=marker,
+                            key=marker_key(self._target, slot),
+                            partition=slot % self._marker_partitions,
+                        ),
+                    )
+                )
+            done = await asyncio.wait_for(
+                asyncio.gather(*(a for _, a in acks), return_exceptions=True), s.kafka_send_timeout
+            )
+            for (sent, _), outcome in zip(acks, done, strict=True):
+                if isinstance(outcome, BaseException):
+                    if sent is not None and isinstance(outcome, _ROW_ERRORS):
+                        result.failed.append((sent.id, _describe(outcome)))
+                    elif isinstance(outcome, _FENCED):
+                        raise outcome
+                    else:
+                        result.unavailable = _describe(outcome)
+            if result.failed or result.unavailable:
+                await asyncio.wait_for(producer.abort_transaction(), s.kafka_send_timeout)
+                self.counters["aborted"] += 1
+                self.events.emit("eos_aborted")
+                if result.unavailable:
+                    log.warning(
+                        "exactly-once slot %d: batch %d aborted, Kafka unavailable (%s)",
+                        slot,
+                        seq,
+                        result.unavailable,
+                    )
+                return self._aborted(seq, rows, result), producer
+            self._fault("eos_before_commit")
+            await asyncio.wait_for(producer.commit_transaction(), s.kafka_send_timeout)
+        except _FENCED as e:
+            raise SlotLost(f"its producer was fenced ({_describe(e)})") from None
+        except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
+            # The outcome of the transaction is unknown: fence this producer with a new one,
+            # and ask the markers.
+            log.warning(
+                "exactly-once slot %d: batch %d's transaction failed (%s); settling it from "
+                "the markers",
+                slot,
+                seq,
+                _describe(e),
+            )
+            await _stop_quietly(producer)
+            producer = await self._producer_for(slot)
+            return await self._recover(slot, seq), producer
+        self._fault("eos_after_commit")
+        self.counters["committed"] += 1
+        self.events.emit("published", len(rows))
+        return _Settle(seq, True), producer
+
+    def _aborted(self, seq: int, rows: Sequence[OutboxRow], result: PublishResult) -> _Settle:
+        outcome = decide(rows, result, self.settings, jitter=_jitter)
+        if outcome.retry:
+            self.events.emit("retried", len(outcome.retry))
+        if outcome.dead:
+            self.events.emit("dead_lettered", len(outcome.dead))
+        for row_id, reason, delay in outcome.retry:
+            log.warning("row %d failed (%s); retrying in %.1fs", row_id, reason, delay)
+        for row_id, reason in outcome.dead:
+            log.error("row %d dead-lettered: %s", row_id, reason)
+        return _Settle(seq, False, outcome.retry, outcome.dead)
+
+    async def _rescuer(self) -> None:
+        """Settle the batches of slots whose holder vanished (its lease expired with a batch
+        in flight) even when every worker of this relay is busy with a slot of its own: their
+        rows hold back their keys until then."""
+        pool = self._pool
+        assert pool is not None
+        owner = f"{self.relay_id}/rescue"
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.settings.eos_lease / 2)
+            if self._stop.is_set():
+                return
+            try:
+                orphans = [
+                    r["slot"]
+                    for r in await pool.fetch(self._q["eos_orphans"], self.settings.eos_slots)
+                ]
+                for slot in orphans:
+                    leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
+                    if leased is None or leased["outstanding"] is None:
+                        if leased is not None:
+                            await pool.execute(self._q["eos_release"], slot, owner)
+                        continue
+                    producer = await self._producer_for(slot)
+                    try:
+                        settle = await self._recover(slot, int(leased["outstanding"]))
+                        await self._step(slot, owner, settle, 0)
+                    finally:
+                        await _stop_quietly(producer)
+                    await pool.execute(self._q["eos_release"], slot, owner)
+            except SlotLost:
+                continue
+            except (
+                OSError,
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                kafka_errors.KafkaError,
+            ) as e:
+                log.warning("exactly-once: settling an abandoned slot failed (%s)", _describe(e))
+
+
+async def _stop_quietly(producer: AIOKafkaProducer) -> None:
+    """Stop a producer that may be broken (fenced, its broker gone) without waiting long."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(producer.stop(), 5.0)
