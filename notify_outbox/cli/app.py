@@ -333,7 +333,12 @@ async def _run_exactly_once(settings: OutboxSettings) -> int:
             "NOTIFY_OUTBOX_HTTP_PORT (/metrics, /readyz) is not supported with exactly-once "
             "delivery yet: unset it"
         )
-    relay = ExactlyOnceRelay(settings, fault_hook=_fault_hook_from_env())
+    relay = ExactlyOnceRelay(
+        settings,
+        fault_hook=_fault_hook_from_env(),
+        # Test-only: the fault suite's control (a recovery that cannot tell what committed).
+        trust_markers=os.environ.get("NOTIFY_OUTBOX_TEST_EOS_IGNORE_MARKERS") != "1",
+    )
     uninstall = _install_signal_handlers(
         asyncio.get_running_loop(), lambda _s: relay.request_stop()
     )

@@ -118,7 +118,11 @@ class ExactlyOnceRelay:
         *,
         fault_hook: FaultHook | None = None,
         kafka_token_provider: TokenProvider | None = None,
+        trust_markers: bool = True,
     ) -> None:
+        """``trust_markers=False`` is for the fault suite's control only: recovery then
+        treats every batch in flight as not committed and sends it again, as a relay without
+        a durable record of what it had sent would; the suite shows that this duplicates."""
         if settings.delivery != "exactly-once":
             raise ConfigurationError(
                 "ExactlyOnceRelay needs NOTIFY_OUTBOX_DELIVERY=exactly-once in its settings"
@@ -138,6 +142,7 @@ class ExactlyOnceRelay:
         self._kafka = KafkaPublisher(settings, token_provider=kafka_token_provider)
         self._prefix = settings.eos_transactional_id_prefix or f"notify-outbox.{names.target}."
         self._fault_hook = fault_hook
+        self._trust_markers = trust_markers
         self._doorbell = Doorbell()
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
@@ -194,7 +199,7 @@ class ExactlyOnceRelay:
             tasks.append(asyncio.create_task(self._rescuer()))
             self._ready.set()
             log.info(
-                "exactly-once relay %s running: %d workers, %d slots, transactional ids %s<slot>",
+                "relay running (exactly-once): %s, %d workers, %d slots, transactional ids %s<n>",
                 self.relay_id,
                 workers,
                 s.eos_slots,
@@ -450,7 +455,7 @@ class ExactlyOnceRelay:
                 rows = [row for row, _ in stamped]
                 self.events.emit("claimed", len(rows))
                 self._fault("eos_after_stamp")
-                settle, producer = await self._send(producer, slot, seq, rows)
+                settle, producer = await self._send(producer, slot, owner, seq, rows)
             pool = self._pool
             assert pool is not None
             await pool.execute(self._q["eos_release"], slot, owner)
@@ -467,7 +472,7 @@ class ExactlyOnceRelay:
     async def _recover(self, slot: int, seq: int) -> _Settle:
         """How to settle the batch ``seq`` of ``slot`` that its previous producer may or may
         not have committed (call with this slot's producer started: the old one is fenced)."""
-        committed = await self._committed_seq(slot) >= seq
+        committed = self._trust_markers and await self._committed_seq(slot) >= seq
         self.counters["recoveries"] += 1
         self.counters["recovered_committed" if committed else "recovered_aborted"] += 1
         self.events.emit("eos_recovered")
@@ -482,7 +487,12 @@ class ExactlyOnceRelay:
         return _Settle(seq, committed)
 
     async def _send(
-        self, producer: AIOKafkaProducer, slot: int, seq: int, rows: Sequence[OutboxRow]
+        self,
+        producer: AIOKafkaProducer,
+        slot: int,
+        owner: str,
+        seq: int,
+        rows: Sequence[OutboxRow],
     ) -> tuple[_Settle, AIOKafkaProducer]:
         """Send a stamped batch in one Kafka transaction with its marker; how to settle it."""
         s = self.settings
@@ -575,6 +585,12 @@ class ExactlyOnceRelay:
                 _describe(e),
             )
             await _stop_quietly(producer)
+            # Only while the slot is still ours: a relay frozen past its lease must not fence
+            # the producer of the relay that took the slot over.
+            pool = self._pool
+            assert pool is not None
+            if await pool.fetchval(self._q["eos_renew"], slot, owner, self._lease_ms) is None:
+                raise SlotLost(f"the lease of slot {slot} was taken over") from None
             producer = await self._producer_for(slot)
             return await self._recover(slot, seq), producer
         self._fault("eos_after_commit")

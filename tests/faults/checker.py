@@ -653,8 +653,19 @@ class CheckReport:
 class OutboxChecker:
     """Checks I1-I4 for one test database and its topics."""
 
-    def __init__(self, dsn: str, bootstrap: str, topics: Sequence[str], scenario: str) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        bootstrap: str,
+        topics: Sequence[str],
+        scenario: str,
+        *,
+        isolation_level: str = "read_uncommitted",
+    ) -> None:
+        """``isolation_level``: how the check reads the topics (``read_committed`` for the
+        exactly-once mode: what its consumers see)."""
         self.dsn = dsn
+        self.isolation_level = isolation_level
         self.bootstrap = bootstrap
         self.topics = list(topics)
         self.scenario = scenario
@@ -723,6 +734,7 @@ class OutboxChecker:
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            isolation_level=self.isolation_level,
         )
         await consumer.start()
         try:
