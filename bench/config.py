@@ -51,6 +51,8 @@ class Mode(JsonRecord):
     # (bench/pooler.py); with ``listen_direct`` its NOTIFY_OUTBOX_LISTEN_DSN is the direct DSN.
     pgbouncer: bool = False
     listen_direct: bool = False
+    # The outbox's delivery mode (migration 0007), set in its database with the relay's.
+    delivery: str = "at-least-once"
 
     def from_tree(self, tree: str, name: str | None = None) -> Mode:
         """This mode run from another source tree (``--alt-relay``), named ``name`` (default:
@@ -78,6 +80,14 @@ MODES: dict[str, Mode] = {
             "notify",
             "relay",
             "notify-outbox relay, default settings (LISTEN/NOTIFY, fallback poll 5 s)",
+        ),
+        Mode(
+            "notify-eos",
+            "relay",
+            "notify-outbox relay, default settings, exactly-once delivery (Kafka transactions "
+            "and a marker per batch; the consumer reads read_committed)",
+            env=(("NOTIFY_OUTBOX_DELIVERY", "exactly-once"),),
+            delivery="exactly-once",
         ),
         Mode(
             "notify-pgbouncer",

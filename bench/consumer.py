@@ -185,6 +185,9 @@ async def run(bootstrap: str, topic: str) -> None:
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
+        # What a consumer of the exactly-once mode must set; the same as read_uncommitted
+        # for records written outside transactions (the other modes').
+        isolation_level="read_committed",
         auto_offset_reset="latest",
         client_id="bench-consumer",
     )

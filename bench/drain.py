@@ -65,7 +65,7 @@ _PAYLOAD_BYTES = 200
 _PAYLOAD_OVERHEAD = 23
 _QUERY_TIMEOUT = 300.0  # a 100,000-row chunked insert or VACUUM on a busy 2-core machine
 _EMPTY_TIMEOUT = 30.0
-_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?(-avro)?$")
+_MODE_RE = re.compile(r"^relay-(\d+)(-alt)?(-pgbouncer)?(-avro)?(-eos)?$")
 _REGISTRY_URL = "NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL"
 
 
@@ -99,9 +99,10 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
     if m is None or int(m.group(1)) < 1:
         raise BenchError(
             f"unknown drain mode {name!r}: relay-N, relay-N-alt, relay-N[-alt]-pgbouncer, "
-            "relay-N[-alt][-pgbouncer]-avro or poller"
+            "relay-N[-alt][-pgbouncer]-avro, relay-N[-pgbouncer][-avro]-eos or poller"
         )
     n, alt, pooled, avro = int(m.group(1)), bool(m.group(2)), bool(m.group(3)), bool(m.group(4))
+    eos = bool(m.group(5))
     if alt and alt_tree is None:
         raise BenchError(f"mode {name} needs --alt-relay DIR")
     where = f"; relay code from {alt_tree}" if alt else ""
@@ -115,6 +116,8 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
             "; values encoded as Avro in Confluent's wire format through the run's Schema "
             f"Registry (Apicurio {APICURIO_VERSION}, {_REGISTRY_URL}), subject <topic>-value"
         )
+    if eos:
+        where += "; exactly-once delivery (Kafka transactions, the tally reads read_committed)"
     mode = Mode(
         name,
         "relay",
@@ -122,6 +125,8 @@ def parse_mode(name: str, alt_tree: str | None) -> DrainMode:
         cwd=alt_tree if alt else None,
         pgbouncer=pooled,
         listen_direct=pooled,
+        env=(("NOTIFY_OUTBOX_DELIVERY", "exactly-once"),) if eos else (),
+        delivery="exactly-once" if eos else "at-least-once",
     )
     return DrainMode(name, mode, n, avro=avro)
 
@@ -130,7 +135,7 @@ def alt_drain_mode(name: str) -> str | None:
     """The ``-alt`` counterpart of a ``relay-N[-pgbouncer][-avro]`` mode (None for the
     others)."""
     m = _MODE_RE.match(name)
-    if m is None or m.group(2):
+    if m is None or m.group(2) or m.group(5):  # older builds have no exactly-once mode
         return None
     return f"relay-{m.group(1)}-alt{m.group(3) or ''}{m.group(4) or ''}"
 
@@ -539,13 +544,22 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         m = _MODE_RE.match(relay)
         if m is None or m.group(1) == "1":
             continue
-        one = f"relay-1{m.group(2) or ''}{m.group(3) or ''}{m.group(4) or ''}"
+        one = f"relay-1{''.join(g or '' for g in m.groups()[1:])}"
         for mix in result["config"]["mixes"]:
             r, base = by.get((mix, relay)), by.get((mix, one))
             if r is not None and base is not None:
                 targets.append(
                     _ratio_target(f"{relay} vs {one}, {mix}: never slower", r / base, 1.0)
                 )
+    for relay in relays:
+        m = _MODE_RE.match(relay)
+        if m is None or not m.group(5):
+            continue
+        plain = relay.removesuffix("-eos")
+        for mix in result["config"]["mixes"]:
+            r, base = by.get((mix, relay)), by.get((mix, plain))
+            if mix != "null" and r is not None and base is not None:  # issue 35: keyed
+                targets.append(_ratio_target(f"{relay} vs {plain}, {mix}: >= 0.5x", r / base, 0.5))
     for relay in relays:
         m = _MODE_RE.match(relay)
         if m is None or not m.group(4):

@@ -223,6 +223,10 @@ async def prepare_mode(
     dsn = await services.create_database(database, src=Path(mode.cwd) if mode.cwd else None)
     await create_topics(services.bootstrap, [topic], partitions=partitions)
     setup = await set_notify(dsn, mode.notify)
+    if mode.delivery != "at-least-once":
+        async with connection(dsn, within=_ADMIN_TIMEOUT) as conn:
+            await conn.execute("UPDATE outbox_config SET delivery = $1", mode.delivery)
+        setup["delivery"] = mode.delivery
     if mode.kind == "poller":
         await prepare_poller(dsn)
         setup["poller_index"] = True

@@ -143,6 +143,9 @@ async def run(bootstrap: str, topic: str) -> None:
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
+        # What a consumer of the exactly-once mode must set; the same as read_uncommitted
+        # for records written outside transactions (the other modes').
+        isolation_level="read_committed",
         client_id="bench-tally",
         # Large fetches: the consumer shares 2 cores with what it measures, so it should not
         # be the bottleneck of a fast drain.

@@ -352,9 +352,10 @@ RETURNING slot;
 UPDATE @eos_slot@ SET owner = NULL, expires_at = now() WHERE slot = $1 AND owner = $2;
 
 -- name: eos_orphans
--- Slots below $1 whose lease expired while a batch was in flight: someone must settle them.
+-- Slots whose lease expired while a batch was in flight (whatever the number of slots the
+-- relays are set to now): someone must settle them.
 SELECT s.slot FROM @eos_slot@ AS s
-WHERE s.slot < $1 AND s.expires_at < now()
+WHERE s.expires_at < now()
   AND EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.slot = s.slot)
 ORDER BY s.slot;
 

@@ -516,7 +516,9 @@ class OutboxSettings(DatabaseSettings):
     eos_transactional_id_prefix: str | None = Field(
         None,
         description="exactly-once: prefix of the slots' transactional.id (slot number "
-        "appended); unset: notify-outbox.<schema>.<table>.",
+        "appended), unique to this outbox in the Kafka cluster (it also keys the markers); "
+        "unset: notify-outbox.<database>.<schema>.<table>. Set it where two PostgreSQL "
+        "servers have a database and outbox of the same names and share one Kafka",
     )
 
     # --- failures -----------------------------------------------------------------------------

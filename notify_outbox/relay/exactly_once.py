@@ -28,6 +28,7 @@ import socket
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -44,6 +45,7 @@ from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.kafka.publisher import KafkaPublisher, TokenProvider, missing_topics
 from notify_outbox.kafka.records import RowRejected, to_message
 from notify_outbox.pg.db import connect_worker_pool
+from notify_outbox.pg.deadletters import DeadLetterFilter, purge, report_expired
 from notify_outbox.pg.sqlfiles import Queries
 
 from .listener import Listener
@@ -82,9 +84,10 @@ class SlotLost(Exception):
     the worker lets it go, sends nothing more with it, and leases another."""
 
 
-def marker_key(target: str, slot: int) -> bytes:
-    """The key of a slot's markers: the outbox and the slot (compaction keeps the last)."""
-    return f"{target}:{slot}".encode()
+def marker_key(transactional_id: str) -> bytes:
+    """The key of a slot's markers: its transactional id, unique in the Kafka cluster
+    (compaction keeps each slot's last marker)."""
+    return transactional_id.encode()
 
 
 def _describe(error: BaseException) -> str:
@@ -140,7 +143,8 @@ class ExactlyOnceRelay:
         self._target = names.target
         self._q = Queries(names)
         self._kafka = KafkaPublisher(settings, token_provider=kafka_token_provider)
-        self._prefix = settings.eos_transactional_id_prefix or f"notify-outbox.{names.target}."
+        # Set at start from the database's name unless configured (see _transactional_id).
+        self._prefix = settings.eos_transactional_id_prefix or ""
         self._fault_hook = fault_hook
         self._trust_markers = trust_markers
         self._doorbell = Doorbell()
@@ -189,6 +193,9 @@ class ExactlyOnceRelay:
         tasks: list[asyncio.Task[None]] = []
         try:
             await require_schema(pool, s)
+            if not self._prefix:
+                database = await pool.fetchval("SELECT current_database()")
+                self._prefix = f"notify-outbox.{database}.{self._target}."
             await self._ensure_marker_topic()
             if not s.poll_only:
                 listener = Listener(s, self._on_wake, self.events, notify=self._notify)
@@ -197,6 +204,7 @@ class ExactlyOnceRelay:
             worker_tasks = [asyncio.create_task(self._worker(i)) for i in range(workers)]
             tasks += worker_tasks
             tasks.append(asyncio.create_task(self._rescuer()))
+            tasks.append(asyncio.create_task(self._housekeeping()))
             self._ready.set()
             log.info(
                 "relay running (exactly-once): %s, %d workers, %d slots, transactional ids %s<n>",
@@ -220,6 +228,12 @@ class ExactlyOnceRelay:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await pool.close()
+
+    def _transactional_id(self, slot: int) -> str:
+        """The slot's transactional.id. It must be unique to this outbox in the Kafka
+        cluster: two outboxes sharing one would fence each other and read each other's
+        markers (whose key it is)."""
+        return f"{self._prefix}{slot}"
 
     def _on_wake(self, source: str) -> None:
         self.events.emit(f"wake:{source}")
@@ -280,7 +294,7 @@ class ExactlyOnceRelay:
         while True:
             producer = AIOKafkaProducer(
                 bootstrap_servers=s.kafka_bootstrap_servers.split(","),
-                transactional_id=f"{self._prefix}{slot}",
+                transactional_id=self._transactional_id(slot),
                 transaction_timeout_ms=round(s.eos_transaction_timeout * 1000),
                 enable_idempotence=True,
                 acks="all",
@@ -322,7 +336,7 @@ class ExactlyOnceRelay:
             consumer.assign([tp])
             await consumer.seek_to_beginning(tp)
             end = (await consumer.end_offsets([tp]))[tp]
-            key = marker_key(self._target, slot)
+            key = marker_key(self._transactional_id(slot))
             best = 0
             while await consumer.position(tp) < end:
                 batches = await consumer.getmany(tp, timeout_ms=1000)
@@ -542,7 +556,7 @@ class ExactlyOnceRelay:
                         await producer.send(
                             s.eos_marker_topic,
                             value=marker,
-                            key=marker_key(self._target, slot),
+                            key=marker_key(self._transactional_id(slot)),
                             partition=slot % self._marker_partitions,
                         ),
                     )
@@ -610,6 +624,33 @@ class ExactlyOnceRelay:
             log.error("row %d dead-lettered: %s", row_id, reason)
         return _Settle(seq, False, outcome.retry, outcome.dead)
 
+    async def _housekeeping(self) -> None:
+        """Retention, as the at-least-once relay does it: published rows kept for
+        ``keep_published``, dead letters for ``dead_letter_retention``."""
+        s = self.settings
+        pool = self._pool
+        assert pool is not None
+        if s.delete_on_publish and s.dead_letter_retention is None:
+            return
+        while True:
+            await asyncio.sleep(s.cleanup_interval)
+            try:
+                while not s.delete_on_publish:
+                    status = await pool.execute(
+                        self._q["delete_expired"], s.keep_published, s.cleanup_batch
+                    )
+                    n = int(status.split()[-1])
+                    if n:
+                        self.events.emit("cleanup", n)
+                    if n < s.cleanup_batch:
+                        break
+                if (retention := s.dead_letter_retention) is not None:
+                    where = DeadLetterFilter(older_than=timedelta(seconds=retention))
+                    n = await purge(pool, self._q.names, where, batch=s.cleanup_batch)
+                    report_expired(n, retention, self.events)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning("retention cleanup failed: %s", _describe(e))
+
     async def _rescuer(self) -> None:
         """Settle the batches of slots whose holder vanished (its lease expired with a batch
         in flight) even when every worker of this relay is busy with a slot of its own: their
@@ -623,10 +664,7 @@ class ExactlyOnceRelay:
             if self._stop.is_set():
                 return
             try:
-                orphans = [
-                    r["slot"]
-                    for r in await pool.fetch(self._q["eos_orphans"], self.settings.eos_slots)
-                ]
+                orphans = [r["slot"] for r in await pool.fetch(self._q["eos_orphans"])]
                 for slot in orphans:
                     leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
                     if leased is None or leased["outstanding"] is None:
