@@ -675,6 +675,8 @@ class ExactlyOnceRelay:
                     try:
                         settle = await self._recover(slot, int(leased["outstanding"]))
                         await self._step(slot, owner, settle, 0)
+                        # Rows given back, and their keys' later rows, are due at once.
+                        self._doorbell.ring_all()
                     finally:
                         await _stop_quietly(producer)
                     await pool.execute(self._q["eos_release"], slot, owner)

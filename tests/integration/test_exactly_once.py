@@ -4,6 +4,7 @@ stop. The crashes are in tests/faults/test_exactly_once.py."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter, defaultdict
 from typing import Any
@@ -201,19 +202,31 @@ async def test_a_slot_held_by_a_vanished_relay_is_settled_and_its_keys_go_on(
             "'{}', false, 10, 100)"
         )
         assert len(stamped) == 3
-        # While the stamps stand, another slot takes nothing of those keys.
+    finally:
+        await conn.close()
+    await _insert(db_dsn, topic, ["a", "c"])
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        # While the stamps stand, another slot takes nothing of their keys: only c.
         await conn.execute("INSERT INTO outbox_eos_slot (slot, owner) VALUES (3, 'probe')")
-        none = await conn.fetch(
+        probe = await conn.fetch(
             "SELECT * FROM outbox_eos_step(3, 'probe', 1000, NULL, NULL, '{}', '{}', '{}', "
             "'{}', '{}', false, 10, 100)"
         )
-        assert none == []
+        assert [r["key"] for r in probe] == ["c"]
+        # Given back (an aborted batch with no failure), c is fresh again.
+        await conn.fetch(
+            "SELECT * FROM outbox_eos_step(3, 'probe', 1000, $1, false, '{}', '{}', '{}', "
+            "'{}', '{}', false, 0, 100)",
+            probe[0]["seq"],
+        )
         await conn.execute("DELETE FROM outbox_eos_slot WHERE slot = 3")
     finally:
         await conn.close()
     async with ExactlyOnceRelay(settings) as relay:
-        await consume(services.bootstrap, topic, expect=3, within=60, client=READ_COMMITTED)
-    records, _ = await consume(services.bootstrap, topic, expect=3, client=READ_COMMITTED)
-    assert len(records) == 3
-    assert [r.key for r in records if r.key == b"a"] == [b"a", b"a"]
+        await consume(services.bootstrap, topic, expect=5, within=60, client=READ_COMMITTED)
+    records, _ = await consume(services.bootstrap, topic, expect=5, client=READ_COMMITTED)
+    assert len(records) == 5
+    a = [json.loads(r.value or b"") for r in records if r.key == b"a"]
+    assert a == [{"n": 0}, {"n": 1}, {"n": 0}], "key a in commit order"
     assert relay.counters["recovered_aborted"] == 1
