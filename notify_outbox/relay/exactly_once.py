@@ -213,12 +213,16 @@ class ExactlyOnceRelay:
                 s.eos_slots,
                 self._prefix,
             )
+            # Until asked to stop; a task that fails ends the relay with its error (one that
+            # has nothing to do, as retention with nothing kept, just ends).
             stop = asyncio.create_task(self._stop.wait())
-            await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            for t in tasks:
-                if t.done() and not t.cancelled() and (error := t.exception()) is not None:
-                    raise error
+            watched: set[asyncio.Task[Any]] = {stop, *tasks}
+            while not stop.done():
+                done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not stop and not t.cancelled() and (error := t.exception()):
+                        stop.cancel()
+                        raise error
             self.request_stop()
             # Workers finish their batch and settle it; the rest is cancelled.
             await asyncio.wait(worker_tasks, timeout=s.shutdown_timeout)
@@ -250,7 +254,26 @@ class ExactlyOnceRelay:
     # --- Kafka clients ------------------------------------------------------------------------
 
     async def _ensure_marker_topic(self) -> None:
-        """Create the compacted marker topic if it is missing; learn its partition count."""
+        """Create the compacted marker topic if it is missing; learn its partition count.
+        Retries what Kafka calls retriable (a broker busy or electing) for a while; anything
+        else, such as a refused authorization, is a configuration error."""
+        s = self.settings
+        backoff = Backoff(0.2, 2.0)
+        for attempt in range(10):
+            try:
+                await self._marker_topic()
+                return
+            except kafka_errors.KafkaError as e:
+                if not getattr(e, "retriable", False) or attempt == 9:
+                    raise ConfigurationError(
+                        f"the exactly-once marker topic {s.eos_marker_topic!r} cannot be "
+                        f"described or created ({_describe(e)}): create it (compacted) or grant "
+                        "the relay CREATE and DESCRIBE on it"
+                    ) from None
+                log.warning("exactly-once: the marker topic: %s; retrying", _describe(e))
+                await backoff.sleep()
+
+    async def _marker_topic(self) -> None:
         s = self.settings
         admin = AIOKafkaAdminClient(
             bootstrap_servers=s.kafka_bootstrap_servers.split(","),
@@ -258,8 +281,7 @@ class ExactlyOnceRelay:
         )
         await admin.start()
         try:
-            topics = await admin.list_topics()
-            if s.eos_marker_topic not in topics:
+            if s.eos_marker_topic not in await admin.list_topics():
                 brokers = len((await admin.describe_cluster())["brokers"])
                 topic = NewTopic(
                     s.eos_marker_topic,
@@ -271,17 +293,17 @@ class ExactlyOnceRelay:
                         "min.insync.replicas": str(min(2, brokers)),
                     },
                 )
-                with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
-                    await admin.create_topics([topic])
-                log.info("created the exactly-once marker topic %s", s.eos_marker_topic)
-            described = await admin.describe_topics([s.eos_marker_topic])
-            self._marker_partitions = max(1, len(described[0]["partitions"]))
-        except kafka_errors.KafkaError as e:
-            raise ConfigurationError(
-                f"the exactly-once marker topic {s.eos_marker_topic!r} cannot be described or "
-                f"created ({_describe(e)}): create it (compacted) or grant the relay CREATE and "
-                "DESCRIBE on it"
-            ) from None
+                # aiokafka returns the brokers' per-topic errors rather than raising them.
+                response = await admin.create_topics([topic])
+                code = response.topic_errors[0][1]
+                if code == 0:
+                    log.info("created the exactly-once marker topic %s", s.eos_marker_topic)
+                elif code != kafka_errors.TopicAlreadyExistsError.errno:  # another relay's
+                    raise kafka_errors.for_code(code)()
+            described = (await admin.describe_topics([s.eos_marker_topic]))[0]
+            if described["error_code"]:
+                raise kafka_errors.for_code(described["error_code"])()
+            self._marker_partitions = max(1, len(described["partitions"]))
         finally:
             await admin.close()
 

@@ -189,7 +189,8 @@ async def test_a_slot_held_by_a_vanished_relay_is_settled_and_its_keys_go_on(
     rescuer fences the slot's producer, finds no committed marker, gives the rows back, and
     they are sent once."""
     await _set_delivery(db_dsn, "exactly-once")
-    settings = eos_settings(db_dsn, services, eos_lease=1.0)
+    # Published rows deleted (keep_published 0, the default): retention has nothing to do.
+    settings = eos_settings(db_dsn, services, eos_lease=1.0, keep_published=0)
     await _insert(db_dsn, topic, ["a", "a", "b"])
     conn = await asyncpg.connect(db_dsn)
     try:
