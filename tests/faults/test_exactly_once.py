@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import uuid
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -23,7 +24,17 @@ from aiokafka import AIOKafkaConsumer
 
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
-from tests.faults.harness import FaultRelay, connect, eventually, partitions, relays
+from tests.faults.harness import (
+    FaultRelay,
+    connect,
+    durable_commits,
+    eventually,
+    partitions,
+    relays,
+    restartable,
+    run_blocking,
+    task_group,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -193,6 +204,67 @@ async def test_a_relay_frozen_with_its_transaction_open_is_fenced_and_sends_noth
             report = await checker.drain_and_check(within=90)
             await frozen.stop_ok()
             await other.stop_ok()
+    print(report.text())
+    report.assert_ok()
+    assert report.duplicate_ids == {}
+
+
+async def _grows(get: Callable[[], int], target: int) -> bool:
+    return get() >= target
+
+
+@pytest.mark.parametrize("service", ["postgres", "kafka"])
+async def test_a_service_restart_under_writers_sends_each_event_once(
+    db_dsn: str, services: Services, topic: str, service: str
+) -> None:
+    """PostgreSQL (immediate, like a crash) or the Kafka broker restarts under writers and two
+    relays. Every batch in flight at that moment is settled from the markers: none repeats,
+    none is lost, with no allowance."""
+    postgres, kafka = restartable(services)
+    checker = await OutboxChecker(
+        db_dsn,
+        services.bootstrap,
+        [topic],
+        f"exactly-once: {service} restart under writers",
+        isolation_level="read_committed",
+    ).setup()
+    await durable_commits(db_dsn)
+    async with connect(db_dsn) as conn:
+        await conn.execute("UPDATE outbox_config SET delivery = 'exactly-once'")
+    if service == "postgres":
+        checker.expect_writer_errors()
+    load = checker.writers(writers=3, keys=20, pause=0.01)
+    env = _eos_env(NOTIFY_OUTBOX_KAFKA_REQUEST_TIMEOUT_MS="1500")
+    async with (
+        relays(
+            FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-a"),
+            FaultRelay(db_dsn, services.bootstrap, env=env, name="relay-b"),
+        ) as (a, b),
+        task_group() as tg,
+    ):
+        await a.ready()
+        await b.ready()
+        tg.start_soon(load.run)
+        await eventually(
+            lambda: _grows(lambda: load.produced, 300), within=60, what="writers produced"
+        )
+        if service == "postgres":
+            await run_blocking(lambda: postgres.stop(mode="immediate"))
+            await run_blocking(postgres.start)
+        else:
+            await run_blocking(kafka.stop)
+            await anyio.sleep(2)  # an outage, not a blip: sends and commits fail meanwhile
+            await run_blocking(kafka.start)
+        target = load.produced + 300
+        await eventually(
+            lambda: _grows(lambda: load.produced, target),
+            within=60,
+            what="writers produced after the restart",
+        )
+        await load.halt()
+        report = await checker.drain_and_check(within=120)
+        await a.stop_ok()
+        await b.stop_ok()
     print(report.text())
     report.assert_ok()
     assert report.duplicate_ids == {}
