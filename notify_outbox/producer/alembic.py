@@ -138,10 +138,18 @@ def _migrate_sync(connection: Connection, names: OutboxNames, up_to: int | None)
 
 def outbox_table_names(names: OutboxNames | None = None) -> frozenset[tuple[str, str]]:
     """The tables the outbox's migrations create, as (schema, table): the outbox, its dead
-    letters, its config row and the migrations' tracking table."""
+    letters, its config row, the exactly-once mode's slots and stamps, and the migrations'
+    tracking table."""
     names = names or OutboxNames()
     t = names.table
-    tables = (t, f"{t}_dead_letter", f"{t}_config", "notify_outbox_migrations")
+    tables = (
+        t,
+        f"{t}_dead_letter",
+        f"{t}_config",
+        f"{t}_eos_slot",
+        f"{t}_eos_stamp",
+        "notify_outbox_migrations",
+    )
     return frozenset((names.schema, table) for table in tables)
 
 

@@ -182,6 +182,9 @@ class OutboxTables:
     #: The tracking table of ``notify-outbox migrate`` (shared by every outbox of a schema,
     #: and by the inbox's migrations).
     migrations: Table
+    #: The exactly-once mode's slots and stamps (migration 0007).
+    eos_slot: Table
+    eos_stamp: Table
 
 
 def _timestamptz() -> TIMESTAMP:
@@ -298,8 +301,35 @@ def outbox_tables(
         CheckConstraint(
             "awake_epoch_ms BETWEEN 5 AND 60000", name=f"{t}_config_awake_epoch_ms_check"
         ),
+        Column(
+            "delivery", Text, nullable=False, server_default=text("'at-least-once'::text")
+        ),
+        CheckConstraint(
+            "delivery IN ('at-least-once', 'exactly-once')", name=f"{t}_config_delivery_check"
+        ),
         schema=schema,
     )
+    eos_slot = Table(
+        f"{t}_eos_slot",
+        metadata,
+        Column("slot", Integer, primary_key=True, autoincrement=False),
+        Column("owner", Text),
+        Column("expires_at", _timestamptz(), nullable=False, server_default=text("now()")),
+        Column("seq", BigInteger, nullable=False, server_default=text("0")),
+        CheckConstraint("slot >= 0", name=f"{t}_eos_slot_slot_check"),
+        schema=schema,
+    )
+    eos_stamp = Table(
+        f"{t}_eos_stamp",
+        metadata,
+        Column("id", BigInteger, primary_key=True, autoincrement=False),
+        Column("key", Text),
+        Column("slot", Integer, nullable=False),
+        Column("seq", BigInteger, nullable=False),
+        schema=schema,
+    )
+    Index(f"{t}_eos_stamp_key_idx", eos_stamp.c.key, postgresql_where=text("key IS NOT NULL"))
+    Index(f"{t}_eos_stamp_slot_idx", eos_stamp.c.slot, eos_stamp.c.seq)
     # One tracking table per schema: a second outbox of the schema shares it.
     tracking = "notify_outbox_migrations"
     migrations = metadata.tables.get(f"{schema}.{tracking}" if schema else tracking)
@@ -315,4 +345,4 @@ def outbox_tables(
             PrimaryKeyConstraint("target", "version", name="notify_outbox_migrations_pkey"),
             schema=schema,
         )
-    return OutboxTables(outbox, dead_letter, config, migrations)
+    return OutboxTables(outbox, dead_letter, config, migrations, eos_slot, eos_stamp)

@@ -212,12 +212,12 @@ def test_alembic_upgrade_applies_the_outbox_migrations_idempotently(
     assert "outbox migrations applied: [1, 2, 3, 4, 5]" in out
     first = asyncio.run(outbox_objects(empty_db_dsn))
     assert first["versions"] == [1, 2, 3, 4, 5]
-    assert first["verify"].pending == [6]
+    assert first["verify"].pending == [6, 7]
     assert first["head"] == "0001"
 
     out = alembic(ini, "upgrade", "head")
     assert "outbox migrations applied: [6]" in out
-    assert "outbox migrations applied: []" in out  # 0003: the same line, nothing to do
+    assert "outbox migrations applied: [7]" in out  # 0003: the same line, what came after
     done = asyncio.run(outbox_objects(empty_db_dsn))
     assert done["tables"] == [
         "alembic_version",
@@ -226,9 +226,11 @@ def test_alembic_upgrade_applies_the_outbox_migrations_idempotently(
         "outbox",
         "outbox_config",
         "outbox_dead_letter",
+        "outbox_eos_slot",
+        "outbox_eos_stamp",
     ]
     assert done["triggers"] == ["outbox_notify", "outbox_order_key"]
-    assert done["versions"] == [1, 2, 3, 4, 5, 6]
+    assert done["versions"] == [1, 2, 3, 4, 5, 6, 7]
     # Exactly the schema `notify-outbox migrate` makes: every column, index, trigger, function.
     assert done["verify"].ok, done["verify"].describe()
     assert done["verify"].extras == []
@@ -249,7 +251,7 @@ def test_alembic_upgrade_applies_the_outbox_migrations_idempotently(
     out = alembic(ini, "upgrade", "head")
     assert out.count("outbox migrations applied: []") == 2
     again = asyncio.run(outbox_objects(empty_db_dsn))
-    assert again["versions"] == [1, 2, 3, 4, 5, 6]
+    assert again["versions"] == [1, 2, 3, 4, 5, 6, 7]
     assert again["verify"].ok, again["verify"].describe()
 
 
@@ -301,6 +303,8 @@ def test_autogenerate_proposes_to_drop_the_outbox_without_help(db_dsn: str) -> N
         "outbox",
         "outbox_config",
         "outbox_dead_letter",
+        "outbox_eos_slot",
+        "outbox_eos_stamp",
     }
 
 
@@ -390,6 +394,8 @@ def test_autogenerate_with_an_outbox_of_other_names_in_its_own_schema(empty_db_d
         "events.shop_outbox",
         "events.shop_outbox_dead_letter",
         "events.shop_outbox_config",
+        "events.shop_outbox_eos_slot",
+        "events.shop_outbox_eos_stamp",
         "events.notify_outbox_migrations",
     }
     diff = autogenerate_diff(
