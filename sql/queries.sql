@@ -351,13 +351,25 @@ RETURNING slot;
 -- name: eos_release
 UPDATE @eos_slot@ SET owner = NULL, expires_at = now() WHERE slot = $1 AND owner = $2;
 
--- name: eos_orphans
--- Slots whose lease expired while a batch was in flight (whatever the number of slots the
--- relays are set to now): someone must settle them.
-SELECT s.slot FROM @eos_slot@ AS s
-WHERE s.expires_at < now()
-  AND EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.slot = s.slot)
-ORDER BY s.slot;
+-- name: eos_tick
+-- A relay's one periodic statement in exactly-once mode: renew the leases of every slot its
+-- workers hold (owners "$1<n>"; $2 ms), and say which slots it still holds, which slots were
+-- abandoned with a batch in flight, and whether rows are due (fresh or retried, not in flight).
+WITH renewed AS (
+    UPDATE @eos_slot@ SET expires_at = now() + make_interval(secs => $2 / 1000.0)
+    WHERE left(owner, length($1)) = $1
+    RETURNING slot
+)
+SELECT ARRAY(SELECT r.slot FROM renewed AS r) AS held,
+       ARRAY(SELECT s.slot FROM @eos_slot@ AS s
+             WHERE s.expires_at < now()
+               AND EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.slot = s.slot)
+             ORDER BY s.slot) AS orphans,
+       EXISTS (SELECT 1 FROM @table@ AS o
+               WHERE o.published_at IS NULL AND o.next_attempt_at IS NULL
+                 AND NOT EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.id = o.id))
+       OR EXISTS (SELECT 1 FROM @table@ AS o
+                  WHERE o.published_at IS NULL AND o.next_attempt_at <= now()) AS due;
 
 -- name: eos_free
 -- Slots below $1 not held by anyone (never used, released or expired), orphans first.

@@ -301,9 +301,7 @@ def outbox_tables(
         CheckConstraint(
             "awake_epoch_ms BETWEEN 5 AND 60000", name=f"{t}_config_awake_epoch_ms_check"
         ),
-        Column(
-            "delivery", Text, nullable=False, server_default=text("'at-least-once'::text")
-        ),
+        Column("delivery", Text, nullable=False, server_default=text("'at-least-once'::text")),
         CheckConstraint(
             "delivery IN ('at-least-once', 'exactly-once')", name=f"{t}_config_delivery_check"
         ),

@@ -151,6 +151,10 @@ class ExactlyOnceRelay:
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._pool: asyncpg.Pool | None = None
+        # Slots this relay's workers serve, each with the event its ticker sets once the
+        # slot's lease was found taken over.
+        self._serving: dict[int, asyncio.Event] = {}
+        self._rescuing: asyncio.Task[None] | None = None
         self._marker_partitions = 1
         self._lease_ms = max(1, round(settings.eos_lease * 1000))
         #: How the relay ended: "stopped" (asked to), or None while it runs (or if it failed).
@@ -203,7 +207,7 @@ class ExactlyOnceRelay:
             workers = min(s.workers, s.eos_slots)
             worker_tasks = [asyncio.create_task(self._worker(i)) for i in range(workers)]
             tasks += worker_tasks
-            tasks.append(asyncio.create_task(self._rescuer()))
+            tasks.append(asyncio.create_task(self._ticker()))
             tasks.append(asyncio.create_task(self._housekeeping()))
             self._ready.set()
             log.info(
@@ -228,6 +232,8 @@ class ExactlyOnceRelay:
             await asyncio.wait(worker_tasks, timeout=s.shutdown_timeout)
             self.outcome = "stopped"
         finally:
+            if self._rescuing is not None:
+                tasks.append(self._rescuing)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -395,19 +401,6 @@ class ExactlyOnceRelay:
                 await asyncio.wait_for(self._stop.wait(), wait)
         return None
 
-    async def _renew(self, slot: int, owner: str, lost: asyncio.Event) -> None:
-        """Keep the lease of ``slot`` while it is served; set ``lost`` if it was taken."""
-        pool = self._pool
-        assert pool is not None
-        while True:
-            await asyncio.sleep(self.settings.eos_lease / 3)
-            try:
-                if await pool.fetchval(self._q["eos_renew"], slot, owner, self._lease_ms) is None:
-                    lost.set()
-                    return
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                log.warning("exactly-once slot %d: renewing its lease failed (%s)", slot, e)
-
     async def _step(
         self, slot: int, owner: str, settle: _Settle | None, batch: int
     ) -> list[tuple[OutboxRow, int]]:
@@ -464,8 +457,7 @@ class ExactlyOnceRelay:
                 await backoff.sleep()
 
     async def _serve(self, slot: int, owner: str, outstanding: int | None) -> None:
-        lost = asyncio.Event()
-        renewer = asyncio.create_task(self._renew(slot, owner, lost))
+        lost = self._serving[slot] = asyncio.Event()  # set by the ticker if it was taken
         producer: AIOKafkaProducer | None = None
         settle: _Settle | None = None
         released = False
@@ -484,8 +476,8 @@ class ExactlyOnceRelay:
                 if not stamped:
                     if stopping:
                         break
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._doorbell.wait(), self.settings.poll_interval)
+                    # Woken by a NOTIFY, by the ticker (rows due, a slot settled) or to stop.
+                    await self._doorbell.wait()
                     continue
                 seq = stamped[0][1]
                 rows = [row for row, _ in stamped]
@@ -497,9 +489,8 @@ class ExactlyOnceRelay:
             await pool.execute(self._q["eos_release"], slot, owner)
             released = True
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            if self._serving.get(slot) is lost:
+                del self._serving[slot]
             if producer is not None:
                 await _stop_quietly(producer)
             if not released:
@@ -673,26 +664,51 @@ class ExactlyOnceRelay:
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
                 log.warning("retention cleanup failed: %s", _describe(e))
 
-    async def _rescuer(self) -> None:
-        """Settle the batches of slots whose holder vanished (its lease expired with a batch
-        in flight) even when every worker of this relay is busy with a slot of its own: their
-        rows hold back their keys until then."""
+    async def _ticker(self) -> None:
+        """The relay's one periodic statement (``eos_tick``), every ``poll_interval`` or a
+        third of the lease, whichever is shorter: it renews the leases of every slot this
+        relay's workers hold (a worker whose slot was taken over is told), wakes the workers
+        when rows are due (the fallback poll), and settles the batches of slots whose holder
+        vanished (its lease expired with a batch in flight), whose rows hold back their keys
+        until then, even when every worker of this relay is busy with a slot of its own."""
         pool = self._pool
         assert pool is not None
-        owner = f"{self.relay_id}/rescue"
+        s = self.settings
+        every = min(s.poll_interval, s.eos_lease / 3)
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.settings.eos_lease / 2)
+                await asyncio.wait_for(self._stop.wait(), every)
             if self._stop.is_set():
                 return
             try:
-                orphans = [r["slot"] for r in await pool.fetch(self._q["eos_orphans"])]
-                for slot in orphans:
-                    leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
-                    if leased is None or leased["outstanding"] is None:
-                        if leased is not None:
-                            await pool.execute(self._q["eos_release"], slot, owner)
-                        continue
+                watched = dict(self._serving)  # slots served before the statement
+                tick = await pool.fetchrow(self._q["eos_tick"], f"{self.relay_id}/", self._lease_ms)
+                assert tick is not None
+                held = set(tick["held"])
+                for slot, lost in watched.items():
+                    if slot not in held:
+                        lost.set()
+                if tick["due"]:
+                    self.events.emit("wake:poll")
+                    self._doorbell.ring_all()
+                orphans = list(tick["orphans"])
+                if orphans and (self._rescuing is None or self._rescuing.done()):
+                    # Apart from the ticks: a rescue may wait for Kafka, the leases may not.
+                    self._rescuing = asyncio.create_task(self._rescue(orphans))
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning("exactly-once: the periodic statement failed (%s)", _describe(e))
+
+    async def _rescue(self, orphans: list[int]) -> None:
+        """Settle the batch in flight of each abandoned slot, then let the slot go."""
+        pool = self._pool
+        assert pool is not None
+        owner = f"{self.relay_id}/rescue"
+        for slot in orphans:
+            try:
+                leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
+                if leased is None:
+                    continue  # another relay was first
+                if leased["outstanding"] is not None:
                     producer = await self._producer_for(slot)
                     try:
                         settle = await self._recover(slot, int(leased["outstanding"]))
@@ -701,7 +717,7 @@ class ExactlyOnceRelay:
                         self._doorbell.ring_all()
                     finally:
                         await _stop_quietly(producer)
-                    await pool.execute(self._q["eos_release"], slot, owner)
+                await pool.execute(self._q["eos_release"], slot, owner)
             except SlotLost:
                 continue
             except (
@@ -710,7 +726,9 @@ class ExactlyOnceRelay:
                 asyncpg.InterfaceError,
                 kafka_errors.KafkaError,
             ) as e:
-                log.warning("exactly-once: settling an abandoned slot failed (%s)", _describe(e))
+                log.warning(
+                    "exactly-once: settling abandoned slot %d failed (%s)", slot, _describe(e)
+                )
 
 
 async def _stop_quietly(producer: AIOKafkaProducer) -> None:
