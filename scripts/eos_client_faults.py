@@ -8,6 +8,9 @@ confluent-kafka's synchronous ``Producer`` (librdkafka; its blocking calls in
 (ABBA...). Every transaction writes ``RECORDS`` records with headers over the partitions of an
 RF-3 topic. The faults:
 
+- ``rejected``: one record of the transaction is rejected by the broker (4 KB to a topic whose
+  ``max.message.bytes`` is 1 KB, ``MESSAGE_TOO_LARGE``) besides the 10 good ones; then commit:
+  the case librdkafka documents as ``txn_requires_abort()``;
 - ``coord-kill``: SIGKILL the transaction coordinator's node between produce and commit;
   commit, then the next transaction; the node is restarted afterwards;
 - ``fenced``: a second producer with the same transactional.id starts while the first has an
@@ -69,7 +72,15 @@ PARTITIONS = 3
 RECORDS = 10
 TXN_TIMEOUT_MS = 30_000
 CLIENTS = ("aiokafka", "confluent")
-FAULTS = ("coord-kill", "fenced", "all-down", "all-down-long", "all-down-t10", "txn-timeout")
+FAULTS = (
+    "rejected",
+    "coord-kill",
+    "fenced",
+    "all-down",
+    "all-down-long",
+    "all-down-t10",
+    "txn-timeout",
+)
 # librdkafka only: commit_transaction(10) instead of (-1), as the per-call timeout it has.
 RD_ONLY = frozenset({"all-down-t10"})
 
@@ -126,6 +137,10 @@ class Client:
         """Send ``count`` records of transaction ``label`` and wait for their delivery."""
         raise NotImplementedError
 
+    async def produce_big(self, topic: str, label: str) -> None:
+        """Send one 4 KB record to ``topic`` and wait for its delivery."""
+        raise NotImplementedError
+
     async def commit(self) -> None:
         raise NotImplementedError
 
@@ -179,6 +194,11 @@ class AioClient(Client):
                 )
             )
         await asyncio.gather(*futures)
+
+    async def produce_big(self, topic: str, label: str) -> None:
+        value, key, headers = self._record(label, 0)
+        future = await self.producer.send(topic, value + b"x" * 4096, key=key, headers=headers)
+        await future
 
     async def commit(self) -> None:
         await self.producer.commit_transaction()
@@ -249,6 +269,25 @@ class RdClient(Client):
                 raise confluent_kafka.KafkaException(errors[0])
 
         await asyncio.to_thread(send_all)
+
+    async def produce_big(self, topic: str, label: str) -> None:
+        errors: list[confluent_kafka.KafkaError] = []
+
+        def delivered(err: confluent_kafka.KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+
+        def send() -> None:
+            value, key, headers = self._record(label, 0)
+            self.producer.produce(
+                topic, value + b"x" * 4096, key, headers=headers, on_delivery=delivered
+            )
+            if self.producer.flush(30):
+                raise Hung("the record was not delivered within 30s")
+            if errors:
+                raise confluent_kafka.KafkaException(errors[0])
+
+        await asyncio.to_thread(send)
 
     async def commit(self) -> None:
         await asyncio.to_thread(self.producer.commit_transaction, self.commit_timeout)
@@ -439,6 +478,25 @@ async def ensure_all_up(cluster: KafkaCluster) -> None:
         await asyncio.to_thread(cluster.start, i)
 
 
+async def fault_rejected(cluster: KafkaCluster, slot: Slot, res: FaultResult) -> None:
+    label = f"{slot.txn_id}-rej"
+    await slot.open(label)
+    before = slot.recreated
+    injected = time.monotonic()
+    try:
+        await bounded(slot.client.produce_big(f"{slot.topic}-small", f"{label}-big"), slot.bound)
+        res.notes.append("big record: accepted")
+    except Exception as exc:
+        res.notes.append(f"big record: {describe(exc)}")
+    out = await slot.finish(label, slot.bound)
+    res.commit, res.commit_s, res.first_error_s = _tag(out), out.end_s, out.first_error_s
+    res.errors, res.actions = out.errors, out.actions
+    took, attempts = await slot.until_committed(f"{label}-next", 60)
+    res.next_commit_s = None if took is None else time.monotonic() - injected
+    res.notes.append(f"next: {attempts} attempt(s)")
+    res.recreated = slot.recreated - before
+
+
 async def fault_coord_kill(cluster: KafkaCluster, slot: Slot, res: FaultResult) -> None:
     label = f"{slot.txn_id}-ck"
     await slot.open(label)
@@ -619,7 +677,18 @@ async def create_topic(bootstrap: str, topic: str) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, PARTITIONS, replication_factor=3)])
+        await admin.create_topics(
+            [
+                NewTopic(topic, PARTITIONS, replication_factor=3),
+                # For the "rejected" fault: a 4 KB record is too large here.
+                NewTopic(
+                    f"{topic}-small",
+                    1,
+                    replication_factor=3,
+                    topic_configs={"max.message.bytes": "1024"},
+                ),
+            ]
+        )
     finally:
         await admin.close()
 
@@ -644,7 +713,9 @@ async def one_client(
         res = FaultResult(kind, rnd, fault)
         log.info("round %d %s %s", rnd, kind, fault)
         try:
-            if fault == "coord-kill":
+            if fault == "rejected":
+                await fault_rejected(cluster, slot, res)
+            elif fault == "coord-kill":
                 await fault_coord_kill(cluster, slot, res)
             elif fault == "fenced":
                 await fault_fenced(cluster, slot, res)
