@@ -41,8 +41,14 @@ async def _create_topic(bootstrap: str, name: str) -> list[list[int]]:
     await admin.start()
     try:
         await admin.create_topics([NewTopic(name, PARTITIONS, replication_factor=3)])
-        described: Any = await admin.describe_topics([name])
-        return [sorted(p["replicas"]) for p in described[0]["partitions"]]
+        # The node that answers may not have the new topic's metadata yet.
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            described: Any = await admin.describe_topics([name])
+            partitions = described[0]["partitions"]
+            if len(partitions) == PARTITIONS or time.monotonic() > deadline:
+                return [sorted(p["replicas"]) for p in partitions]
+            await asyncio.sleep(0.2)
     finally:
         await admin.close()
 
