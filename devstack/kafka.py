@@ -355,6 +355,8 @@ class KafkaBroker(Daemon):
 
     # A JVM stops slower than pgbouncer: no need to look as often.
     _exit_poll_s = 0.1
+    # KRaft node id; a node of a multi-node cluster (devstack.kafka_cluster) sets its own.
+    node_id: int = _NODE_ID
 
     def _owns(self, argv: list[str]) -> bool:
         # Only our JVM has our properties path.
@@ -415,8 +417,8 @@ class KafkaBroker(Daemon):
     def _config(self) -> dict[str, str]:
         config = {
             "process.roles": "broker,controller",
-            "node.id": str(_NODE_ID),
-            "controller.quorum.voters": f"{_NODE_ID}@127.0.0.1:{self.controller_port}",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": self._quorum_voters(),
             "listeners": (
                 f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}"
             ),
@@ -446,6 +448,10 @@ class KafkaBroker(Daemon):
         }
         config.update(self.extra_config)
         return config
+
+    def _quorum_voters(self) -> str:
+        """``controller.quorum.voters``: this node alone, unless a cluster says otherwise."""
+        return f"{self.node_id}@127.0.0.1:{self.controller_port}"
 
     def _write_config(self) -> None:
         lines = ["# Written by devstack on every start; use extra_config to change it."]
@@ -520,6 +526,6 @@ class KafkaBroker(Daemon):
             return f"{type(exc).__name__}: {exc}"
         # Guards against another broker squatting on the port, and against a
         # broker that answers before it has registered.
-        if cluster_id == self.cluster_id and any(b[0] == _NODE_ID for b in brokers):
+        if cluster_id == self.cluster_id and any(b[0] == self.node_id for b in brokers):
             return None
         return f"cluster {cluster_id!r} with brokers {brokers}"
