@@ -76,6 +76,9 @@ _ROW_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.UnsupportedForMessageFormatError,
 )
 
+#: How a broker's refusal of a record batch over the topic's size limit is described.
+_TOO_LARGE_NAMES = ("MessageSizeTooLargeError", "RecordTooLargeError")
+
 FaultHook = Callable[[str], None]
 
 
@@ -155,6 +158,10 @@ class ExactlyOnceRelay:
         # slot's lease was found taken over.
         self._serving: dict[int, asyncio.Event] = {}
         self._rescuing: asyncio.Task[None] | None = None
+        # Topics whose records go one per batch (see _too_large_batches).
+        self._alone: set[str] = set()
+        # Pause between batches aborted because Kafka was unavailable (reset by a commit).
+        self._unavailable = Backoff(settings.reconnect_min_delay, settings.reconnect_max_delay)
         self._marker_partitions = 1
         self._lease_ms = max(1, round(settings.eos_lease * 1000))
         #: How the relay ended: "stopped" (asked to), or None while it runs (or if it failed).
@@ -366,7 +373,15 @@ class ExactlyOnceRelay:
             end = (await consumer.end_offsets([tp]))[tp]
             key = marker_key(self._transactional_id(slot))
             best = 0
+            deadline = asyncio.get_running_loop().time() + 60.0
             while await consumer.position(tp) < end:
+                if asyncio.get_running_loop().time() > deadline:
+                    # Settling nothing is safe: the batch stays stamped, its keys wait, and
+                    # the slot's next owner (or this worker, re-leasing it) asks again.
+                    raise TimeoutError(
+                        f"the marker partition {tp} was not read up to its last stable offset "
+                        f"{end} within 60 s"
+                    )
                 batches = await consumer.getmany(tp, timeout_ms=1000)
                 for record in batches.get(tp, []):
                     if record.key == key and record.value is not None:
@@ -447,10 +462,15 @@ class ExactlyOnceRelay:
                 self.counters["slots_lost"] += 1
                 self.events.emit("eos_slot_lost")
                 log.warning("exactly-once slot %d is no longer this relay's: %s", slot, e)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except (
+                OSError,
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                kafka_errors.KafkaError,
+            ) as e:
                 log.warning(
-                    "exactly-once slot %d: database error (%s); its batch in flight is "
-                    "settled when the slot is taken again",
+                    "exactly-once slot %d: %s; its batch in flight is settled when the slot "
+                    "is taken again",
                     slot,
                     _describe(e),
                 )
@@ -555,6 +575,8 @@ class ExactlyOnceRelay:
                         key=message.key,
                         headers=list(message.headers),
                     )
+                    if message.topic in self._alone:
+                        await asyncio.wait_for(asyncio.shield(ack), s.kafka_send_timeout)
                 except _ROW_ERRORS as e:
                     result.failed.append((row.id, _describe(e)))
                     break
@@ -585,7 +607,9 @@ class ExactlyOnceRelay:
                         raise outcome
                     else:
                         result.unavailable = _describe(outcome)
-            if result.failed or result.unavailable:
+            refused = bool(result.failed)
+            self._too_large_batches(rows, result)
+            if refused or result.unavailable:
                 await asyncio.wait_for(producer.abort_transaction(), s.kafka_send_timeout)
                 self.counters["aborted"] += 1
                 self.events.emit("eos_aborted")
@@ -596,6 +620,14 @@ class ExactlyOnceRelay:
                         seq,
                         result.unavailable,
                     )
+                # A new producer (a new epoch) for the next batch: aiokafka keeps the failed
+                # batch's sequence numbers after an abort, and the broker would refuse every
+                # later batch of that partition as out of order (seen: OutOfOrderSequenceNumber
+                # for every batch after a record refused as too large).
+                await _stop_quietly(producer)
+                producer = await self._refence(slot, owner)
+                if result.unavailable:
+                    await asyncio.sleep(self._unavailable.next_delay())
                 return self._aborted(seq, rows, result), producer
             self._fault("eos_before_commit")
             await asyncio.wait_for(producer.commit_transaction(), s.kafka_send_timeout)
@@ -612,18 +644,47 @@ class ExactlyOnceRelay:
                 _describe(e),
             )
             await _stop_quietly(producer)
-            # Only while the slot is still ours: a relay frozen past its lease must not fence
-            # the producer of the relay that took the slot over.
-            pool = self._pool
-            assert pool is not None
-            if await pool.fetchval(self._q["eos_renew"], slot, owner, self._lease_ms) is None:
-                raise SlotLost(f"the lease of slot {slot} was taken over") from None
-            producer = await self._producer_for(slot)
+            producer = await self._refence(slot, owner)
             return await self._recover(slot, seq), producer
         self._fault("eos_after_commit")
+        self._unavailable.reset()
         self.counters["committed"] += 1
         self.events.emit("published", len(rows))
         return _Settle(seq, True), producer
+
+    def _too_large_batches(self, rows: Sequence[OutboxRow], result: PublishResult) -> None:
+        """A broker refuses a whole record batch over the topic's ``max.message.bytes``,
+        however small its records: where such a refusal hit several rows of a topic, which one
+        is too large is unknown. Those rows are given back with no attempt counted, and the
+        topic's records go one per batch from now on (each waits for its ack before the next
+        is sent), so that a refusal names its row."""
+        too_large = {
+            row.topic
+            for row in rows
+            for row_id, reason in result.failed
+            if row.id == row_id and reason.startswith(_TOO_LARGE_NAMES)
+        }
+        unsure = {t for t in too_large - self._alone if sum(r.topic == t for r in rows) > 1}
+        if not unsure:
+            return
+        self._alone |= unsure
+        topic_of = {row.id: row.topic for row in rows}
+        result.failed = [f for f in result.failed if topic_of[f[0]] not in unsure]
+        log.warning(
+            "exactly-once: a record batch of %s was over the topic's max.message.bytes; its "
+            "rows go again, one record per batch",
+            ", ".join(sorted(unsure)),
+        )
+
+    async def _refence(self, slot: int, owner: str) -> AIOKafkaProducer:
+        """A new producer of ``slot`` for this worker, which fences its previous one; only
+        while the slot is still this worker's: a relay frozen past its lease must not fence
+        the producer of the relay that took the slot over."""
+        pool = self._pool
+        assert pool is not None
+        if await pool.fetchval(self._q["eos_renew"], slot, owner, self._lease_ms) is None:
+            raise SlotLost(f"the lease of slot {slot} was taken over")
+        return await self._producer_for(slot)
 
     def _aborted(self, seq: int, rows: Sequence[OutboxRow], result: PublishResult) -> _Settle:
         outcome = decide(rows, result, self.settings, jitter=_jitter)

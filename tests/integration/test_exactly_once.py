@@ -16,7 +16,7 @@ from notify_outbox import OutboxSettings, Relay
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
 from tests.conftest import Services
-from tests.faults.harness import eventually
+from tests.faults.harness import create_topic_with_configs, eventually
 from tests.support import consume, header
 
 pytestmark = pytest.mark.anyio
@@ -231,3 +231,42 @@ async def test_a_slot_held_by_a_vanished_relay_is_settled_and_its_keys_go_on(
     a = [json.loads(r.value or b"") for r in records if r.key == b"a"]
     assert a == [{"n": 0}, {"n": 1}, {"n": 0}], "key a in commit order"
     assert relay.counters["recovered_aborted"] == 1
+
+
+async def test_a_record_the_broker_refuses_aborts_its_transaction_and_nothing_repeats(
+    db_dsn: str, services: Services
+) -> None:
+    """A record over its topic's max.message.bytes, refused by the broker inside a batch's
+    transaction. aiokafka would commit the rest of such a transaction (measured in
+    docs/concepts/exactly-once-client.md), and the retry would then send the rest again: the
+    relay waits for every ack and aborts instead. The row is retried, then dead-lettered; its
+    key's next row and the other keys' rows are seen exactly once."""
+    topic = f"small-{uuid.uuid4().hex[:8]}"
+    await create_topic_with_configs(
+        services.bootstrap, topic, {"max.message.bytes": "2000"}, partitions=1
+    )
+    await _set_delivery(db_dsn, "exactly-once")
+    settings = eos_settings(db_dsn, services, max_attempts=2, retry_base_delay=0.2)
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                "INSERT INTO outbox (topic, key, payload) VALUES ($1, 'a', $2), "
+                "($1, 'b', '{\"n\": 1}'), ($1, 'a', '{\"n\": 2}'), ($1, 'c', '{\"n\": 3}')",
+                topic,
+                json.dumps({"blob": "x" * 5000}),
+            )
+    finally:
+        await conn.close()
+    async with ExactlyOnceRelay(settings) as relay:
+        await eventually(
+            lambda: _is(db_dsn, "SELECT count(*) FROM outbox_dead_letter", 1),
+            within=30,
+            what="the refused row dead-lettered after its retry",
+        )
+        await consume(services.bootstrap, topic, expect=3, within=30, client=READ_COMMITTED)
+    records, _ = await consume(services.bootstrap, topic, expect=3, client=READ_COMMITTED)
+    assert sorted(json.loads(r.value or b"")["n"] for r in records) == [1, 2, 3]
+    assert relay.counters["aborted"] >= 2  # the first attempt and the retry
+    dead = await _fetchval(db_dsn, "SELECT error FROM outbox_dead_letter")
+    assert "MessageSizeTooLarge" in dead or "RecordTooLarge" in dead, dead
