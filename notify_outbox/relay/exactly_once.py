@@ -76,6 +76,15 @@ _ROW_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.UnsupportedForMessageFormatError,
 )
 
+#: What a database statement raises when PostgreSQL is unreachable or the session broke
+#: (TimeoutError is an OSError); with Kafka's errors, what a worker retries after a pause.
+_DATABASE_ERRORS: tuple[type[Exception], ...] = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)
+_TRANSIENT: tuple[type[Exception], ...] = (*_DATABASE_ERRORS, kafka_errors.KafkaError)
+
 #: How a broker's refusal of a record batch over the topic's size limit is described.
 _TOO_LARGE_NAMES = ("MessageSizeTooLargeError", "RecordTooLargeError")
 
@@ -409,7 +418,7 @@ class ExactlyOnceRelay:
                         out = leased["outstanding"]
                         return slot, None if out is None else int(out)
                 wait = min(1.0, s.eos_lease / 3)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except _DATABASE_ERRORS as e:
                 log.warning("exactly-once: leasing a slot failed (%s); retrying", _describe(e))
                 wait = backoff.next_delay()
             with contextlib.suppress(TimeoutError):
@@ -462,12 +471,7 @@ class ExactlyOnceRelay:
                 self.counters["slots_lost"] += 1
                 self.events.emit("eos_slot_lost")
                 log.warning("exactly-once slot %d is no longer this relay's: %s", slot, e)
-            except (
-                OSError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                kafka_errors.KafkaError,
-            ) as e:
+            except _TRANSIENT as e:
                 log.warning(
                     "exactly-once slot %d: %s; its batch in flight is settled when the slot "
                     "is taken again",
@@ -722,7 +726,7 @@ class ExactlyOnceRelay:
                     where = DeadLetterFilter(older_than=timedelta(seconds=retention))
                     n = await purge(pool, self._q.names, where, batch=s.cleanup_batch)
                     report_expired(n, retention, self.events)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except _DATABASE_ERRORS as e:
                 log.warning("retention cleanup failed: %s", _describe(e))
 
     async def _ticker(self) -> None:
@@ -756,7 +760,7 @@ class ExactlyOnceRelay:
                 if orphans and (self._rescuing is None or self._rescuing.done()):
                     # Apart from the ticks: a rescue may wait for Kafka, the leases may not.
                     self._rescuing = asyncio.create_task(self._rescue(orphans))
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except _DATABASE_ERRORS as e:
                 log.warning("exactly-once: the periodic statement failed (%s)", _describe(e))
 
     async def _rescue(self, orphans: list[int]) -> None:
@@ -781,12 +785,7 @@ class ExactlyOnceRelay:
                 await pool.execute(self._q["eos_release"], slot, owner)
             except SlotLost:
                 continue
-            except (
-                OSError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                kafka_errors.KafkaError,
-            ) as e:
+            except _TRANSIENT as e:
                 log.warning(
                     "exactly-once: settling abandoned slot %d failed (%s)", slot, _describe(e)
                 )
