@@ -14,6 +14,8 @@ events and 0 order inversions, with no allowance.
 
 from __future__ import annotations
 
+import os
+import random
 import signal
 import uuid
 from collections.abc import Callable
@@ -268,3 +270,90 @@ async def test_a_service_restart_under_writers_sends_each_event_once(
     print(report.text())
     report.assert_ok()
     assert report.duplicate_ids == {}
+
+
+_POINTS = ("eos_after_stamp", "eos_before_commit", "eos_after_commit")
+
+
+async def test_three_relays_under_a_random_fault_schedule_send_each_event_once(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """Three relays share the slots under three writers, through a seeded, shuffled schedule
+    of each of these twice: a relay killed (-9) and replaced; a relay joining with the crash
+    hook, which kills itself at a random point of its first batch, while another stops
+    gracefully and is replaced; a relay frozen past its lease, then resumed. Replay a failure
+    with the seed it prints (``NOTIFY_OUTBOX_FAULT_SEED``)."""
+    seed = int(os.environ.get("NOTIFY_OUTBOX_FAULT_SEED") or random.SystemRandom().randrange(2**31))
+    rng = random.Random(seed)
+    print(f"seed {seed}")
+    checker = await OutboxChecker(
+        db_dsn,
+        services.bootstrap,
+        [topic],
+        f"exactly-once: three relays, random faults (seed {seed})",
+        isolation_level="read_committed",
+    ).setup()
+    async with connect(db_dsn) as conn:
+        await conn.execute("UPDATE outbox_config SET delivery = 'exactly-once'")
+    # Slots for every worker that may run at once (3 relays of 2, one joining to crash).
+    env = _eos_env(NOTIFY_OUTBOX_EOS_SLOTS="16")
+    load = checker.writers(writers=3, keys=20, pause=0.01)
+    schedule = ["kill", "crash", "freeze"] * 2
+    rng.shuffle(schedule)
+    started: list[FaultRelay] = []
+
+    def relay(name: str, **extra: str) -> FaultRelay:
+        r = FaultRelay(db_dsn, services.bootstrap, env={**env, **extra}, name=name)
+        started.append(r)
+        return r
+
+    live = [relay(f"relay-{i}") for i in range(3)]
+    try:
+        async with task_group() as tg:
+            for r in live:
+                await r.ready()
+            tg.start_soon(load.run)
+            for n, fault in enumerate(schedule):
+                target = load.produced + 150
+                await eventually(
+                    lambda: _grows(lambda: load.produced, target),  # noqa: B023
+                    within=60,
+                    what=f"writers produced before fault {n} ({fault})",
+                )
+                victim = live.pop(rng.randrange(len(live)))
+                if fault == "kill":
+                    await victim.kill()
+                elif fault == "crash":
+                    point = rng.choice(_POINTS)
+                    crashing = relay(
+                        f"crash-{n}", NOTIFY_OUTBOX_TEST_CRASH_AT=point, NOTIFY_OUTBOX_WORKERS="1"
+                    )
+                    async with relays(crashing):
+                        assert await crashing.exited(90) == -signal.SIGKILL, crashing.output()
+                    await victim.stop_ok()
+                else:
+                    victim.signal(signal.SIGSTOP)
+                    await anyio.sleep(3.5)  # the fault's length: past the 2 s lease
+                    victim.signal(signal.SIGCONT)
+                    live.append(victim)
+                    continue
+                replacement = relay(f"relay-{n + 3}")
+                live.append(replacement)
+                await replacement.ready()
+            await load.halt()
+            report = await checker.drain_and_check(within=120)
+            for r in live:
+                await r.stop_ok()
+        # Each crash left a stamped batch that some relay had to settle from the markers.
+        recoveries = sum(len(r.matching(r"batch \d+ was in flight")) for r in started)
+        assert recoveries >= schedule.count("crash"), recoveries
+    except BaseException:
+        for r in started:
+            print(r.output())
+        raise
+    finally:
+        for r in started:
+            r.__exit__(None, None, None)
+    print(report.text())
+    report.assert_ok()
+    assert report.duplicate_ids == {}, f"seed {seed}"
