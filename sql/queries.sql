@@ -352,12 +352,13 @@ RETURNING slot;
 UPDATE @eos_slot@ SET owner = NULL, expires_at = now() WHERE slot = $1 AND owner = $2;
 
 -- name: eos_tick
--- A relay's one periodic statement in exactly-once mode: renew the leases of every slot its
--- workers hold (owners "$1<n>"; $2 ms), and say which slots it still holds, which slots were
--- abandoned with a batch in flight, and whether rows are due (fresh or retried, not in flight).
+-- A relay's one periodic statement in exactly-once mode: renew the leases of the slots $3 its
+-- workers serve (owners "$1<n>"; $2 ms), and say which of them it still holds, which slots
+-- were abandoned with a batch in flight, and whether rows are due (fresh or retried, not in
+-- flight). A slot its worker gave up after an error is not renewed: it expires.
 WITH renewed AS (
     UPDATE @eos_slot@ SET expires_at = now() + make_interval(secs => $2 / 1000.0)
-    WHERE left(owner, length($1)) = $1
+    WHERE left(owner, length($1)) = $1 AND slot = ANY($3::integer[])
     RETURNING slot
 )
 SELECT ARRAY(SELECT r.slot FROM renewed AS r) AS held,
@@ -372,11 +373,12 @@ SELECT ARRAY(SELECT r.slot FROM renewed AS r) AS held,
                   WHERE o.published_at IS NULL AND o.next_attempt_at <= now()) AS due;
 
 -- name: eos_free
--- Slots below $1 not held by anyone (never used, released or expired), orphans first.
+-- Slots below $1 that owner $2 may take: held by nobody (never used, released or expired),
+-- or still by $2 itself (a worker taking its slot again after an error); orphans first.
 SELECT g.slot
 FROM generate_series(0, $1 - 1) AS g(slot)
 LEFT JOIN @eos_slot@ AS s ON s.slot = g.slot
-WHERE s.slot IS NULL OR s.owner IS NULL OR s.expires_at < now()
+WHERE s.slot IS NULL OR s.owner IS NULL OR s.expires_at < now() OR s.owner = $2
 ORDER BY EXISTS (SELECT 1 FROM @eos_stamp@ AS st WHERE st.slot = g.slot) DESC, g.slot;
 
 -- name: eos_step

@@ -410,7 +410,7 @@ class ExactlyOnceRelay:
         backoff = Backoff(s.reconnect_min_delay, s.reconnect_max_delay)
         while not self._stop.is_set():
             try:
-                for record in await pool.fetch(self._q["eos_free"], s.eos_slots):
+                for record in await pool.fetch(self._q["eos_free"], s.eos_slots, owner):
                     slot = int(record["slot"])
                     leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
                     if leased is not None:
@@ -747,12 +747,15 @@ class ExactlyOnceRelay:
                 return
             try:
                 watched = dict(self._serving)  # slots served before the statement
-                tick = await pool.fetchrow(self._q["eos_tick"], f"{self.relay_id}/", self._lease_ms)
+                tick = await pool.fetchrow(
+                    self._q["eos_tick"], f"{self.relay_id}/", self._lease_ms, list(watched)
+                )
                 assert tick is not None
                 held = set(tick["held"])
                 for slot, lost in watched.items():
                     if slot not in held:
                         lost.set()
+                        self._doorbell.ring_all()  # its worker may be idle: let it go
                 if tick["due"]:
                     self.events.emit("wake:poll")
                     self._doorbell.ring_all()

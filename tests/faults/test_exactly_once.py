@@ -265,6 +265,8 @@ async def test_a_service_restart_under_writers_sends_each_event_once(
         )
         await load.halt()
         report = await checker.drain_and_check(within=120)
+        if not report.ok:
+            print(a.output(80), b.output(80), sep="\n")
         await a.stop_ok()
         await b.stop_ok()
     print(report.text())
