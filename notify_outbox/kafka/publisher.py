@@ -9,6 +9,7 @@ with idempotence never expires a batch on its own and would wait forever for a d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -553,6 +554,7 @@ class KafkaPublisher:
         on_ack = self._watch(producer)
         self._partitions.next_publish()
         blocked: set[str] = set()  # keys with a failed row: their later rows wait
+        unknown_topic: list[tuple[_Sent, BaseException]] = []  # see _recheck_topics
         topics = {r.topic for r in rows}
         unsettled: list[_Sent] = []  # sent, acks not classified yet
         with anyio.move_on_after(self._settings.kafka_send_timeout) as scope:
@@ -576,13 +578,15 @@ class KafkaPublisher:
                 ):
                     result.unavailable = "Kafka stopped answering"
                 if result.unavailable is None:
-                    self._classify(producer, unsettled, result, blocked)
+                    self._classify(producer, unsettled, result, blocked, unknown_topic)
                     unsettled = []
         if scope.cancelled_caught and result.unavailable is None:
             result.unavailable = (
                 f"Kafka did not acknowledge within {self._settings.kafka_send_timeout}s"
             )
-        self._classify(producer, unsettled, result, blocked)
+        self._classify(producer, unsettled, result, blocked, unknown_topic)
+        if unknown_topic:
+            await self._recheck_topics(producer, unknown_topic, result, blocked)
         if result.unavailable is not None and self._down is None:
             self._down = result.unavailable
         return result
@@ -788,10 +792,13 @@ class KafkaPublisher:
         sent: Sequence[_Sent],
         result: PublishResult,
         blocked: set[str],
+        unknown_topic: list[tuple[_Sent, BaseException]],
     ) -> None:
         """Sort the rows of sent batches by their batch's ack: delivered, failed (retry with
         backoff), or Kafka unavailable. A batch whose ack is still out is parked: nobody
-        waits for it any more, but it may still complete when Kafka returns."""
+        waits for it any more, but it may still complete when Kafka returns. A batch refused
+        for an unknown topic that the producer's metadata still lists goes to
+        ``unknown_topic`` (its keys blocked), for ``_recheck_topics`` to settle."""
         for batch in sent:
             fut = batch.future
             if not fut.done():
@@ -818,11 +825,36 @@ class KafkaPublisher:
                 # The batch was too large for the topic, not its rows: they stay pending,
                 # with no attempt counted, and go again in smaller batches.
                 self._lower_batch_limit(batch, error)
+            elif isinstance(error, kafka_errors.UnknownTopicOrPartitionError):
+                unknown_topic.append((batch, error))
+                blocked.update(r.key for r in batch.rows if r.key is not None)
             elif _is_row_error(error) or (
                 isinstance(error, kafka_errors.KafkaError) and not error.retriable
             ):
                 for row in batch.rows:
                     _fail(result, blocked, row, _describe(error))
+            elif result.unavailable is None:
+                result.unavailable = _describe(error)
+
+    async def _recheck_topics(
+        self,
+        producer: AIOKafkaProducer,
+        unknown_topic: list[tuple[_Sent, BaseException]],
+        result: PublishResult,
+        blocked: set[str],
+    ) -> None:
+        """A batch refused for an unknown topic while the producer's metadata still listed
+        it: either the topic was deleted and the answer came before the metadata learnt it
+        (seen on a loaded host: a spurious outage), or a partition is moving (an outage).
+        Asks for the metadata once more: the rows of a topic that is gone fail as missing,
+        the rest make it an outage, as before."""
+        with contextlib.suppress(kafka_errors.KafkaError, OSError, TimeoutError):
+            with anyio.fail_after(_PROBE_TIMEOUT):
+                await producer.client.force_metadata_update()
+        for batch, error in unknown_topic:
+            if _topic_gone(producer, batch.topic, error):
+                for row in batch.rows:
+                    _fail(result, blocked, row, f"topic {batch.topic!r} does not exist in Kafka")
             elif result.unavailable is None:
                 result.unavailable = _describe(error)
 
