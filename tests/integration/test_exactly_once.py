@@ -4,6 +4,8 @@ stop. The crashes are in tests/faults/test_exactly_once.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 from collections import Counter, defaultdict
@@ -11,9 +13,11 @@ from typing import Any
 
 import asyncpg
 import pytest
+from aiokafka import AIOKafkaConsumer
 
 from notify_outbox import OutboxSettings, Relay
 from notify_outbox.core.errors import ConfigurationError
+from notify_outbox.inbox import Inbox, consume_batches, migrate_inbox
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
 from tests.conftest import Services
 from tests.faults.harness import create_topic_with_configs, eventually
@@ -270,3 +274,53 @@ async def test_a_record_the_broker_refuses_aborts_its_transaction_and_nothing_re
     assert relay.counters["aborted"] >= 2  # the first attempt and the retry
     dead = await _fetchval(db_dsn, "SELECT error FROM outbox_dead_letter")
     assert "MessageSizeTooLarge" in dead or "RecordTooLarge" in dead, dead
+
+
+async def test_the_inbox_applies_the_exactly_once_output_read_committed(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A consumer written with this library reads the mode's topics with
+    ``isolation_level="read_committed"`` on its own AIOKafkaConsumer: ``consume_batches``
+    applies every event once."""
+    await _set_delivery(db_dsn, "exactly-once")
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await migrate_inbox(conn)
+        await conn.execute("CREATE TABLE applied (event_id text NOT NULL)")
+    finally:
+        await conn.close()
+
+    async def handler(conn: asyncpg.Connection, messages: list[Any]) -> None:
+        ids = [header(m, "outbox-event-id") for m in messages]
+        await conn.execute("INSERT INTO applied SELECT unnest($1::text[])", ids)
+
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=services.bootstrap,
+        group_id=f"g-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+    await consumer.start()
+    try:
+        async with ExactlyOnceRelay(eos_settings(db_dsn, services)):
+            await _insert(db_dsn, topic, [f"k{i % 5}" for i in range(40)])
+            loop = asyncio.create_task(
+                consume_batches(consumer, pool, handler, inbox=Inbox(consumer="eos"))
+            )
+            try:
+                await eventually(
+                    lambda: _is(db_dsn, "SELECT count(*) FROM applied", 40),
+                    within=30,
+                    what="the inbox applied the 40 events",
+                )
+            finally:
+                loop.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
+    finally:
+        await consumer.stop()
+        await pool.close()
+    assert await _fetchval(db_dsn, "SELECT count(DISTINCT event_id) FROM applied") == 40
