@@ -328,11 +328,6 @@ def _remove_loop_handler(
 
 
 async def _run_exactly_once(settings: OutboxSettings) -> int:
-    if settings.http_port is not None:
-        raise ConfigurationError(
-            "NOTIFY_OUTBOX_HTTP_PORT (/metrics, /readyz) is not supported with exactly-once "
-            "delivery yet: unset it"
-        )
     relay = ExactlyOnceRelay(
         settings,
         fault_hook=_fault_hook_from_env(),
@@ -343,7 +338,8 @@ async def _run_exactly_once(settings: OutboxSettings) -> int:
         asyncio.get_running_loop(), lambda _s: relay.request_stop()
     )
     try:
-        await relay.run()
+        async with serve_monitoring(relay, settings):  # /metrics etc. if http_port is set
+            await relay.run()
     finally:
         uninstall()
     return EXIT_OK if relay.outcome == "stopped" else EXIT_FAILED

@@ -25,11 +25,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.settings import format_validation_error
 
-from .metrics import RelayMetrics
+from .metrics import MonitoredRelay, RelayMetrics
 
 if TYPE_CHECKING:
     from notify_outbox.core.settings import OutboxSettings
-    from notify_outbox.relay.relay import Relay
 
 __all__ = [
     "HttpSettings",
@@ -136,7 +135,7 @@ def _json(data: object) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def serve_monitoring(relay: Relay, settings: OutboxSettings) -> AsyncIterator[None]:
+async def serve_monitoring(relay: MonitoredRelay, settings: OutboxSettings) -> AsyncIterator[None]:
     """The daemon's monitoring server while the body runs, if ``http_port`` is set (else
     nothing). Raises ConfigurationError at once when the port cannot be had."""
     if settings.http_port is None:

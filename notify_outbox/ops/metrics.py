@@ -11,7 +11,8 @@ the relay adds them to its own registry::
 
 Every metric carries a ``table`` label (the qualified outbox table). One ``RelayMetrics`` per
 registry: a second one on the same registry is refused by ``prometheus_client`` (duplicate
-names).
+names). It serves the at-least-once ``Relay`` and the ``ExactlyOnceRelay`` alike (anything
+that is a ``MonitoredRelay``); the latter adds its transactions, fences, recoveries and slots.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import asyncpg
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -38,10 +39,14 @@ from notify_outbox.pg.db import DATABASE_ERRORS, session_parameters, terminate
 from notify_outbox.pg.sqlfiles import Queries
 
 if TYPE_CHECKING:
+    from notify_outbox.core.events import RelayEvents
     from notify_outbox.core.outbox import BatchOutcome, OutboxRow
-    from notify_outbox.relay.relay import Relay
+    from notify_outbox.core.settings import OutboxSettings
+    from notify_outbox.pg.store import LowWaterMark
+    from notify_outbox.relay.listener import Listener
+    from notify_outbox.relay.outage import Outage
 
-__all__ = ["OutboxStats", "Readiness", "RelayMetrics", "failure_class"]
+__all__ = ["MonitoredRelay", "OutboxStats", "Readiness", "RelayMetrics", "failure_class"]
 
 log = logging.getLogger("notify_outbox.metrics")
 
@@ -116,6 +121,44 @@ _FINE = ("ok", "poll-only")
 
 StatsSource = Callable[[], Awaitable[OutboxStats]]
 
+#: Gauges of a relay's own state (``MonitoredRelay.state_gauges``), by name without the prefix.
+STATE_GAUGES = {
+    "awake": "1 while the relay holds the gated notify's awake marker (producers skip NOTIFY)",
+    "claim_idle_timeout_seconds": "How long the next claim may sit idle before PostgreSQL ends "
+    "it (claim_idle_timeout; in auto mode learnt from the relay's stalls)",
+    "eos_slots_held": "Exactly-once slots whose lease this relay holds",
+    "eos_slots_recovering": "Exactly-once slots whose batch in flight this relay is settling "
+    "from the markers (their keys wait meanwhile)",
+}
+
+
+class MonitoredRelay(Protocol):
+    """What ``RelayMetrics`` reads of a relay: the at-least-once ``Relay`` and the
+    ``ExactlyOnceRelay`` both are one."""
+
+    @property
+    def settings(self) -> OutboxSettings: ...
+    @property
+    def events(self) -> RelayEvents: ...
+    @property
+    def outcome(self) -> str | None: ...
+    @property
+    def kafka_outage(self) -> Outage: ...
+    @property
+    def db_outage(self) -> Outage: ...
+    @property
+    def listener(self) -> Listener | None: ...
+    @property
+    def low_water_mark(self) -> LowWaterMark: ...
+
+    def state_gauges(self) -> dict[str, float]:
+        """Values of the relay's own gauges, by their name in ``STATE_GAUGES``."""
+        ...
+
+    def readiness_checks(self) -> dict[str, str]:
+        """Checks of ``/readyz`` that only this kind of relay has: "ok" or why not."""
+        ...
+
 
 class RelayMetrics:
     """Prometheus collectors attached to one relay (see the module docstring).
@@ -128,7 +171,7 @@ class RelayMetrics:
 
     def __init__(
         self,
-        relay: Relay,
+        relay: MonitoredRelay,
         registry: CollectorRegistry | None = None,
         *,
         stats_interval: float = 5.0,
@@ -215,12 +258,56 @@ class RelayMetrics:
         )
         for reason in FAILURE_REASONS:
             self.failures.labels(self.table, reason)
+        # Exactly-once delivery's own counters, only where it runs: at-least-once relays
+        # export no series that can never move.
+        self._eos: dict[str, Any] = {}
+        if relay.settings.delivery == "exactly-once":
+            self._eos_counters(r, labels)
         # Labelled children by label values: prometheus_client's labels() validates and looks
         # them up under a lock at every call, a few per claim on the hot path.
         self._children: dict[tuple[object, ...], Any] = {}
         self.registry.register(_StateCollector(self))
         relay.events.add_hook(self._on_event)
         relay.events.add_batch_observer(self._on_batch)
+
+    def _eos_counters(self, r: CollectorRegistry, labels: list[str]) -> None:
+        transactions = Counter(
+            PREFIX + "transactions",
+            "Kafka transactions of the exactly-once relay, by outcome: committed (a batch "
+            "and its marker), aborted (a record refused, Kafka unavailable)",
+            [*labels, "outcome"],
+            registry=r,
+        )
+        recoveries = Counter(
+            PREFIX + "recoveries",
+            "Batches in flight of a slot (after a crash, a freeze, or a commit whose outcome "
+            "was unknown) settled from the marker topic, by what the markers said: committed "
+            "(marked published, not sent again) or aborted (sent again)",
+            [*labels, "outcome"],
+            registry=r,
+        )
+        self._eos = {
+            "eos_committed": transactions.labels(self.table, "committed"),
+            "eos_aborted": transactions.labels(self.table, "aborted"),
+            "eos_recovered_committed": recoveries.labels(self.table, "committed"),
+            "eos_recovered_aborted": recoveries.labels(self.table, "aborted"),
+        }
+        for event, name, doc in (
+            (
+                "eos_fence",
+                "fences",
+                "Transactional producers started for a slot: each fences the slot's earlier "
+                "producer and ends its open transaction",
+            ),
+            ("eos_leased", "slot_leases", "Slot leases taken by this relay"),
+            (
+                "eos_slot_lost",
+                "slots_lost",
+                "Slots this relay lost: their lease taken over (the relay did not renew it in "
+                "time) or their producer fenced by another",
+            ),
+        ):
+            self._eos[event] = Counter(PREFIX + name, doc, labels, registry=r).labels(self.table)
 
     # --- lifecycle (the background refresh, for registries scraped without http.py) ---------
 
@@ -302,6 +389,8 @@ class RelayMetrics:
             self.failures.labels(self.table, "claim_lost").inc(amount)
         elif name == "reaped":
             self.frozen_claims_ended.labels(self.table).inc(amount)
+        elif (eos := self._eos.get(name)) is not None:
+            eos.inc(amount)
 
     def _on_batch(
         self, rows: Sequence[OutboxRow], outcome: BatchOutcome, unavailable: str | None
@@ -454,6 +543,8 @@ class RelayMetrics:
             checks["listener"] = "ok" if up["listener"] else "not listening (reconnecting)"
         if checks["database"] != "ok" and not self.started:
             checks["database"] = "not connected yet"
+        if self.started:
+            checks.update(relay.readiness_checks())
         ready = all(v in _FINE for v in checks.values())
         return Readiness(ready, checks)
 
@@ -469,19 +560,18 @@ class _StateCollector(Collector):
         self._m = metrics
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families())
+        return list(self._families(self._m.relay.state_gauges()))
 
     def collect(self) -> Iterable[Metric]:
         m = self._m
-        families = {f.name: f for f in self._families()}
+        gauges = m.relay.state_gauges()
+        families = {f.name: f for f in self._families(gauges)}
         table = m.table
         for component, up in m.components().items():
             families[PREFIX + "up"].add_metric([table, component], float(up))
-        families[PREFIX + "awake"].add_metric([table], float(m.relay.gate.awake))
         families[PREFIX + "event_loop_lag_seconds"].add_metric([table], m.loop_lag)
-        families[PREFIX + "claim_idle_timeout_seconds"].add_metric(
-            [table], m.relay.claim_timeout.current()
-        )
+        for name, value in gauges.items():
+            families[PREFIX + name].add_metric([table], value)
         stats = m.stats
         if stats is not None:
             families[PREFIX + "pending_events"].add_metric([table], stats.pending)
@@ -496,7 +586,8 @@ class _StateCollector(Collector):
             )
         return list(families.values())
 
-    def _families(self) -> Iterator[GaugeMetricFamily]:
+    def _families(self, gauges: Iterable[str]) -> Iterator[GaugeMetricFamily]:
+        """The families this relay exports; of ``STATE_GAUGES``, those in ``gauges``."""
         t = ["table"]
         yield GaugeMetricFamily(
             PREFIX + "up",
@@ -504,20 +595,11 @@ class _StateCollector(Collector):
             "without one), listener (the LISTEN connection; absent when poll-only)",
             labels=[*t, "component"],
         )
-        yield GaugeMetricFamily(
-            PREFIX + "awake",
-            "1 while the relay holds the gated notify's awake marker (producers skip NOTIFY)",
-            labels=t,
-        )
+        for name in gauges:
+            yield GaugeMetricFamily(PREFIX + name, STATE_GAUGES[name], labels=t)
         yield GaugeMetricFamily(
             PREFIX + "event_loop_lag_seconds",
             "How late the event loop's last heartbeat came",
-            labels=t,
-        )
-        yield GaugeMetricFamily(
-            PREFIX + "claim_idle_timeout_seconds",
-            "How long the next claim may sit idle before PostgreSQL ends it (claim_idle_timeout;"
-            " in auto mode learnt from the relay's stalls)",
             labels=t,
         )
         yield GaugeMetricFamily(

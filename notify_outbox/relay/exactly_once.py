@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -39,16 +39,19 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from notify_outbox.core.backoff import Backoff
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.events import RelayEvents
+from notify_outbox.core.logs import redact
 from notify_outbox.core.message import PublishResult
-from notify_outbox.core.outbox import OutboxRow
+from notify_outbox.core.outbox import BatchOutcome, OutboxRow
 from notify_outbox.core.settings import OutboxSettings
 from notify_outbox.kafka.publisher import KafkaPublisher, TokenProvider, missing_topics
 from notify_outbox.kafka.records import RowRejected, to_message
 from notify_outbox.pg.db import connect_worker_pool
 from notify_outbox.pg.deadletters import DeadLetterFilter, purge, report_expired
 from notify_outbox.pg.sqlfiles import Queries
+from notify_outbox.pg.store import LowWaterMark
 
 from .listener import Listener
+from .outage import Outage, tame_third_party_logs
 from .policy import decide
 from .wakeup import Doorbell
 from .wiring import require_schema
@@ -125,7 +128,13 @@ class ExactlyOnceRelay:
     each event once, in per-key commit order, whatever crashes, freezes or restarts happen.
 
     Use it as an async context manager, or call ``run()`` and ``request_stop()``; ``counters``
-    counts transactions committed and aborted, fences, recoveries and leases."""
+    counts transactions committed and aborted, fences, recoveries and leases. ``RelayMetrics``
+    (``ops/metrics.py``) exports them, with ``/readyz``'s checks, as for the at-least-once
+    relay. Events it emits, beyond the at-least-once relay's ``wake:*``, ``claimed``,
+    ``published``, ``retried`` and ``dead_lettered``: ``eos_committed``, ``eos_aborted``
+    (transactions), ``eos_fence`` (a slot's producer started), ``eos_leased``,
+    ``eos_slot_lost``, ``eos_recovered_committed`` and ``eos_recovered_aborted`` (a batch in
+    flight settled from the markers)."""
 
     def __init__(
         self,
@@ -173,8 +182,15 @@ class ExactlyOnceRelay:
         self._unavailable = Backoff(settings.reconnect_min_delay, settings.reconnect_max_delay)
         self._marker_partitions = 1
         self._lease_ms = max(1, round(settings.eos_lease * 1000))
-        #: How the relay ended: "stopped" (asked to), or None while it runs (or if it failed).
-        self.outcome: str | None = None
+        #: "running" until run() returns: "stopped" (asked to) or "failed" (an error ended it).
+        self.outcome: Literal["running", "stopped", "failed"] = "running"
+        #: PostgreSQL's and Kafka's state as this relay sees them: one log line when an outage
+        #: starts and one when it ends, and /readyz's answer.
+        self.db_outage = Outage("PostgreSQL", log)
+        self.kafka_outage = Outage("Kafka", log)
+        self.listener: Listener | None = None
+        # Slots whose batch in flight is being settled from the markers (/readyz).
+        self._recovering: set[int] = set()
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -186,6 +202,27 @@ class ExactlyOnceRelay:
     async def wait_ready(self) -> None:
         """Return once the relay is ready (connected, the marker topic there)."""
         await self._ready.wait()
+
+    @property
+    def low_water_mark(self) -> LowWaterMark:
+        """Where the table gauges' scans start: the start of the table (this relay keeps no
+        mark)."""
+        return LowWaterMark()
+
+    def state_gauges(self) -> dict[str, float]:
+        """This relay's own gauges for ``RelayMetrics`` (``ops/metrics.py``: STATE_GAUGES)."""
+        return {
+            "eos_slots_held": float(len(self._serving)),
+            "eos_slots_recovering": float(len(self._recovering)),
+        }
+
+    def readiness_checks(self) -> dict[str, str]:
+        """``/readyz``'s check of the slots: not ready while a batch in flight is being
+        settled from the markers (its keys wait until then)."""
+        if self._recovering:
+            slots = ", ".join(str(n) for n in sorted(self._recovering))
+            return {"slots": f"recovering slot {slots}: reading its markers to settle a batch"}
+        return {"slots": "ok"}
 
     def request_stop(self) -> None:
         """Finish the batches in flight, settle them, let the slots go and return from run()."""
@@ -207,6 +244,14 @@ class ExactlyOnceRelay:
 
     async def run(self) -> None:
         """Run until ``request_stop()``."""
+        try:
+            with tame_third_party_logs():
+                await self._run()
+        except BaseException:
+            self.outcome = "failed"
+            raise
+
+    async def _run(self) -> None:
         s = self.settings
         pool, _ = await connect_worker_pool(s, "notify-outbox-eos")
         self._pool = pool
@@ -218,14 +263,25 @@ class ExactlyOnceRelay:
                 self._prefix = f"notify-outbox.{database}.{self._target}."
             await self._ensure_marker_topic()
             if not s.poll_only:
-                listener = Listener(s, self._on_wake, self.events, notify=self._notify)
-                tasks.append(asyncio.create_task(listener.run()))
+                self.listener = Listener(s, self._on_wake, self.events, notify=self._notify)
+                tasks.append(asyncio.create_task(self.listener.run()))
             workers = min(s.workers, s.eos_slots)
             worker_tasks = [asyncio.create_task(self._worker(i)) for i in range(workers)]
             tasks += worker_tasks
             tasks.append(asyncio.create_task(self._ticker()))
             tasks.append(asyncio.create_task(self._housekeeping()))
+            if self.listener is not None:
+                # Ready once notifications can wake the workers, as the at-least-once relay.
+                listening = asyncio.create_task(self.events.wait_for("listening"))
+                try:
+                    await asyncio.wait({listening, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    listening.cancel()
+                for task in tasks:
+                    if task.done() and not task.cancelled() and (error := task.exception()):
+                        raise error
             self._ready.set()
+            self.events.emit("wake:start")
             log.info(
                 "relay running (exactly-once): %s, %d workers, %d slots, transactional ids %s<n>",
                 self.relay_id,
@@ -268,6 +324,10 @@ class ExactlyOnceRelay:
     async def _notify(self, channel: str, payload: str) -> None:
         assert self._pool is not None
         await self._pool.execute("SELECT pg_notify($1, $2)", channel, payload)
+
+    def _reason(self, error: BaseException) -> str:
+        """An error for the log and /readyz, with the settings' secrets taken out."""
+        return redact(_describe(error), self.settings)
 
     def _fault(self, point: str) -> None:
         if self._fault_hook is not None:
@@ -352,14 +412,22 @@ class ExactlyOnceRelay:
                 await asyncio.wait_for(producer.start(), s.kafka_send_timeout)
                 self.counters["fences"] += 1
                 self.events.emit("eos_fence")
+                log.info(
+                    "exactly-once slot %d: producer %s started; any earlier producer of the "
+                    "slot is fenced and its open transaction ended",
+                    slot,
+                    self._transactional_id(slot),
+                )
                 return producer
             except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
                 await _stop_quietly(producer)
-                log.warning(
-                    "exactly-once slot %d: transactional producer not started (%s); retrying",
-                    slot,
-                    _describe(e),
-                )
+                reason = self._reason(e)
+                if not self.kafka_outage.failed(reason):
+                    log.info(
+                        "exactly-once slot %d: transactional producer not started (%s); retrying",
+                        slot,
+                        reason,
+                    )
                 await backoff.sleep()
 
     async def _committed_seq(self, slot: int) -> int:
@@ -415,11 +483,12 @@ class ExactlyOnceRelay:
                     leased = await pool.fetchrow(self._q["eos_lease"], slot, owner, self._lease_ms)
                     if leased is not None:
                         self.counters["leases"] += 1
+                        self.events.emit("eos_leased")
                         out = leased["outstanding"]
                         return slot, None if out is None else int(out)
                 wait = min(1.0, s.eos_lease / 3)
             except _DATABASE_ERRORS as e:
-                log.warning("exactly-once: leasing a slot failed (%s); retrying", _describe(e))
+                self.db_outage.failed(self._reason(e))
                 wait = backoff.next_delay()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait)
@@ -454,6 +523,8 @@ class ExactlyOnceRelay:
             if getattr(e, "sqlstate", None) == _SLOT_LOST_STATE:
                 raise SlotLost(str(e)) from None
             raise
+        if self.db_outage.active:
+            self.db_outage.recovered()
         return [(OutboxRow(*r[:12]), int(r["seq"])) for r in records]
 
     async def _worker(self, index: int) -> None:
@@ -472,11 +543,14 @@ class ExactlyOnceRelay:
                 self.events.emit("eos_slot_lost")
                 log.warning("exactly-once slot %d is no longer this relay's: %s", slot, e)
             except _TRANSIENT as e:
-                log.warning(
+                reason = self._reason(e)
+                outage = self.db_outage if isinstance(e, _DATABASE_ERRORS) else self.kafka_outage
+                outage.failed(reason)
+                log.info(
                     "exactly-once slot %d: %s; its batch in flight is settled when the slot "
                     "is taken again",
                     slot,
-                    _describe(e),
+                    reason,
                 )
                 await backoff.sleep()
 
@@ -523,10 +597,15 @@ class ExactlyOnceRelay:
     async def _recover(self, slot: int, seq: int) -> _Settle:
         """How to settle the batch ``seq`` of ``slot`` that its previous producer may or may
         not have committed (call with this slot's producer started: the old one is fenced)."""
-        committed = self._trust_markers and await self._committed_seq(slot) >= seq
+        self._recovering.add(slot)
+        try:
+            committed = self._trust_markers and await self._committed_seq(slot) >= seq
+        finally:
+            self._recovering.discard(slot)
+        found = "recovered_committed" if committed else "recovered_aborted"
         self.counters["recoveries"] += 1
-        self.counters["recovered_committed" if committed else "recovered_aborted"] += 1
-        self.events.emit("eos_recovered")
+        self.counters[found] += 1
+        self.events.emit(f"eos_{found}")
         log.warning(
             "exactly-once slot %d: batch %d was in flight; its transaction %s",
             slot,
@@ -557,7 +636,7 @@ class ExactlyOnceRelay:
         try:
             missing = await missing_topics(producer, {row.topic for row in rows})
         except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
-            log.warning("exactly-once slot %d: Kafka unavailable (%s)", slot, _describe(e))
+            self.kafka_outage.failed(self._reason(e))
             await asyncio.sleep(0.5)
             return _Settle(seq, False), producer
         failed = [(row.id, missing[row.topic]) for row in rows if row.topic in missing]
@@ -617,8 +696,8 @@ class ExactlyOnceRelay:
                 await asyncio.wait_for(producer.abort_transaction(), s.kafka_send_timeout)
                 self.counters["aborted"] += 1
                 self.events.emit("eos_aborted")
-                if result.unavailable:
-                    log.warning(
+                if result.unavailable and not self.kafka_outage.failed(result.unavailable):
+                    log.info(
                         "exactly-once slot %d: batch %d aborted, Kafka unavailable (%s)",
                         slot,
                         seq,
@@ -640,6 +719,7 @@ class ExactlyOnceRelay:
         except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
             # The outcome of the transaction is unknown: fence this producer with a new one,
             # and ask the markers.
+            self.kafka_outage.failed(self._reason(e))
             log.warning(
                 "exactly-once slot %d: batch %d's transaction failed (%s); settling it from "
                 "the markers",
@@ -652,8 +732,12 @@ class ExactlyOnceRelay:
             return await self._recover(slot, seq), producer
         self._fault("eos_after_commit")
         self._unavailable.reset()
+        if self.kafka_outage.active:
+            self.kafka_outage.recovered()
         self.counters["committed"] += 1
+        self.events.emit("eos_committed")
         self.events.emit("published", len(rows))
+        self.events.report_batch(rows, BatchOutcome(published=[r.id for r in rows]), None)
         return _Settle(seq, True), producer
 
     def _too_large_batches(self, rows: Sequence[OutboxRow], result: PublishResult) -> None:
@@ -700,6 +784,7 @@ class ExactlyOnceRelay:
             log.warning("row %d failed (%s); retrying in %.1fs", row_id, reason, delay)
         for row_id, reason in outcome.dead:
             log.error("row %d dead-lettered: %s", row_id, reason)
+        self.events.report_batch(rows, outcome, result.unavailable)
         return _Settle(seq, False, outcome.retry, outcome.dead)
 
     async def _housekeeping(self) -> None:
@@ -751,6 +836,8 @@ class ExactlyOnceRelay:
                     self._q["eos_tick"], f"{self.relay_id}/", self._lease_ms, list(watched)
                 )
                 assert tick is not None
+                if self.db_outage.active:
+                    self.db_outage.recovered()
                 held = set(tick["held"])
                 for slot, lost in watched.items():
                     if slot not in held:
@@ -764,7 +851,9 @@ class ExactlyOnceRelay:
                     # Apart from the ticks: a rescue may wait for Kafka, the leases may not.
                     self._rescuing = asyncio.create_task(self._rescue(orphans))
             except _DATABASE_ERRORS as e:
-                log.warning("exactly-once: the periodic statement failed (%s)", _describe(e))
+                self.db_outage.failed(self._reason(e))
+            self.db_outage.remind()
+            self.kafka_outage.remind()
 
     async def _rescue(self, orphans: list[int]) -> None:
         """Settle the batch in flight of each abandoned slot, then let the slot go."""

@@ -188,6 +188,17 @@ class Relay:
         """How many workers are claiming now (0: the relay is idle, waiting for a wake-up)."""
         return self._busy_workers
 
+    def state_gauges(self) -> dict[str, float]:
+        """This relay's own gauges for ``RelayMetrics`` (``ops/metrics.py``: STATE_GAUGES)."""
+        return {
+            "awake": float(self.gate.awake),
+            "claim_idle_timeout_seconds": self.claim_timeout.current(),
+        }
+
+    def readiness_checks(self) -> dict[str, str]:
+        """Checks of ``/readyz`` beyond the dependencies: none for this relay."""
+        return {}
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:

@@ -27,12 +27,14 @@ from tests.conftest import Services
 from tests.faults.harness import (
     FaultRelay,
     KafkaTail,
+    connect,
     eventually,
     relays,
     restartable,
     run_blocking,
     task_group,
 )
+from tests.faults.test_exactly_once import _eos_env
 from tests.support import ROOT
 
 pytestmark = pytest.mark.anyio
@@ -59,9 +61,11 @@ async def get(url: str) -> tuple[int, dict[str, Any]]:
     return await anyio.to_thread.run_sync(lambda: _get(url))
 
 
-def _monitored_relay(db_dsn: str, bootstrap: str) -> tuple[FaultRelay, int]:
+def _monitored_relay(
+    db_dsn: str, bootstrap: str, env: dict[str, str] | None = None
+) -> tuple[FaultRelay, int]:
     port = _free_port()
-    relay = FaultRelay(db_dsn, bootstrap, env={"NOTIFY_OUTBOX_HTTP_PORT": str(port)})
+    relay = FaultRelay(db_dsn, bootstrap, env={**(env or {}), "NOTIFY_OUTBOX_HTTP_PORT": str(port)})
     return relay, port
 
 
@@ -97,11 +101,17 @@ async def producing(
         await conn.close()
 
 
+@pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
 async def test_readyz_says_503_with_the_reason_while_kafka_is_down(
-    db_dsn: str, services: Services, topic: str
+    db_dsn: str, services: Services, topic: str, delivery: str
 ) -> None:
     _, kafka = restartable(services)
-    relay, port = _monitored_relay(db_dsn, services.bootstrap)
+    env: dict[str, str] = {}
+    if delivery == "exactly-once":
+        async with connect(db_dsn) as conn:
+            await conn.execute("UPDATE outbox_config SET delivery = 'exactly-once'")
+        env = _eos_env()
+    relay, port = _monitored_relay(db_dsn, services.bootstrap, env)
     base = f"http://127.0.0.1:{port}"
     async with relays(relay), KafkaTail(services.bootstrap, [topic]) as tail:
         await relay.ready()
@@ -122,7 +132,7 @@ async def test_readyz_says_503_with_the_reason_while_kafka_is_down(
             await eventually(not_ready, within=60, what="/readyz answers 503 with Kafka down")
             status, body = await get(base + "/readyz")
             assert body["status"] == "not ready"
-            assert body["reason"] == "kafka: unavailable (does not answer)"
+            assert body["reason"] == "kafka: unavailable (does not answer)", body
             assert body["checks"]["database"] == "ok"
             # The event loop stays responsive through the outage.
             assert (await get(base + "/livez"))[0] == 200
