@@ -42,6 +42,7 @@ from .registry import RegistryClient, RegistryError, RegistryRefused, RowEncoder
 __all__ = [
     "KafkaMessage",
     "KafkaPublisher",
+    "NotEncoded",
     "PublishResult",
     "Publisher",
     "RowRejected",
@@ -604,11 +605,31 @@ class KafkaPublisher:
             return False
         return True
 
+    async def probe_registry(self) -> None:
+        """For a relay that runs its own producers (exactly-once): check the Schema Registry
+        as ``start()`` does. Raises RegistryRefused when it refuses the relay."""
+        await self._probe_registry(fatal=True)
+
+    async def encode_governed(
+        self, row: OutboxRow, key: bytes | None, value: bytes | None
+    ) -> tuple[bytes | None, bytes | None]:
+        """A row's key and value as its topic's Schema Registry schemas encode them (as they
+        are when no registry governs the topic), for a relay that builds its own records;
+        call ``encoder.prepare(rows)`` first. Raises ``NotEncoded`` as the batch path fails
+        such a row."""
+        encoder = self.encoder
+        if encoder is None or not encoder.governs(row.topic):
+            return key, value
+        try:
+            return encoder.encode(row, key, value)
+        except (RegistryError, ValueError) as error:
+            return await self._encode_again(row, key, value, error)
+
     async def _encode_again(
         self, row: OutboxRow, key: bytes | None, value: bytes | None, error: Exception
     ) -> tuple[bytes | None, bytes | None]:
         """What a governed row whose encoding raised ``error`` becomes: encoded after all
-        (a mismatch against a schema since replaced), or ``_NotEncoded``: the row fails now
+        (a mismatch against a schema since replaced), or ``NotEncoded``: the row fails now
         (its subject has no schema yet) or for good (it does not match the schema)."""
         assert self.encoder is not None
         try:
@@ -617,10 +638,10 @@ class KafkaPublisher:
                 return await self.encoder.encode_rechecked(row, key, value)
             raise error
         except RegistryError as e:  # before ValueError: RegistryRefused is one
-            raise _NotEncoded(f"schema: {e}", permanent=False) from None
+            raise NotEncoded(f"schema: {e}", permanent=False) from None
         except ValueError as e:
             # A mismatch, a schema this library cannot encode, a payload that is not JSON.
-            raise _NotEncoded(f"schema: {e}", permanent=True) from None
+            raise NotEncoded(f"schema: {e}", permanent=True) from None
 
     async def _send_wave(
         self,
@@ -690,7 +711,7 @@ class KafkaPublisher:
                 except (RegistryError, ValueError) as error:
                     try:
                         kb, value = await self._encode_again(row, kb, value, error)
-                    except _NotEncoded as e:
+                    except NotEncoded as e:
                         _fail(result, blocked, row, e.reason, permanent=e.permanent)
                         continue
             # Bytes of key and value, and at most 4 per character of the header texts (UTF-8).
@@ -971,7 +992,7 @@ class KafkaPublisher:
         return True
 
 
-class _NotEncoded(Exception):
+class NotEncoded(Exception):
     """A governed row that cannot be encoded: ``reason``, and whether it never will be."""
 
     def __init__(self, reason: str, *, permanent: bool) -> None:

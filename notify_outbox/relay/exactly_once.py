@@ -40,11 +40,17 @@ from notify_outbox.core.backoff import Backoff
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.events import RelayEvents
 from notify_outbox.core.logs import redact
-from notify_outbox.core.message import PublishResult
+from notify_outbox.core.message import SCHEMA_REGISTRY, KafkaMessage, PublishResult
 from notify_outbox.core.outbox import BatchOutcome, OutboxRow
 from notify_outbox.core.settings import OutboxSettings
-from notify_outbox.kafka.publisher import KafkaPublisher, TokenProvider, missing_topics
+from notify_outbox.kafka.publisher import (
+    KafkaPublisher,
+    NotEncoded,
+    TokenProvider,
+    missing_topics,
+)
 from notify_outbox.kafka.records import RowRejected, to_message
+from notify_outbox.kafka.registry import RegistryError
 from notify_outbox.pg.db import connect_worker_pool
 from notify_outbox.pg.deadletters import DeadLetterFilter, purge, report_expired
 from notify_outbox.pg.sqlfiles import Queries
@@ -150,11 +156,6 @@ class ExactlyOnceRelay:
         if settings.delivery != "exactly-once":
             raise ConfigurationError(
                 "ExactlyOnceRelay needs NOTIFY_OUTBOX_DELIVERY=exactly-once in its settings"
-            )
-        if settings.schema_registry_url:
-            raise ConfigurationError(
-                "NOTIFY_OUTBOX_SCHEMA_REGISTRY_URL is not supported with exactly-once delivery "
-                "yet: unset it, or use at-least-once delivery"
             )
         self.settings = settings
         self.events = RelayEvents()
@@ -262,6 +263,9 @@ class ExactlyOnceRelay:
                 database = await pool.fetchval("SELECT current_database()")
                 self._prefix = f"notify-outbox.{database}.{self._target}."
             await self._ensure_marker_topic()
+            # A registry that refuses the relay is a setting to fix (ConfigurationError); one
+            # that does not answer yet only holds back its topics' rows.
+            await self._kafka.probe_registry()
             if not s.poll_only:
                 self.listener = Listener(s, self._on_wake, self.events, notify=self._notify)
                 tasks.append(asyncio.create_task(self.listener.run()))
@@ -310,6 +314,8 @@ class ExactlyOnceRelay:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await pool.close()
+            if self._kafka.encoder is not None:
+                await self._kafka.encoder.client.aclose()
 
     def _transactional_id(self, slot: int) -> str:
         """The slot's transactional.id. It must be unique to this outbox in the Kafka
@@ -626,20 +632,33 @@ class ExactlyOnceRelay:
     ) -> tuple[_Settle, AIOKafkaProducer]:
         """Send a stamped batch in one Kafka transaction with its marker; how to settle it."""
         s = self.settings
+        if (encoder := self._kafka.encoder) is not None:
+            try:
+                await encoder.prepare(rows)  # the governed topics' schemas, once each
+            except RegistryError as e:
+                # The registry does not answer: the batch is given back, no attempt counted.
+                self.kafka_outage.failed(str(e), SCHEMA_REGISTRY)
+                await asyncio.sleep(0.5)
+                return _Settle(seq, False), producer
         messages = []
         rejected: list[tuple[int, str]] = []
+        failed: list[tuple[int, str]] = []
         for row in rows:
             try:
-                messages.append((row, to_message(row, header_style=s.header_style)))
+                m = to_message(row, header_style=s.header_style)
+                key, value = await self._kafka.encode_governed(row, m.key, m.value)
+                messages.append((row, KafkaMessage(m.topic, key, value, m.headers)))
             except RowRejected as e:
                 rejected.append((row.id, str(e)))
+            except NotEncoded as e:
+                (rejected if e.permanent else failed).append((row.id, e.reason))
         try:
             missing = await missing_topics(producer, {row.topic for row in rows})
         except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
             self.kafka_outage.failed(self._reason(e))
             await asyncio.sleep(0.5)
             return _Settle(seq, False), producer
-        failed = [(row.id, missing[row.topic]) for row in rows if row.topic in missing]
+        failed += [(row.id, missing[row.topic]) for row in rows if row.topic in missing]
         if rejected or failed:
             # Nothing goes: the rows at fault wait (or are dead-lettered), the rest is stamped
             # again at the next step, behind them in their keys.

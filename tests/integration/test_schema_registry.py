@@ -34,6 +34,7 @@ from notify_outbox import OutboxSettings, Relay, enqueue
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.inbox import Inbox, consume_batches
 from notify_outbox.ops.metrics import RelayMetrics
+from notify_outbox.relay.exactly_once import ExactlyOnceRelay
 from notify_outbox.schemaregistry import (
     EventSchemas,
     RegistryClient,
@@ -44,6 +45,7 @@ from notify_outbox.schemaregistry import (
     unframe,
 )
 from tests.conftest import Services
+from tests.faults.harness import eventually
 from tests.integration.test_inbox_batch import group_consumer, pool, until_committed
 from tests.support import consume, http_server, logged
 from tests.unit.test_protobuf_codec import message_class
@@ -683,3 +685,124 @@ async def test_an_https_registry_is_verified_against_the_ca_setting(
         await Relay(relay_settings(db_dsn, services, server.url)).run()
     assert "TLS certificate not trusted" in str(raised.value)
     assert "SCHEMA_REGISTRY_CAFILE" in str(raised.value)
+
+
+def eos_registry_settings(db_dsn: str, services: Services, url: str) -> OutboxSettings:
+    tag = uuid.uuid4().hex[:8]
+    return relay_settings(
+        db_dsn,
+        services,
+        url,
+        delivery="exactly-once",
+        eos_slots=4,
+        max_attempts=5,
+        eos_marker_topic=f"eos-markers-{tag}",
+        eos_transactional_id_prefix=f"registry-{tag}.",
+    )
+
+
+async def test_exactly_once_delivery_encodes_governed_topics_and_dead_letters_a_mismatch(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+    confluent: SchemaRegistryClient,
+) -> None:
+    """The exactly-once relay encodes as the at-least-once one: Avro records behind the
+    subject's id, read back by confluent-kafka's deserializer through a read_committed
+    consumer; a row that does not match is dead-lettered at once, its key's later row held
+    behind it and then sent, each event once."""
+    schema_id = await registry.register(f"{topic}-value", json.dumps(ORDER))
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute("UPDATE outbox_config SET delivery = 'exactly-once'")
+        with anyio.fail_after(90):
+            async with ExactlyOnceRelay(
+                eos_registry_settings(db_dsn, services, schema_registry.url)
+            ) as relay:
+                await conn.execute(
+                    "INSERT INTO outbox (topic, key, payload) VALUES "
+                    "($1, 'bad', '{\"order\": 1}'), "
+                    "($1, 'bad', '{\"order\": 2, \"total\": 2.0}'), "
+                    "($1, 'good', '{\"order\": 3, \"total\": 3.0}')",
+                    topic,
+                )
+                await relay.events.wait_for("dead_lettered", 1)
+                await consume(
+                    services.bootstrap,
+                    topic,
+                    expect=2,
+                    client={"isolation_level": "read_committed"},
+                )
+            dead = await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
+    finally:
+        await conn.close()
+    # Read once the relay stopped: nothing more can come.
+    records, total = await consume(
+        services.bootstrap, topic, expect=2, client={"isolation_level": "read_committed"}
+    )
+    assert total >= 2  # end offsets count the transactions' commit markers too
+    assert len(records) == 2
+    assert [(d["key"], d["attempts"]) for d in dead] == [("bad", 1)]
+    assert "schema" in dead[0]["error"]
+    assert "total" in dead[0]["error"]
+    deserialize = AvroDeserializer(confluent)
+    sent: dict[bytes | None, int] = {}
+    for r in records:
+        assert r.value is not None
+        assert unframe(r.value)[0] == schema_id
+        sent[r.key] = deserialize(r.value, SerializationContext(topic, MessageField.VALUE))["order"]
+    assert sent == {b"bad": 2, b"good": 3}
+
+
+async def test_exactly_once_rows_wait_uncounted_while_the_registry_is_down(
+    db_dsn: str,
+    services: Services,
+    topic: str,
+    schema_registry: SchemaRegistryServer,
+    registry: RegistryClient,
+) -> None:
+    """The registry stops before the exactly-once relay loaded a row's subject: the row stays
+    pending with no attempt counted and ``/readyz`` names the registry; once it answers, the
+    row goes out once."""
+    await registry.register(f"{topic}-value", json.dumps(ORDER))
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute("UPDATE outbox_config SET delivery = 'exactly-once'")
+        with anyio.fail_after(120):
+            relay = ExactlyOnceRelay(eos_registry_settings(db_dsn, services, schema_registry.url))
+            metrics = RelayMetrics(relay)
+            async with relay:
+                schema_registry.stop()
+                try:
+                    await conn.execute(
+                        "INSERT INTO outbox (topic, key, payload) "
+                        "VALUES ($1, 'k', '{\"order\": 1, \"total\": 1.0}')",
+                        topic,
+                    )
+
+                    async def registry_named() -> bool:
+                        return metrics.readiness().reason.startswith("schema_registry:")
+
+                    await eventually(registry_named, within=60, what="/readyz names it")
+                    readiness = metrics.readiness()
+                    row = await conn.fetchrow("SELECT attempts, published_at FROM outbox")
+                finally:
+                    await asyncio.to_thread(schema_registry.start)
+                await consume(
+                    services.bootstrap,
+                    topic,
+                    expect=1,
+                    client={"isolation_level": "read_committed"},
+                )
+    finally:
+        await conn.close()
+    records, _ = await consume(
+        services.bootstrap, topic, expect=1, client={"isolation_level": "read_committed"}
+    )
+    assert len(records) == 1
+    assert readiness.reason == "schema_registry: unavailable (does not answer)"
+    assert row is not None
+    assert row["attempts"] == 0
+    assert row["published_at"] is None
