@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+import aiokafka.producer.sender
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
@@ -98,6 +99,24 @@ _TRANSIENT: tuple[type[Exception], ...] = (*_DATABASE_ERRORS, kafka_errors.Kafka
 _TOO_LARGE_NAMES = ("MessageSizeTooLargeError", "RecordTooLargeError")
 
 FaultHook = Callable[[str], None]
+
+#: How long aiokafka waits before it asks again to add the first partition of a transaction
+#: that the coordinator refused with CONCURRENT_TRANSACTIONS, as it does for a few
+#: milliseconds after each commit while it writes the previous transaction's markers
+#: (KAFKA-5477). aiokafka waits 20 ms (its BACKOFF_OVERRIDE); a slot begins its next
+#: transaction right after a commit, so under load most batches paid those 20 ms:
+#: back-to-back transactions took 24 ms at the median instead of 2 (docs/benchmarks.md).
+#: A retry is one small request to the coordinator.
+CONCURRENT_TRANSACTIONS_BACKOFF = 0.002
+
+
+def _shorten_concurrent_transactions_backoff() -> None:
+    """Set aiokafka's wait after CONCURRENT_TRANSACTIONS (module-wide: it is a constant of
+    its sender, read at each retry; only transactional producers ever use it)."""
+    if hasattr(aiokafka.producer.sender, "BACKOFF_OVERRIDE"):
+        aiokafka.producer.sender.BACKOFF_OVERRIDE = CONCURRENT_TRANSACTIONS_BACKOFF
+    else:  # an aiokafka that no longer has it: slower under load, still correct
+        log.debug("aiokafka has no BACKOFF_OVERRIDE; the 20 ms retry wait stays")
 
 
 class SlotLost(Exception):
@@ -254,6 +273,7 @@ class ExactlyOnceRelay:
 
     async def _run(self) -> None:
         s = self.settings
+        _shorten_concurrent_transactions_backoff()
         pool, _ = await connect_worker_pool(s, "notify-outbox-eos")
         self._pool = pool
         tasks: list[asyncio.Task[None]] = []
