@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
+import io
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, NoReturn, TextIO
 
 import asyncpg
 
@@ -39,6 +41,7 @@ from notify_outbox.pg.db import (
     statement_cache_size,
 )
 from notify_outbox.pg.deadletters import DeadLetterFilter
+from notify_outbox.pg.discovery import discover_outboxes
 from notify_outbox.pg.migrations import migrate, render_migrations, verify
 from notify_outbox.pg.sqlfiles import Queries, render, sql_dir
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
@@ -52,7 +55,7 @@ from .admin import (
     wants_admin,
 )
 from .debezium import add_debezium_command, run_debezium_command, wants_debezium
-from .flags import add_db_flags, add_name_flags, load_settings_from_flags
+from .flags import add_all_schemas_flag, add_db_flags, add_name_flags, load_settings_from_flags
 from .inbox import add_inbox_command, add_inbox_flag, run_inbox_command, wants_inbox
 
 __all__ = ["main"]
@@ -89,10 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_db_flags(p)
     p.add_argument("--check", action="store_true", help="only check: exit 4 if not up to date")
+    add_all_schemas_flag(p)
     add_inbox_flag(p)
 
     p = sub.add_parser("verify", parents=[common], help="same as `migrate --check`")
     add_db_flags(p)
+    add_all_schemas_flag(p)
     add_inbox_flag(p)
 
     p = sub.add_parser(
@@ -128,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--count-limit", type=int, default=100_000, help="count each up to this (bounded work)"
     )
+    add_all_schemas_flag(p)
 
     p = sub.add_parser(
         "notify-mode", parents=[common], help="show or set how producers wake the relay"
@@ -140,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         help="gated: NOTIFY only while no relay is awake (default); always: every insert; "
         "off: never (the fallback poll finds rows). Restart relays after a change.",
     )
+    add_all_schemas_flag(p)
 
     p = sub.add_parser(
         "delivery",
@@ -154,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
         help="at-least-once (default) or exactly-once (Kafka transactions; "
         "docs/concepts/exactly-once.md). Stop every relay of the outbox before a change.",
     )
+    add_all_schemas_flag(p)
 
     p = sub.add_parser(
         "requeue", parents=[common], help="move dead-lettered events back into the outbox"
@@ -204,55 +212,105 @@ async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
         ) from None
 
 
-async def _migrate(settings: DatabaseSettings, check: bool) -> int:
+OneOutbox = Callable[[asyncpg.Connection, OutboxNames], Awaitable[int]]
+
+
+async def _for_outboxes(settings: DatabaseSettings, all_schemas: bool, one: OneOutbox) -> int:
+    """Run ``one`` on the configured outbox, or with ``all_schemas`` on every migrated outbox
+    of the database whose table has the configured name (each line of output then starts
+    with ``schema.table:``): the exit code of failure if it failed for any (the others done
+    all the same), else the highest of theirs."""
     conn = await _connect(settings)
     try:
+        if not all_schemas:
+            return await one(conn, settings.names)
+        found = await discover_outboxes(conn, table=settings.names.table)
+        if not found:
+            print(
+                f"no migrated outbox table named {settings.names.table!r} in this database "
+                "(a new schema's outbox is migrated with `notify-outbox migrate --schema S`)",
+                file=sys.stderr,
+            )
+            return EXIT_OK
+        worst, failed = EXIT_OK, 0
+        for outbox in found:
+            target = outbox.names.target
+            try:
+                with contextlib.redirect_stdout(_Prefixed(sys.stdout, f"{target}: ")):
+                    worst = max(worst, await one(conn, outbox.names))
+            except (MigrationError, asyncpg.PostgresError) as e:
+                # One tenant's failure does not keep the command from the others.
+                failed += 1
+                print(f"{target}: {type(e).__name__}: {e}", file=sys.stderr)
+        if failed:
+            print(f"notify-outbox: failed for {failed} of {len(found)} outboxes", file=sys.stderr)
+            return EXIT_FAILED
+        return worst
+    finally:
+        await conn.close()
+
+
+class _Prefixed(io.TextIOBase):
+    """A text stream that writes each line to ``out`` after ``prefix``."""
+
+    def __init__(self, out: TextIO, prefix: str) -> None:
+        self._out = out
+        self._prefix = prefix
+        self._at_start = True
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines(keepends=True):
+            if self._at_start:
+                self._out.write(self._prefix)
+            self._out.write(line)
+            self._at_start = line.endswith("\n")
+        return len(text)
+
+
+async def _migrate(settings: DatabaseSettings, check: bool, all_schemas: bool) -> int:
+    async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
         if check:
-            report = await verify(conn, settings.names)
+            report = await verify(conn, names)
             print(report.describe())
             return EXIT_OK if report.ok else EXIT_OUTDATED
-        applied = await migrate(conn, settings.names)
+        applied = await migrate(conn, names)
         print(f"applied migrations {applied}" if applied else "already up to date")
         return EXIT_OK
-    finally:
-        await conn.close()
+
+    return await _for_outboxes(settings, all_schemas, one)
 
 
-async def _status(settings: DatabaseSettings, count_limit: int) -> int:
-    conn = await _connect(settings)
-    try:
-        return await print_status(conn, settings.names, count_limit)
-    finally:
-        await conn.close()
+async def _status(settings: DatabaseSettings, count_limit: int, all_schemas: bool) -> int:
+    async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
+        return await print_status(conn, names, count_limit)
+
+    return await _for_outboxes(settings, all_schemas, one)
 
 
-async def _notify_mode(settings: DatabaseSettings, mode: str | None) -> int:
-    conn = await _connect(settings)
-    q = Queries(settings.names)
-    try:
+async def _notify_mode(settings: DatabaseSettings, mode: str | None, all_schemas: bool) -> int:
+    async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
+        q = Queries(names)
         if mode is None:
             print(await conn.fetchval(q["notify_mode"]))
         else:
             print(await conn.fetchval(q["set_notify_mode"], mode))
         return EXIT_OK
-    finally:
-        await conn.close()
+
+    return await _for_outboxes(settings, all_schemas, one)
 
 
-async def _delivery(settings: DatabaseSettings, mode: str | None) -> int:
-    conn = await _connect(settings)
-    q = Queries(settings.names)
-    try:
+async def _delivery(settings: DatabaseSettings, mode: str | None, all_schemas: bool) -> int:
+    async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
+        q = Queries(names)
         current = await conn.fetchval(q["delivery"])
         if current is None:
             raise MigrationError(
-                f"outbox {settings.names.target} predates migration 0007: run "
-                "`notify-outbox migrate` first"
+                f"outbox {names.target} predates migration 0007: run `notify-outbox migrate` first"
             )
         print(current if mode is None else await conn.fetchval(q["set_delivery"], mode))
         return EXIT_OK
-    finally:
-        await conn.close()
+
+    return await _for_outboxes(settings, all_schemas, one)
 
 
 async def _requeue(settings: DatabaseSettings, ids: list[int]) -> int:
@@ -457,6 +515,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(args.log_level, fmt, secrets=secrets_from_env(getattr(args, "dsn", None)))
         # A mistyped variable would leave its setting at the default without a word.
         warn_unknown_variables(settings=(DatabaseSettings, OutboxSettings, HttpSettings))
+        all_schemas = bool(getattr(args, "all_schemas", False))
+        if all_schemas and (args.db_schema or getattr(args, "inbox", False)):
+            raise ConfigurationError(
+                "--all-schemas serves every outbox table named --table (NOTIFY_OUTBOX_TABLE) "
+                "in the database: it does not go with --schema or --inbox"
+            )
         if wants_admin(args):  # dead-letters, replay: admin.py
             return run_admin_command(args, _connect)
         if wants_debezium(args):  # Debezium-compatible mode: debezium.py
@@ -470,16 +534,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("migrate", "verify"):
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             check = args.command == "verify" or args.check
-            return asyncio.run(_migrate(db, check))
+            return asyncio.run(_migrate(db, check, all_schemas))
         if args.command == "status":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
-            return asyncio.run(_status(db, args.count_limit))
+            return asyncio.run(_status(db, args.count_limit, all_schemas))
         if args.command == "notify-mode":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
-            return asyncio.run(_notify_mode(db, args.mode))
+            return asyncio.run(_notify_mode(db, args.mode, all_schemas))
         if args.command == "delivery":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
-            return asyncio.run(_delivery(db, args.mode))
+            return asyncio.run(_delivery(db, args.mode, all_schemas))
         if args.command == "requeue":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_requeue(db, args.ids))

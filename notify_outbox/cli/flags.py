@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from notify_outbox.core.settings import DatabaseSettings, load_settings
 
 __all__ = [
+    "add_all_schemas_flag",
     "add_connect_timeout_flag",
     "add_db_flags",
     "add_name_flags",
@@ -47,6 +48,18 @@ def add_db_flags(
     add_name_flags(p, channel=channel)
     if connects:
         add_connect_timeout_flag(p)
+
+
+def add_all_schemas_flag(p: argparse.ArgumentParser) -> None:
+    """``--all-schemas``: the command on every migrated outbox of the database (a schema per
+    tenant), found from the migration records (``pg/discovery.py``)."""
+    p.add_argument(
+        "--all-schemas",
+        action="store_true",
+        help="every schema's outbox table named --table (default outbox) that notify-outbox "
+        "migrated in this database, one line per outbox prefixed schema.table: (a schema per "
+        "tenant); a new schema's outbox is first migrated with --schema",
+    )
 
 
 # Flags spelt otherwise than "--" + the field with dashes.
