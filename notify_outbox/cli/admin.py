@@ -20,7 +20,7 @@ from notify_outbox.core.errors import ConfigurationError, NotifyOutboxError
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.core.settings import DatabaseSettings, OutboxSettings
 from notify_outbox.core.timespec import format_duration, parse_duration, parse_time
-from notify_outbox.ops.replay import ReplayReport, replay
+from notify_outbox.ops.replay import NothingToReplay, ReplayReport, replay
 from notify_outbox.pg.deadletters import (
     DeadLetter,
     DeadLetterFilter,
@@ -32,7 +32,8 @@ from notify_outbox.pg.deadletters import (
 )
 from notify_outbox.pg.sqlfiles import Queries
 
-from .flags import add_db_flags, load_settings_from_flags
+from .each import for_names, for_outboxes
+from .flags import add_all_schemas_flag, add_db_flags, load_settings_from_flags
 
 __all__ = [
     "add_admin_commands",
@@ -70,6 +71,7 @@ def add_admin_commands(
         "list", parents=[common], help="dead letters in id order, as a table or JSON lines"
     )
     add_db_flags(a, channel=False)
+    add_all_schemas_flag(a)
     _filter_flags(a)
     a.add_argument("--after-id", type=int, default=0, help="only ids after this (paging)")
     a.add_argument("--limit", type=int, default=50, help="at most this many (0: all; 50)")
@@ -91,6 +93,7 @@ def add_admin_commands(
     )
     add_db_flags(a, channel=False)
     a.add_argument("ids", nargs="*", type=int, help="dead-letter ids (or use filters)")
+    add_all_schemas_flag(a)
     _filter_flags(a)
     a.add_argument("--all", action="store_true", help="every dead letter (no id or filter)")
     a.add_argument("--dry-run", action="store_true", help="print what would move, move nothing")
@@ -100,6 +103,7 @@ def add_admin_commands(
     a.add_argument(
         "--older-than", required=True, help="dead-lettered longer ago than: 30d, 12h, P7D"
     )
+    add_all_schemas_flag(a)
     _filter_flags(a)
     a.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
 
@@ -109,6 +113,7 @@ def add_admin_commands(
         help="send kept published rows of a topic to Kafka again (keep_published)",
     )
     add_db_flags(p, channel=False)
+    add_all_schemas_flag(p)
     p.add_argument("--kafka-bootstrap-servers", help="[NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS]")
     p.add_argument("--topic", required=True, help="the topic to replay")
     p.add_argument(
@@ -172,7 +177,23 @@ def run_admin_command(args: argparse.Namespace, connect: Connect) -> int:
             kafka_bootstrap_servers=args.kafka_bootstrap_servers,
             batch_size=args.batch_size,
         )
-        return asyncio.run(_replay(settings, connect, args.topic, since, until, args.dry_run))
+        all_schemas = bool(getattr(args, "all_schemas", False))
+
+        async def replay_one(_: asyncpg.Connection, names: OutboxNames) -> int:
+            # A replay opens its own connection (and producer) per outbox.
+            return await _replay(
+                for_names(settings, names),
+                connect,
+                args.topic,
+                since,
+                until,
+                args.dry_run,
+                nothing_fails=False,
+            )
+
+        if not all_schemas:
+            return asyncio.run(_replay(settings, connect, args.topic, since, until, args.dry_run))
+        return asyncio.run(for_outboxes(connect, settings, True, replay_one))
     action = args.dl_action
     if action in ("list", "requeue", "purge"):
         where = _filter(args)  # bad times are usage errors: before connecting
@@ -187,20 +208,16 @@ def run_admin_command(args: argparse.Namespace, connect: Connect) -> int:
         raise ConfigurationError("--all cannot be combined with ids or filters")
     db = load_settings_from_flags(DatabaseSettings, **db_overrides)
 
-    async def go() -> int:
-        conn = await connect(db)
-        try:
-            if action == "list":
-                return await _list(conn, db, where, args.after_id, args.limit, args.format)
-            if action == "show":
-                return await _show(conn, db, args.id, args.format)
-            if action == "requeue":
-                return await print_requeue(conn, db.names, where, dry_run=args.dry_run)
-            return await _purge(conn, db, where, args.dry_run)
-        finally:
-            await conn.close()
+    async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
+        if action == "list":
+            return await _list(conn, names, where, args.after_id, args.limit, args.format)
+        if action == "show":
+            return await _show(conn, db, args.id, args.format)
+        if action == "requeue":
+            return await print_requeue(conn, names, where, dry_run=args.dry_run)
+        return await _purge(conn, names, where, args.dry_run)
 
-    return asyncio.run(go())
+    return asyncio.run(for_outboxes(connect, db, bool(getattr(args, "all_schemas", False)), one))
 
 
 # --- status and dead letters ------------------------------------------------------------------
@@ -255,7 +272,7 @@ def _table(rows: list[DeadLetter]) -> list[str]:
 
 async def _list(
     conn: asyncpg.Connection,
-    db: DatabaseSettings,
+    names: OutboxNames,
     where: DeadLetterFilter,
     after_id: int,
     limit: int,
@@ -263,9 +280,7 @@ async def _list(
 ) -> int:
     # One more than asked says whether more match.
     want = None if limit == 0 else limit + 1
-    rows = [
-        d async for d in list_dead_letters(conn, db.names, where, after_id=after_id, limit=want)
-    ]
+    rows = [d async for d in list_dead_letters(conn, names, where, after_id=after_id, limit=want)]
     more = want is not None and len(rows) > limit
     rows = rows[:limit] if more else rows
     if fmt == "json":
@@ -281,7 +296,7 @@ async def _list(
         return EXIT_OK
     for text in _table(rows):
         print(text)
-    total = await count_dead_letters(conn, db.names, where, limit=_COUNT_LIMIT)
+    total = await count_dead_letters(conn, names, where, limit=_COUNT_LIMIT)
     of = f"more than {_COUNT_LIMIT}" if total >= _COUNT_LIMIT else str(total)
     tail = f"; next page: --after-id {rows[-1].id}" if more else ""
     print(f"{len(rows)} shown of {of} matching{tail}")
@@ -371,12 +386,12 @@ async def print_requeue(
 
 async def _purge(
     conn: asyncpg.Connection,
-    db: DatabaseSettings,
+    names: OutboxNames,
     where: DeadLetterFilter,
     dry_run: bool,
 ) -> int:
     assert where.older_than is not None
-    n = await purge(conn, db.names, where, dry_run=dry_run)
+    n = await purge(conn, names, where, dry_run=dry_run)
     age = format_duration(where.older_than.total_seconds())
     noun = "dead letter" if n == 1 else "dead letters"
     if dry_run:
@@ -403,7 +418,11 @@ async def _replay(
     since: datetime,
     until: datetime | None,
     dry_run: bool,
+    *,
+    nothing_fails: bool = True,
 ) -> int:
+    """``replay``; with ``nothing_fails`` False (one outbox of several), an outbox with no
+    row to replay says so and is not a failure."""
     conn = await connect(settings)
     try:
         try:
@@ -418,7 +437,13 @@ async def _replay(
             )
         except ValueError as e:
             raise ConfigurationError(str(e)) from None
-        except NotifyOutboxError as e:  # NothingToReplay, or Kafka out of reach
+        except NothingToReplay as e:
+            if nothing_fails:
+                print(f"notify-outbox: {e}", file=sys.stderr)
+                return EXIT_FAILED
+            print(e)
+            return EXIT_OK
+        except NotifyOutboxError as e:  # Kafka out of reach
             print(f"notify-outbox: {e}", file=sys.stderr)
             return EXIT_FAILED
     finally:

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import gc
-import io
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, NoReturn, TextIO
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, NoReturn
 
 import asyncpg
 
@@ -41,7 +39,6 @@ from notify_outbox.pg.db import (
     statement_cache_size,
 )
 from notify_outbox.pg.deadletters import DeadLetterFilter
-from notify_outbox.pg.discovery import discover_outboxes
 from notify_outbox.pg.migrations import migrate, render_migrations, verify
 from notify_outbox.pg.sqlfiles import Queries, render, sql_dir
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
@@ -55,6 +52,7 @@ from .admin import (
     wants_admin,
 )
 from .debezium import add_debezium_command, run_debezium_command, wants_debezium
+from .each import for_outboxes
 from .flags import add_all_schemas_flag, add_db_flags, add_name_flags, load_settings_from_flags
 from .inbox import add_inbox_command, add_inbox_flag, run_inbox_command, wants_inbox
 
@@ -212,61 +210,6 @@ async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
         ) from None
 
 
-OneOutbox = Callable[[asyncpg.Connection, OutboxNames], Awaitable[int]]
-
-
-async def _for_outboxes(settings: DatabaseSettings, all_schemas: bool, one: OneOutbox) -> int:
-    """Run ``one`` on the configured outbox, or with ``all_schemas`` on every migrated outbox
-    of the database whose table has the configured name (each line of output then starts
-    with ``schema.table:``): the exit code of failure if it failed for any (the others done
-    all the same), else the highest of theirs."""
-    conn = await _connect(settings)
-    try:
-        if not all_schemas:
-            return await one(conn, settings.names)
-        found = await discover_outboxes(conn, table=settings.names.table)
-        if not found:
-            print(
-                f"no migrated outbox table named {settings.names.table!r} in this database "
-                "(a new schema's outbox is migrated with `notify-outbox migrate --schema S`)",
-                file=sys.stderr,
-            )
-            return EXIT_OK
-        worst, failed = EXIT_OK, 0
-        for outbox in found:
-            target = outbox.names.target
-            try:
-                with contextlib.redirect_stdout(_Prefixed(sys.stdout, f"{target}: ")):
-                    worst = max(worst, await one(conn, outbox.names))
-            except (MigrationError, asyncpg.PostgresError) as e:
-                # One tenant's failure does not keep the command from the others.
-                failed += 1
-                print(f"{target}: {type(e).__name__}: {e}", file=sys.stderr)
-        if failed:
-            print(f"notify-outbox: failed for {failed} of {len(found)} outboxes", file=sys.stderr)
-            return EXIT_FAILED
-        return worst
-    finally:
-        await conn.close()
-
-
-class _Prefixed(io.TextIOBase):
-    """A text stream that writes each line to ``out`` after ``prefix``."""
-
-    def __init__(self, out: TextIO, prefix: str) -> None:
-        self._out = out
-        self._prefix = prefix
-        self._at_start = True
-
-    def write(self, text: str) -> int:
-        for line in text.splitlines(keepends=True):
-            if self._at_start:
-                self._out.write(self._prefix)
-            self._out.write(line)
-            self._at_start = line.endswith("\n")
-        return len(text)
-
-
 async def _migrate(settings: DatabaseSettings, check: bool, all_schemas: bool) -> int:
     async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
         if check:
@@ -277,14 +220,14 @@ async def _migrate(settings: DatabaseSettings, check: bool, all_schemas: bool) -
         print(f"applied migrations {applied}" if applied else "already up to date")
         return EXIT_OK
 
-    return await _for_outboxes(settings, all_schemas, one)
+    return await for_outboxes(_connect, settings, all_schemas, one)
 
 
 async def _status(settings: DatabaseSettings, count_limit: int, all_schemas: bool) -> int:
     async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
         return await print_status(conn, names, count_limit)
 
-    return await _for_outboxes(settings, all_schemas, one)
+    return await for_outboxes(_connect, settings, all_schemas, one)
 
 
 async def _notify_mode(settings: DatabaseSettings, mode: str | None, all_schemas: bool) -> int:
@@ -296,7 +239,7 @@ async def _notify_mode(settings: DatabaseSettings, mode: str | None, all_schemas
             print(await conn.fetchval(q["set_notify_mode"], mode))
         return EXIT_OK
 
-    return await _for_outboxes(settings, all_schemas, one)
+    return await for_outboxes(_connect, settings, all_schemas, one)
 
 
 async def _delivery(settings: DatabaseSettings, mode: str | None, all_schemas: bool) -> int:
@@ -310,7 +253,7 @@ async def _delivery(settings: DatabaseSettings, mode: str | None, all_schemas: b
         print(current if mode is None else await conn.fetchval(q["set_delivery"], mode))
         return EXIT_OK
 
-    return await _for_outboxes(settings, all_schemas, one)
+    return await for_outboxes(_connect, settings, all_schemas, one)
 
 
 async def _requeue(settings: DatabaseSettings, ids: list[int]) -> int:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import anyio
 import asyncpg
 import pytest
 
@@ -15,18 +16,21 @@ from notify_outbox import OutboxNames, migrate
 from notify_outbox.inbox import migrate_inbox
 from notify_outbox.pg.discovery import discover_outboxes
 from notify_outbox.pg.sqlfiles import load_migrations
-from tests.support import ROOT
+from tests.conftest import Services
+from tests.support import ROOT, consume
 
 pytestmark = pytest.mark.anyio
 
 LATEST = max(m.version for m in load_migrations())
 
 
-def cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
+def cli(
+    dsn: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NOTIFY_OUTBOX_")}
     return subprocess.run(
         [sys.executable, "-m", "notify_outbox", *args],
-        env={**env, "NOTIFY_OUTBOX_DSN": dsn, "PYTHONPATH": str(ROOT)},
+        env={**base, **(env or {}), "NOTIFY_OUTBOX_DSN": dsn, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
@@ -110,3 +114,65 @@ async def test_all_schemas_refuses_a_schema_and_says_when_nothing_is_found(
     none = cli(empty_db_dsn, "verify", "--all-schemas")
     assert none.returncode == 0
     assert "no migrated outbox table named 'outbox'" in none.stderr
+
+
+async def test_dead_letters_on_all_schemas(empty_db_dsn: str) -> None:
+    """Each tenant's dead letters listed and requeued under its own outbox."""
+    await _tenants(empty_db_dsn)
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        for schema in ("tenant_a", "tenant_c"):
+            await conn.execute(
+                f"INSERT INTO {schema}.outbox_dead_letter (id, event_id, topic, key, created_at, "
+                "attempts, error) VALUES (1, gen_random_uuid(), 'orders', 'k', now(), 3, 'boom')"
+            )
+    finally:
+        await conn.close()
+    listed = cli(empty_db_dsn, "dead-letters", "list", "--all-schemas", "--format", "json")
+    assert listed.returncode == 0, listed.stderr
+    tenants = sorted(line.split(":", 1)[0] for line in listed.stdout.splitlines())
+    assert tenants == ["tenant_a.outbox", "tenant_c.outbox"]
+    moved = cli(empty_db_dsn, "dead-letters", "requeue", "--all", "--all-schemas")
+    assert moved.returncode == 0, moved.stderr
+    assert sum("requeued 1 dead letter" in line for line in moved.stdout.splitlines()) == 2
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        for schema in ("tenant_a", "tenant_c"):
+            assert await conn.fetchval(f"SELECT count(*) FROM {schema}.outbox") == 1
+            assert await conn.fetchval(f"SELECT count(*) FROM {schema}.outbox_dead_letter") == 0
+    finally:
+        await conn.close()
+
+
+async def test_replay_on_all_schemas(empty_db_dsn: str, services: Services, topic: str) -> None:
+    """Kept published rows of one topic replayed from every tenant's outbox."""
+    await _tenants(empty_db_dsn)
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        for schema in ("tenant_a", "tenant_b"):
+            await conn.execute(
+                f"INSERT INTO {schema}.outbox (topic, key, payload, published_at) "
+                f"VALUES ($1, '{schema}', '{{}}', now())",
+                topic,
+            )
+    finally:
+        await conn.close()
+    replayed = await anyio.to_thread.run_sync(
+        lambda: cli(
+            empty_db_dsn,
+            "replay",
+            "--all-schemas",
+            "--topic",
+            topic,
+            "--since",
+            "1h",
+            env={
+                "NOTIFY_OUTBOX_KAFKA_BOOTSTRAP_SERVERS": services.bootstrap,
+                "NOTIFY_OUTBOX_KEEP_PUBLISHED": "3600",
+            },
+        )
+    )
+    assert replayed.returncode == 0, replayed.stderr
+    assert sum(line.startswith("tenant_") for line in replayed.stdout.splitlines()) == 3
+    records, _ = await consume(services.bootstrap, topic, expect=2, within=60)
+    assert sorted(r.key for r in records) == [b"tenant_a", b"tenant_b"]
