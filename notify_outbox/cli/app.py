@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     add_db_flags(p)
     p.add_argument("--check", action="store_true", help="only check: exit 4 if not up to date")
     add_all_schemas_flag(p)
+    p.add_argument(
+        "--schemas-like",
+        metavar="PATTERN",
+        help="with --all-schemas: also create the outbox in every schema whose name matches "
+        "this SQL LIKE pattern (new tenants, e.g. 'tenant_%%'), with --channel",
+    )
     add_inbox_flag(p)
 
     p = sub.add_parser("verify", parents=[common], help="same as `migrate --check`")
@@ -210,7 +216,9 @@ async def _connect(settings: DatabaseSettings) -> asyncpg.Connection:
         ) from None
 
 
-async def _migrate(settings: DatabaseSettings, check: bool, all_schemas: bool) -> int:
+async def _migrate(
+    settings: DatabaseSettings, check: bool, all_schemas: bool, schemas: str | None = None
+) -> int:
     async def one(conn: asyncpg.Connection, names: OutboxNames) -> int:
         if check:
             report = await verify(conn, names)
@@ -220,7 +228,7 @@ async def _migrate(settings: DatabaseSettings, check: bool, all_schemas: bool) -
         print(f"applied migrations {applied}" if applied else "already up to date")
         return EXIT_OK
 
-    return await for_outboxes(_connect, settings, all_schemas, one)
+    return await for_outboxes(_connect, settings, all_schemas, one, schemas=schemas)
 
 
 async def _status(settings: DatabaseSettings, count_limit: int, all_schemas: bool) -> int:
@@ -477,7 +485,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("migrate", "verify"):
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             check = args.command == "verify" or args.check
-            return asyncio.run(_migrate(db, check, all_schemas))
+            schemas = getattr(args, "schemas_like", None)
+            if schemas is not None and not all_schemas:
+                raise ConfigurationError("--schemas-like goes with --all-schemas")
+            return asyncio.run(_migrate(db, check, all_schemas, schemas))
         if args.command == "status":
             db = load_settings_from_flags(DatabaseSettings, **_overrides(args))
             return asyncio.run(_status(db, args.count_limit, all_schemas))

@@ -15,7 +15,7 @@ import asyncpg
 from notify_outbox.core.errors import MigrationError, NotifyOutboxError
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.core.settings import DatabaseSettings
-from notify_outbox.pg.discovery import discover_outboxes
+from notify_outbox.pg.discovery import discover_outboxes, schemas_like
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "for_names", "for_outboxes"]
 
@@ -34,17 +34,32 @@ def for_names(settings: S, names: OutboxNames) -> S:
 
 
 async def for_outboxes(
-    connect: Connect, settings: DatabaseSettings, all_schemas: bool, one: OneOutbox
+    connect: Connect,
+    settings: DatabaseSettings,
+    all_schemas: bool,
+    one: OneOutbox,
+    *,
+    schemas: str | None = None,
 ) -> int:
     """Run ``one`` on the configured outbox, or with ``all_schemas`` on every migrated outbox
     of the database whose table has the configured name (each line of output then starts
-    with ``schema.table:``): the exit code of failure if it failed for any (the others done
-    all the same), else the highest of theirs."""
+    with ``schema.table:``), and on that table in every schema matching the LIKE pattern
+    ``schemas`` (``migrate``: new tenants): the exit code of failure if it failed for any (the
+    others done all the same), else the highest of theirs."""
     conn = await connect(settings)
     try:
         if not all_schemas:
             return await one(conn, settings.names)
-        found = await discover_outboxes(conn, table=settings.names.table)
+        names = settings.names
+        found = [f.names for f in await discover_outboxes(conn, table=names.table)]
+        if schemas is not None:
+            known = {n.schema for n in found}
+            found += [
+                OutboxNames(schema, names.table, names.channel)
+                for schema in await schemas_like(conn, schemas)
+                if schema not in known
+            ]
+            found.sort(key=lambda n: n.target)
         if not found:
             print(
                 f"no migrated outbox table named {settings.names.table!r} in this database "
@@ -54,13 +69,13 @@ async def for_outboxes(
             return EXIT_OK
         worst, failed = EXIT_OK, 0
         for outbox in found:
-            target = outbox.names.target
+            target = outbox.target
             try:
                 with (
                     contextlib.redirect_stdout(_Prefixed(sys.stdout, f"{target}: ")),
                     contextlib.redirect_stderr(_Prefixed(sys.stderr, f"{target}: ")),
                 ):
-                    worst = max(worst, await one(conn, outbox.names))
+                    worst = max(worst, await one(conn, outbox))
             except (MigrationError, NotifyOutboxError, asyncpg.PostgresError) as e:
                 # One tenant's failure does not keep the command from the others.
                 failed += 1

@@ -18,7 +18,7 @@ import asyncpg
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.names import OutboxNames, validate_identifier
 
-__all__ = ["FoundOutbox", "discover_outboxes"]
+__all__ = ["FoundOutbox", "discover_outboxes", "schemas_like"]
 
 # Schemas holding a migrations table; every name is checked before it goes into SQL.
 _TRACKING_TABLES = """
@@ -85,6 +85,18 @@ async def discover_outboxes(
         )
         found.append(FoundOutbox(names, tuple(applied)))
     return found
+
+
+async def schemas_like(conn: asyncpg.Connection, pattern: str) -> list[str]:
+    """The schemas of the database whose name matches the SQL LIKE ``pattern`` (a tenant
+    naming rule such as ``tenant_%``), leaving out PostgreSQL's own and names this library
+    cannot use, in name order."""
+    rows = await conn.fetch(
+        "SELECT nspname FROM pg_namespace WHERE nspname LIKE $1 "
+        "AND nspname NOT LIKE 'pg\\_%' AND nspname <> 'information_schema' ORDER BY 1",
+        pattern,
+    )
+    return [r["nspname"] for r in rows if _valid(r["nspname"], "schema")]
 
 
 def _valid(name: str, what: str) -> bool:

@@ -176,3 +176,24 @@ async def test_replay_on_all_schemas(empty_db_dsn: str, services: Services, topi
     assert sum(line.startswith("tenant_") for line in replayed.stdout.splitlines()) == 3
     records, _ = await consume(services.bootstrap, topic, expect=2, within=60)
     assert sorted(r.key for r in records) == [b"tenant_a", b"tenant_b"]
+
+
+async def test_migrate_all_schemas_creates_new_tenants_outboxes(empty_db_dsn: str) -> None:
+    """``--schemas-like``: a new tenant's schema gets its outbox with the others' upgrade; a
+    schema outside the pattern does not."""
+    await _tenants(empty_db_dsn)
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        await conn.execute("CREATE SCHEMA tenant_new; CREATE SCHEMA reporting")
+    finally:
+        await conn.close()
+    done = cli(empty_db_dsn, "migrate", "--all-schemas", "--schemas-like", "tenant\\_%")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"tenant_new.outbox: applied migrations {list(range(1, LATEST + 1))}" in lines
+    assert f"tenant_c.outbox: applied migrations [{LATEST}]" in lines
+    assert not any(line.startswith("reporting.") for line in lines)
+    assert cli(empty_db_dsn, "verify", "--all-schemas").returncode == 0
+    alone = cli(empty_db_dsn, "migrate", "--schemas-like", "tenant_%")
+    assert alone.returncode == 2
+    assert "--schemas-like goes with --all-schemas" in alone.stderr
