@@ -10,9 +10,9 @@ one Kafka transaction together with a marker record (slot, sequence, ids) on a c
 topic. Whoever takes a slot over (this relay after a restart, or another one after the lease
 expired) first fences the slot's previous producer (``init_transactions`` with the same
 transactional id ends its open transaction), then reads the slot's markers read_committed up
-to the last stable offset: the one batch that can be outstanding is published if its marker
-committed, given back if not. A batch whose commit's outcome is unknown (a timeout, a broker
-lost mid-commit) is settled the same way.
+to the partition's high watermark: the one batch that can be outstanding is published if its
+marker committed, given back if not. A batch whose commit's outcome is unknown (a timeout, a
+broker lost mid-commit) is settled the same way.
 """
 
 from __future__ import annotations
@@ -458,9 +458,31 @@ class ExactlyOnceRelay:
 
     async def _committed_seq(self, slot: int) -> int:
         """The highest sequence of ``slot`` whose marker committed (0: none), read
-        read_committed from the start of the marker partition up to its last stable offset.
-        Call it only after this slot's producer was started (fenced the one before)."""
+        read_committed from the start of the marker partition up to its high watermark as it
+        was once this slot's producer had started. Call it only after that (the producer
+        before it fenced, its transaction ended)."""
         s = self.settings
+        tp = TopicPartition(s.eos_marker_topic, slot % self._marker_partitions)
+        # Not up to the last stable offset (what a read_committed consumer's end_offsets
+        # gives): it stops at the first offset of the oldest open transaction, and another
+        # slot's open transaction can hold it below this slot's committed marker; the batch
+        # would be judged not committed and sent twice (seen: a relay frozen with its
+        # transaction open while another relay recovered a slot). The high watermark is past
+        # this slot's marker, if any; the read_committed consumer below gets there once every
+        # transaction begun before it has ended (the broker aborts one left open at its
+        # timeout, and a slot taken over is fenced).
+        probe = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
+            isolation_level="read_uncommitted",
+            enable_auto_commit=False,
+            group_id=None,
+            **self._kafka.connection_options(),
+        )
+        await probe.start()
+        try:
+            end = (await probe.end_offsets([tp]))[tp]
+        finally:
+            await probe.stop()
         consumer = AIOKafkaConsumer(
             bootstrap_servers=s.kafka_bootstrap_servers.split(","),
             isolation_level="read_committed",
@@ -470,10 +492,8 @@ class ExactlyOnceRelay:
         )
         await consumer.start()
         try:
-            tp = TopicPartition(s.eos_marker_topic, slot % self._marker_partitions)
             consumer.assign([tp])
             await consumer.seek_to_beginning(tp)
-            end = (await consumer.end_offsets([tp]))[tp]
             key = marker_key(self._transactional_id(slot))
             best = 0
             deadline = asyncio.get_running_loop().time() + 60.0
@@ -482,8 +502,8 @@ class ExactlyOnceRelay:
                     # Settling nothing is safe: the batch stays stamped, its keys wait, and
                     # the slot's next owner (or this worker, re-leasing it) asks again.
                     raise TimeoutError(
-                        f"the marker partition {tp} was not read up to its last stable offset "
-                        f"{end} within 60 s"
+                        f"the marker partition {tp} was not read up to offset {end} within "
+                        "60 s (a transaction begun before it still open)"
                     )
                 batches = await consumer.getmany(tp, timeout_ms=1000)
                 for record in batches.get(tp, []):
