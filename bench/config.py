@@ -89,6 +89,16 @@ MODES: dict[str, Mode] = {
             env=(("NOTIFY_OUTBOX_DELIVERY", "exactly-once"),),
             delivery="exactly-once",
         ),
+        *(
+            Mode(
+                f"notify-eos-w{n}",
+                "relay",
+                f"notify-outbox relay, exactly-once delivery, {n} worker(s) (slots served at once)",
+                env=(("NOTIFY_OUTBOX_DELIVERY", "exactly-once"), ("NOTIFY_OUTBOX_WORKERS", str(n))),
+                delivery="exactly-once",
+            )
+            for n in (1, 2)
+        ),
         Mode(
             "notify-pgbouncer",
             "relay",

@@ -95,6 +95,11 @@ _DATABASE_ERRORS: tuple[type[Exception], ...] = (
 )
 _TRANSIENT: tuple[type[Exception], ...] = (*_DATABASE_ERRORS, kafka_errors.KafkaError)
 
+#: A worker whose step stamped at least this fraction of ``batch_size`` rings another idle
+#: worker: under a backlog the slots work in parallel; below it one slot's transactions,
+#: each taking what arrived during the last, carry the load (see ExactlyOnceRelay._on_wake).
+_JOIN_FRACTION = 0.1
+
 #: How a broker's refusal of a record batch over the topic's size limit is described.
 _TOO_LARGE_NAMES = ("MessageSizeTooLargeError", "RecordTooLargeError")
 
@@ -196,6 +201,8 @@ class ExactlyOnceRelay:
         # slot's lease was found taken over.
         self._serving: dict[int, asyncio.Event] = {}
         self._rescuing: asyncio.Task[None] | None = None
+        # Workers between a step that stamped rows and their next wait (see _on_wake).
+        self._cycling = 0
         # Topics whose records go one per batch (see _too_large_batches).
         self._alone: set[str] = set()
         # Pause between batches aborted because Kafka was unavailable (reset by a commit).
@@ -345,7 +352,17 @@ class ExactlyOnceRelay:
 
     def _on_wake(self, source: str) -> None:
         self.events.emit(f"wake:{source}")
-        self._doorbell.ring()
+        if self._cycling:
+            # A worker is in the middle of a batch: it steps again right after its commit and
+            # takes these rows with whatever else came meanwhile, in one larger transaction
+            # instead of another slot's tiny one. Each transaction has a fixed cost (a step,
+            # AddPartitionsToTxn, the marker, EndTxn); with a slot per notification at 1,000
+            # ev/s the relay fell behind its own writers (docs/benchmarks.md). The ring is
+            # remembered in case that worker's step had just missed these rows. More
+            # workers join once batches grow (_JOIN_FRACTION).
+            self._doorbell.remember()
+        else:
+            self._doorbell.ring()
 
     async def _notify(self, channel: str, payload: str) -> None:
         assert self._pool is not None
@@ -609,25 +626,39 @@ class ExactlyOnceRelay:
             producer = await self._producer_for(slot)
             if outstanding is not None:
                 settle = await self._recover(slot, outstanding)
-            while True:
-                if lost.is_set():
-                    raise SlotLost(f"the lease of slot {slot} was taken over")
-                stopping = self._stop.is_set()
-                stamped = await self._step(
-                    slot, owner, settle, 0 if stopping else self.settings.batch_size
-                )
-                settle = None
-                if not stamped:
-                    if stopping:
-                        break
-                    # Woken by a NOTIFY, by the ticker (rows due, a slot settled) or to stop.
-                    await self._doorbell.wait()
-                    continue
-                seq = stamped[0][1]
-                rows = [row for row, _ in stamped]
-                self.events.emit("claimed", len(rows))
-                self._fault("eos_after_stamp")
-                settle, producer = await self._send(producer, slot, owner, seq, rows)
+            batch = self.settings.batch_size
+            join_at = max(2, round(batch * _JOIN_FRACTION))
+            cycling = False
+            try:
+                while True:
+                    if lost.is_set():
+                        raise SlotLost(f"the lease of slot {slot} was taken over")
+                    stopping = self._stop.is_set()
+                    stamped = await self._step(slot, owner, settle, 0 if stopping else batch)
+                    settle = None
+                    if not stamped:
+                        if stopping:
+                            break
+                        if cycling:
+                            cycling = False
+                            self._cycling -= 1
+                        # Woken by a NOTIFY, by the ticker (rows due, a slot settled), by a
+                        # worker with a large batch, or to stop.
+                        await self._doorbell.wait()
+                        continue
+                    if not cycling:
+                        cycling = True
+                        self._cycling += 1
+                    if len(stamped) >= join_at:
+                        self._doorbell.ring()  # a backlog: another idle worker joins in
+                    seq = stamped[0][1]
+                    rows = [row for row, _ in stamped]
+                    self.events.emit("claimed", len(rows))
+                    self._fault("eos_after_stamp")
+                    settle, producer = await self._send(producer, slot, owner, seq, rows)
+            finally:
+                if cycling:
+                    self._cycling -= 1
             pool = self._pool
             assert pool is not None
             await pool.execute(self._q["eos_release"], slot, owner)

@@ -32,6 +32,11 @@ class Doorbell:
                 return
         self._pending = True
 
+    def remember(self) -> None:
+        """Wake nobody now: the next worker to wait goes and claims at once (for a wake-up
+        that a busy worker will serve, in case its last claim had just missed it)."""
+        self._pending = True
+
     def ring_all(self) -> None:
         """Wake every idle worker (after a reconnect or at start: a backlog may be waiting)."""
         woke = False

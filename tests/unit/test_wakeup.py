@@ -1,5 +1,6 @@
 """The retry timers (``wakeup.RetryTimers``): a timer whose rows were all claimed early is
-cancelled, so it never wakes a worker into an empty claim; other timers fire."""
+cancelled, so it never wakes a worker into an empty claim; other timers fire. And the
+doorbell's remembered ring."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import anyio
 import pytest
 
-from notify_outbox.relay.wakeup import RetryTimers
+from notify_outbox.relay.wakeup import Doorbell, RetryTimers
 
 pytestmark = pytest.mark.anyio
 
@@ -74,3 +75,17 @@ async def test_a_rescheduled_row_leaves_its_earlier_timer() -> None:
     timers.cancel()
     assert len(timers) == 0
     assert not timers.tracking
+
+
+async def test_a_remembered_ring_wakes_nobody_and_lets_the_next_waiter_through() -> None:
+    bell = Doorbell()
+    idle = asyncio.ensure_future(bell.wait())
+    await asyncio.sleep(0)
+    bell.remember()
+    await asyncio.sleep(0)
+    assert not idle.done(), "remember() must not wake an idle worker"
+    with anyio.fail_after(1):
+        assert await bell.wait()  # the busy worker's next wait goes on at once
+    bell.ring()
+    with anyio.fail_after(1):
+        assert await idle
