@@ -628,14 +628,15 @@ class ExactlyOnceRelay:
                 settle = await self._recover(slot, outstanding)
             batch = self.settings.batch_size
             join_at = max(2, round(batch * _JOIN_FRACTION))
-            cycling = False
+            cycling = retiring = False
             try:
                 while True:
                     if lost.is_set():
                         raise SlotLost(f"the lease of slot {slot} was taken over")
                     stopping = self._stop.is_set()
-                    stamped = await self._step(slot, owner, settle, 0 if stopping else batch)
-                    settle = None
+                    want = 0 if stopping or retiring else batch
+                    stamped = await self._step(slot, owner, settle, want)
+                    settle, retiring = None, False
                     if not stamped:
                         if stopping:
                             break
@@ -651,6 +652,12 @@ class ExactlyOnceRelay:
                         self._cycling += 1
                     if len(stamped) >= join_at:
                         self._doorbell.ring()  # a backlog: another idle worker joins in
+                    elif self._cycling > 1:
+                        # Small batches and another worker cycling: that one takes what
+                        # comes; this one settles its batch and goes idle (counted out now,
+                        # so that two such workers do not both leave).
+                        retiring, cycling = True, False
+                        self._cycling -= 1
                     seq = stamped[0][1]
                     rows = [row for row, _ in stamped]
                     self.events.emit("claimed", len(rows))
