@@ -43,6 +43,7 @@ __all__ = [
     "KafkaMessage",
     "KafkaPublisher",
     "NotEncoded",
+    "Partitions",
     "PublishResult",
     "Publisher",
     "RowRejected",
@@ -309,7 +310,7 @@ class KafkaPublisher:
         self._broken = False  # the producer's idempotent session is unusable: replace it
         self._down: str | None = None  # why Kafka is unavailable, while it is
         self._recovery_lock = asyncio.Lock()
-        self._partitions = _Partitions()
+        self._partitions = Partitions()
         # Per topic, the largest batch to send it, once it refused a larger one (its
         # max.message.bytes is below kafka_batch_size): Kafka refuses a whole batch whose
         # size is over the topic's limit, however small its records.
@@ -1206,7 +1207,7 @@ def _next_wave(
     return wave, later
 
 
-class _Partitions:
+class Partitions:
     """The partition of each record: Kafka's default rule for keyed records (murmur2 of the
     key, positive, modulo the topic's partition count; what the Java client and aiokafka's
     default partitioner do), hashed once per distinct key; keyless records of one publish
