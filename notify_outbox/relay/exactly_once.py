@@ -477,6 +477,16 @@ class ExactlyOnceRelay:
                     )
                 await backoff.sleep()
 
+    def _marker_reader(self, isolation_level: str) -> AIOKafkaConsumer:
+        """A consumer of no group for reading the marker partition."""
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.settings.kafka_bootstrap_servers.split(","),
+            isolation_level=isolation_level,
+            enable_auto_commit=False,
+            group_id=None,
+            **self._kafka.connection_options(),
+        )
+
     async def _committed_seq(self, slot: int) -> int:
         """The highest sequence of ``slot`` whose marker committed (0: none), read
         read_committed from the start of the marker partition up to its high watermark as it
@@ -492,25 +502,13 @@ class ExactlyOnceRelay:
         # this slot's marker, if any; the read_committed consumer below gets there once every
         # transaction begun before it has ended (the broker aborts one left open at its
         # timeout, and a slot taken over is fenced).
-        probe = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
-            isolation_level="read_uncommitted",
-            enable_auto_commit=False,
-            group_id=None,
-            **self._kafka.connection_options(),
-        )
+        probe = self._marker_reader("read_uncommitted")
         await probe.start()
         try:
             end = (await probe.end_offsets([tp]))[tp]
         finally:
             await probe.stop()
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
-            isolation_level="read_committed",
-            enable_auto_commit=False,
-            group_id=None,
-            **self._kafka.connection_options(),
-        )
+        consumer = self._marker_reader("read_committed")
         await consumer.start()
         try:
             consumer.assign([tp])

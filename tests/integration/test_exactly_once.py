@@ -74,6 +74,21 @@ async def _insert(
         await conn.close()
 
 
+async def stamp_and_vanish(conn: asyncpg.Connection, slot: int) -> list[asyncpg.Record]:
+    """A step as a relay would take it on ``slot``, by an owner whose lease has already
+    expired (it vanished with the batch stamped); the rows it stamped."""
+    await conn.execute(
+        "INSERT INTO outbox_eos_slot (slot, owner, expires_at) VALUES ($1, 'gone', now())", slot
+    )
+    return list(
+        await conn.fetch(
+            "SELECT * FROM outbox_eos_step($1, 'gone', 1000, NULL, NULL, '{}', '{}', '{}', "
+            "'{}', '{}', false, 10, 100)",
+            slot,
+        )
+    )
+
+
 async def _fetchval(dsn: str, sql: str) -> Any:
     conn = await asyncpg.connect(dsn)
     try:
@@ -198,14 +213,7 @@ async def test_a_slot_held_by_a_vanished_relay_is_settled_and_its_keys_go_on(
     await _insert(db_dsn, topic, ["a", "a", "b"])
     conn = await asyncpg.connect(db_dsn)
     try:
-        # A step as a relay would take it, by an owner that then vanishes.
-        await conn.execute(
-            "INSERT INTO outbox_eos_slot (slot, owner, expires_at) VALUES (2, 'gone', now())"
-        )
-        stamped = await conn.fetch(
-            "SELECT * FROM outbox_eos_step(2, 'gone', 1000, NULL, NULL, '{}', '{}', '{}', '{}', "
-            "'{}', false, 10, 100)"
-        )
+        stamped = await stamp_and_vanish(conn, 2)
         assert len(stamped) == 3
     finally:
         await conn.close()

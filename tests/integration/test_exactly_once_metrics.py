@@ -18,7 +18,13 @@ from notify_outbox.ops.metrics import RelayMetrics
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
 from tests.conftest import Services
 from tests.faults.harness import eventually
-from tests.integration.test_exactly_once import READ_COMMITTED, _insert, _set_delivery, eos_settings
+from tests.integration.test_exactly_once import (
+    READ_COMMITTED,
+    _insert,
+    _set_delivery,
+    eos_settings,
+    stamp_and_vanish,
+)
 from tests.support import consume
 
 pytestmark = pytest.mark.anyio
@@ -97,14 +103,7 @@ async def test_readyz_says_recovering_while_a_batch_in_flight_is_settled(
     await _insert(db_dsn, topic, ["a", "b", "c"])
     conn = await asyncpg.connect(db_dsn)
     try:
-        # A step as a relay would take it, by an owner that then vanished (lease expired).
-        await conn.execute(
-            "INSERT INTO outbox_eos_slot (slot, owner, expires_at) VALUES (1, 'gone', now())"
-        )
-        stamped = await conn.fetch(
-            "SELECT * FROM outbox_eos_step(1, 'gone', 1000, NULL, NULL, '{}', '{}', '{}', '{}', "
-            "'{}', false, 10, 100)"
-        )
+        stamped = await stamp_and_vanish(conn, 1)
         assert len(stamped) == 3
         seq = stamped[0]["seq"]
     finally:

@@ -72,6 +72,15 @@ ORDER_JSON_SCHEMA = {
 }
 
 
+# A row that does not match ORDER (no total), its key's next row, and another key's row.
+BAD_THEN_GOOD = (
+    "INSERT INTO outbox (topic, key, payload) VALUES "
+    "($1, 'bad', '{\"order\": 1}'), "
+    "($1, 'bad', '{\"order\": 2, \"total\": 2.0}'), "
+    "($1, 'good', '{\"order\": 3, \"total\": 3.0}')"
+)
+
+
 def relay_settings(db_dsn: str, services: Services, url: str, **kw: Any) -> OutboxSettings:
     fields: dict[str, Any] = {
         "dsn": db_dsn,
@@ -242,13 +251,7 @@ async def test_a_plain_sql_row_that_does_not_match_is_dead_lettered_at_once(
             async with Relay(
                 relay_settings(db_dsn, services, schema_registry.url, max_attempts=5)
             ) as relay:
-                await conn.execute(
-                    "INSERT INTO outbox (topic, key, payload) VALUES "
-                    "($1, 'bad', '{\"order\": 1}'), "
-                    "($1, 'bad', '{\"order\": 2, \"total\": 2.0}'), "
-                    "($1, 'good', '{\"order\": 3, \"total\": 3.0}')",
-                    topic,
-                )
+                await conn.execute(BAD_THEN_GOOD, topic)
                 await relay.events.wait_for("dead_lettered", 1)
                 records, _ = await consume(services.bootstrap, topic, expect=2)
             dead = await conn.fetch("SELECT key, error, attempts FROM outbox_dead_letter")
@@ -721,13 +724,7 @@ async def test_exactly_once_delivery_encodes_governed_topics_and_dead_letters_a_
             async with ExactlyOnceRelay(
                 eos_registry_settings(db_dsn, services, schema_registry.url)
             ) as relay:
-                await conn.execute(
-                    "INSERT INTO outbox (topic, key, payload) VALUES "
-                    "($1, 'bad', '{\"order\": 1}'), "
-                    "($1, 'bad', '{\"order\": 2, \"total\": 2.0}'), "
-                    "($1, 'good', '{\"order\": 3, \"total\": 3.0}')",
-                    topic,
-                )
+                await conn.execute(BAD_THEN_GOOD, topic)
                 await relay.events.wait_for("dead_lettered", 1)
                 await consume(
                     services.bootstrap,

@@ -23,7 +23,7 @@ from notify_outbox.kafka.publisher import (
     KafkaPublisher,
     RowRejected,
     _next_wave,
-    _Partitions,
+    Partitions,
     to_message,
 )
 from tests.fakes import fake_settings
@@ -114,7 +114,7 @@ def test_a_wave_holds_one_topic_per_key() -> None:
 def test_keyed_partitions_are_kafkas_default_ones(partitions: int) -> None:
     # The Java client's and aiokafka's default partitioner: what consumers (and Debezium
     # users) expect for a key.
-    chooser, default = _Partitions(), DefaultPartitioner()
+    chooser, default = Partitions(), DefaultPartitioner()
     producer = FakeProducer(partitions)
     rnd = random.Random(7)
     for _ in range(2000):
@@ -137,7 +137,7 @@ async def test_rows_of_a_topic_deleted_after_the_publish_checked_it_fail_as_miss
         (1, "topic 'gone' does not exist in Kafka"),
         (2, "topic 'gone' does not exist in Kafka"),
     ]  # row 3 waits behind row 1 (its key)
-    expected = ("a", _Partitions().choose(producer, "a", b"j"))  # type: ignore[arg-type]
+    expected = ("a", Partitions().choose(producer, "a", b"j"))  # type: ignore[arg-type]
     assert list(batches) == [expected]
 
 
