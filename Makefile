@@ -21,23 +21,28 @@ install: $(STAMP)
 # and --basetemp: the fault suite and the bench's smoke tests (tests/faults, which stops and
 # restarts its services, and tests/bench), and everything else. Their tests mostly wait on
 # servers and processes, so on 2 cores the two take little longer than the longer one alone.
-# The first session's output follows the second's. pytest's exit code 5 (no tests collected)
-# is a failure here too. --durations=20: each session's 20 slowest tests, at its end.
+# The first session's output follows the second's. Then, on their own, the tests marked
+# `cluster` (a three-broker Kafka cluster: three JVMs that, beside both sessions, slowed the
+# timing-sensitive tests into failing). pytest's exit code 5 (no tests collected) is a failure
+# here too. --durations=20: each session's 20 slowest tests, at its end.
 test: $(STAMP)
 	@set -u; log=$$(mktemp); tmp=$$(mktemp -d); \
-	$(PY) -m pytest tests/faults tests/bench --durations=20 --basetemp="$$tmp/a" $(PYTEST_ARGS) \
-		>"$$log" 2>&1 & first=$$!; \
+	$(PY) -m pytest tests/faults tests/bench -m "not cluster" --durations=20 --basetemp="$$tmp/a" \
+		$(PYTEST_ARGS) >"$$log" 2>&1 & first=$$!; \
 	trap 'kill $$first 2>/dev/null' INT TERM; \
-	$(PY) -m pytest --ignore=tests/faults --ignore=tests/bench --durations=20 \
+	$(PY) -m pytest --ignore=tests/faults --ignore=tests/bench -m "not cluster" --durations=20 \
 		--basetemp="$$tmp/b" $(PYTEST_ARGS); rc=$$?; \
 	wait $$first; frc=$$?; \
 	echo "== tests/faults and tests/bench, run beside the tests above"; cat "$$log"; \
+	echo "== three-broker Kafka clusters (marked cluster), on their own: three JVMs each"; \
+	$(PY) -m pytest tests -m cluster --durations=5 --basetemp="$$tmp/c" $(PYTEST_ARGS); crc=$$?; \
 	rm -rf "$$log" "$$tmp"; \
-	for code in $$rc $$frc; do \
+	for code in $$rc $$frc $$crc; do \
 		if [ $$code -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; \
 	done; \
-	if [ $$rc -ne 0 ] || [ $$frc -ne 0 ]; then \
-		echo "make test: pytest exited $$rc (the rest), $$frc (tests/faults, tests/bench)" >&2; exit 1; fi
+	if [ $$rc -ne 0 ] || [ $$frc -ne 0 ] || [ $$crc -ne 0 ]; then \
+		echo "make test: pytest exited $$rc (the rest), $$frc (tests/faults, tests/bench)," \
+			"$$crc (clusters)" >&2; exit 1; fi
 
 # Only the fault-injection suite (part of `make test` too; ~5 min): crashes, restarts, outages.
 # Its own --basetemp, so it can run beside another pytest session of the same user.

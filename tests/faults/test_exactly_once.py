@@ -14,6 +14,7 @@ events and 0 order inversions, with no allowance.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -22,13 +23,15 @@ from collections.abc import Callable
 
 import anyio
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
+from tests.faults.eos_batches import check_batches
 from tests.faults.harness import (
     FaultRelay,
     connect,
+    create_topics,
     durable_commits,
     eventually,
     partitions,
@@ -75,6 +78,13 @@ async def _stamped(dsn: str) -> set[str]:
             "SELECT o.event_id FROM outbox_eos_stamp AS s JOIN outbox AS o ON o.id = s.id"
         )
     return {str(r["event_id"]) for r in rows}
+
+
+async def _whole_batches(dsn: str, bootstrap: str, topic: str, env: dict[str, str]) -> None:
+    """No torn batch and no aborted read (``eos_batches.py``); call once the relays stopped."""
+    batches = await check_batches(dsn, bootstrap, topic, env["NOTIFY_OUTBOX_EOS_MARKER_TOPIC"])
+    print(batches.text())
+    assert batches.ok, batches.text()
 
 
 async def _visible(bootstrap: str, topic: str) -> set[str]:
@@ -135,6 +145,7 @@ async def test_kill_at_each_point_of_a_batch_sends_each_event_once(
     report.assert_ok()
     assert report.duplicate_ids == {}
     assert await _stamped(db_dsn) == set()
+    await _whole_batches(db_dsn, services.bootstrap, topic, env)
 
 
 async def test_the_control_a_recovery_blind_to_the_markers_duplicates_the_batch(
@@ -209,6 +220,7 @@ async def test_a_relay_frozen_with_its_transaction_open_is_fenced_and_sends_noth
     print(report.text())
     report.assert_ok()
     assert report.duplicate_ids == {}
+    await _whole_batches(db_dsn, services.bootstrap, topic, env)
 
 
 async def _grows(get: Callable[[], int], target: int) -> bool:
@@ -272,6 +284,7 @@ async def test_a_service_restart_under_writers_sends_each_event_once(
     print(report.text())
     report.assert_ok()
     assert report.duplicate_ids == {}
+    await _whole_batches(db_dsn, services.bootstrap, topic, env)
 
 
 _POINTS = ("eos_after_stamp", "eos_before_commit", "eos_after_commit")
@@ -359,3 +372,41 @@ async def test_three_relays_under_a_random_fault_schedule_send_each_event_once(
     print(report.text())
     report.assert_ok()
     assert report.duplicate_ids == {}, f"seed {seed}"
+    await _whole_batches(db_dsn, services.bootstrap, topic, env)
+
+
+async def test_the_batch_check_finds_a_torn_batch_and_an_aborted_read(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """The batch check can fail: a marker whose event is not in Kafka (a torn batch), and an
+    event no marker lists (what a read of an aborted transaction looks like), each seeded
+    with a plain producer, are each found."""
+    async with connect(db_dsn) as conn:
+        ids = [
+            await conn.fetchval(
+                "INSERT INTO outbox (topic, key, payload, published_at) "
+                "VALUES ($1, 'k', '{}', now()) RETURNING id",
+                topic,
+            )
+            for _ in range(3)
+        ]
+        events = {
+            r["id"]: str(r["event_id"]) for r in await conn.fetch("SELECT id, event_id FROM outbox")
+        }
+    marker_topic = f"eos-markers-{uuid.uuid4().hex[:8]}"
+    await create_topics(services.bootstrap, [marker_topic], partitions=1)
+    producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap)
+    await producer.start()
+    try:
+        for row_id in ids[:2]:  # the first two events are in Kafka, the third is not
+            header = [("outbox-event-id", events[row_id].encode())]
+            await producer.send_and_wait(topic, b"{}", key=b"k", headers=header)
+        for seq, listed in ((1, ids[:1]), (2, ids[2:])):  # the second event: no marker
+            marker = {"outbox": "public.outbox", "slot": 0, "seq": seq, "ids": listed}
+            await producer.send_and_wait(marker_topic, json.dumps(marker).encode(), key=b"s0")
+    finally:
+        await producer.stop()
+    batches = await check_batches(db_dsn, services.bootstrap, topic, marker_topic)
+    assert batches.torn == [(0, 2)]
+    assert batches.aborted_reads == [events[ids[1]]]
+    assert not batches.ok

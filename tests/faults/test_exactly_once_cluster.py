@@ -38,6 +38,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from devstack import StackError
 from devstack.kafka_cluster import KafkaCluster
 from tests.faults.checker import FIGURES, OutboxChecker, WriterLoad
+from tests.faults.eos_batches import check_batches
 from tests.faults.harness import (
     FaultRelay,
     connect,
@@ -48,7 +49,7 @@ from tests.faults.harness import (
     task_group,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
 PARTITIONS = 3
 REPLICAS = 3
@@ -346,6 +347,8 @@ async def test_the_transaction_coordinator_killed_under_writers_sends_each_event
     FIGURES.notes["exactly-once coordinator kill: relay log lines"] = figures
     report.assert_ok()
     assert report.duplicate_ids == {}
+    batches = await check_batches(db_dsn, bootstrap, topic, marker_topic)
+    assert batches.ok, batches.text()
     assert after_kill > 0
     # The fault was the one meant: the killed node coordinated relay-b's open transaction
     # (and every transaction of relay-a after it went through another one).

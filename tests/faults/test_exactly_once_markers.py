@@ -23,6 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
+from tests.faults.eos_batches import check_batches
 from tests.faults.harness import FaultRelay, connect, eventually, relays
 
 pytestmark = pytest.mark.anyio
@@ -139,3 +140,5 @@ async def test_a_committed_batch_behind_another_slots_open_transaction_is_not_se
     report.assert_ok()
     assert report.duplicate_ids == {}
     assert "its transaction committed" in line, line
+    batches = await check_batches(db_dsn, services.bootstrap, topic, marker_topic)
+    assert batches.ok, batches.text()

@@ -20,6 +20,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from devstack.kafka_cluster import KafkaCluster
 
+pytestmark = pytest.mark.cluster  # `make test` runs it on its own, after the rest
+
 # Generous: three JVMs share two cores with whatever else runs.
 WAIT_S = 60.0
 PARTITIONS = 3
