@@ -21,9 +21,9 @@ from notify_outbox.core.message import PublishResult
 from notify_outbox.core.outbox import OutboxRow
 from notify_outbox.kafka.publisher import (
     KafkaPublisher,
+    Partitions,
     RowRejected,
     _next_wave,
-    Partitions,
     to_message,
 )
 from tests.fakes import fake_settings
