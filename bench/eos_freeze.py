@@ -61,6 +61,7 @@ _SLACK_S = 1.0  # the fence's and the abort markers' own time, and the looks' re
 _FREEZER_TIMEOUT = 10.0
 _FIRST_LOOK_NS = 250_000_000  # the first look after the stop comes within this
 _STALLED_NS = 500_000_000
+_GUARD_NS = 1_000_000_000
 MARKER_TOPIC = "notify_outbox.eos_markers"  # the relay's default marker topic
 
 
@@ -442,7 +443,13 @@ class _EosFreeze(Cells[Mode]):
             cell["latency"] = analyse_latency(
                 load_arrays(gen_path),
                 load_arrays(got_path),
-                {"before": (t_base, t_arm), "frozen": (t_stop, t_cont), "after": (t_cont, t_end)},
+                {
+                    # The baseline ends a guard before the arming: a row committed just before
+                    # it may be in the batch the relay freezes with (and wait for its end).
+                    "before": (t_base, t_arm - min(_GUARD_NS, (t_arm - t_base) // 2)),
+                    "frozen": (t_stop, t_cont),
+                    "after": (t_cont, t_end),
+                },
             )
             cell.update(
                 {
@@ -585,8 +592,9 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "s: transaction.abort.timed.out.transaction.cleanup.interval.ms), or the other "
         "relay's tick (every min(5 s, lease / 3)) finds the slot's lease expired and fences "
         "it; the earlier of the two, plus 1 s. Latency is commit ack -> read_committed "
-        "receipt (ms), by commit ack: **before** (the baseline), **frozen** (the stop to the "
-        "SIGCONT), **after**.",
+        "receipt (ms), by commit ack: **before** (the baseline, up to 1 s before the arming: a row "
+        "committed just before it may be in the frozen batch; runs before 20:20 UTC on "
+        "2026-11-28 had no such guard), **frozen** (the stop to the SIGCONT), **after**.",
     ]
     lines += targets_section(summary, "issue #35: the LSO stall bounded by the settings")
     lines += ["", "## LSO held per setting", ""]
