@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import drain, failing_head, held_snapshot, inbox, recovery, stalled_relay
+from bench import drain, eos_freeze, failing_head, held_snapshot, inbox, recovery, stalled_relay
 from bench.regimes import Regime
 from bench.report import write_run_report
 
@@ -19,6 +19,7 @@ REGIMES: dict[str, Regime] = {
         held_snapshot.REGIME,
         failing_head.REGIME,
         stalled_relay.REGIME,
+        eos_freeze.REGIME,
         inbox.REGIME,
     )
 }

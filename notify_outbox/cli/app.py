@@ -277,9 +277,12 @@ def _fault_hook_from_env() -> Callable[[str], None] | None:
     """Test-only: ``NOTIFY_OUTBOX_TEST_CRASH_AT=after_ack`` kills the process (SIGKILL) the
     first time a batch reaches that point, so fault tests can crash it at an exact step;
     ``NOTIFY_OUTBOX_TEST_STOP_AT=after_claim`` freezes it there (SIGSTOP) the first time, for a
-    stall while it holds a claim (the test sends SIGCONT)."""
+    stall while it holds a claim (the test sends SIGCONT). With
+    ``NOTIFY_OUTBOX_TEST_STOP_ARMED=PATH`` the stop waits until that file exists, so that a
+    bench can freeze the relay at that point at a moment of its choosing (after a baseline)."""
     crash_at = os.environ.get("NOTIFY_OUTBOX_TEST_CRASH_AT")
     stop_at = os.environ.get("NOTIFY_OUTBOX_TEST_STOP_AT")
+    armed = os.environ.get("NOTIFY_OUTBOX_TEST_STOP_ARMED")
     if not crash_at and not stop_at:
         return None
     stopped = False
@@ -288,7 +291,7 @@ def _fault_hook_from_env() -> Callable[[str], None] | None:
         nonlocal stopped
         if reached == crash_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if reached == stop_at and not stopped:
+        if reached == stop_at and not stopped and (armed is None or os.path.exists(armed)):
             stopped = True
             os.kill(os.getpid(), signal.SIGSTOP)
 

@@ -1,7 +1,7 @@
-"""The backlog-drain, outage-recovery, held-snapshot, failing-head and stalled-relay phases of
-the bench, tiny, end to end: they must run, deliver every row (in per-key order where that is
-checked), and write their result and report. Nothing here looks at speed (the machines are
-shared and noisy)."""
+"""The backlog-drain, outage-recovery, held-snapshot, failing-head, stalled-relay and
+eos-freeze phases of the bench, tiny, end to end: they must run, deliver every row (in per-key
+order where that is checked), and write their result and report. Nothing here looks at speed
+(the machines are shared and noisy)."""
 
 from __future__ import annotations
 
@@ -186,6 +186,29 @@ def test_stalled_relay_freezes_one_relay_and_loses_nothing(
         assert c["exit_codes"] == [0, 0], c["exit_codes"]
     assert path.with_suffix(".md").is_file()
     assert path.with_suffix(".png").is_file()
+
+
+EOS_FREEZE_TIMEOUT = 180
+
+
+@pytest.mark.timeout(EOS_FREEZE_TIMEOUT + 30)
+def test_eos_freeze_holds_the_lso_while_a_relay_is_frozen_mid_transaction(
+    services: Services, tmp_path: Path
+) -> None:
+    args = ["eos-freeze", "--settings", "2/2", "--warmup", "1", "--baseline", "2"]
+    args += ["--freeze", "5", "--after", "2", "--out", str(tmp_path)]
+    done = _bench(args, relay_env(services.dsn, services.bootstrap), EOS_FREEZE_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("eos-freeze-*.json")
+    (c,) = json.loads(path.read_text())["cells"]
+    assert c["latency"]["events"]["missing"] == 0, c["latency"]["events"]
+    assert c["consumer"]["duplicates"] == 0
+    # The frozen transaction held some partition's LSO, and it ended before the SIGCONT
+    # (the lease of 2 s: the other relay took the slot over and fenced it).
+    assert c["lso"]["held_max_s"] is not None
+    assert c["lso"]["held_max_s"] < c["frozen_s"], c["lso"]["partitions"]
+    assert c["exit_codes"] == [0, 0], c["exit_codes"]
+    assert path.with_suffix(".md").is_file()
 
 
 INBOX_TIMEOUT = 180
