@@ -503,9 +503,12 @@ class OutboxSettings(DatabaseSettings):
     eos_transaction_timeout: Seconds = Field(
         10.0,
         ge=1,
-        description="exactly-once: Kafka's transaction.timeout.ms for the relay's transactions: "
-        "how long a transaction left open by a frozen relay holds back read_committed "
-        "consumers (its partitions' last stable offset) before the broker aborts it",
+        description="exactly-once: Kafka's transaction.timeout.ms for the relay's transactions. "
+        "A transaction left open by a frozen relay holds back read_committed consumers (its "
+        "partitions' last stable offset) until the broker aborts it, at its next expiry check "
+        "after this (every 10 s by default), or another relay takes the slot after eos_lease: "
+        "to shorten that stall, shorten eos_lease (docs/benchmarks.md). Must exceed a healthy "
+        "batch's send and commit, seconds when a broker fails over",
     )
     eos_marker_topic: str = Field(
         "notify_outbox.eos_markers",
