@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer
 
 from tests.faults.harness import connect, partitions
 
-__all__ = ["BatchReport", "check_batches"]
+__all__ = ["BatchReport", "check_batches", "read_committed_records"]
 
 
 @dataclass
@@ -45,8 +45,11 @@ class BatchReport:
         )
 
 
-async def _read_all(bootstrap: str, topic: str) -> list[tuple[dict[str, bytes], bytes | None]]:
-    """(headers, value) of every record a read_committed consumer sees in ``topic``."""
+async def read_committed_records(
+    bootstrap: str, topic: str
+) -> list[tuple[dict[str, bytes], bytes | None]]:
+    """(headers, value) of every record a read_committed consumer sees in ``topic`` now
+    (up to the last stable offsets)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed"
     )
@@ -78,12 +81,12 @@ async def check_batches(
     event_of = {int(r["id"]): str(r["e"]) for r in rows}
     visible = {
         h["outbox-event-id"].decode()
-        for h, _ in await _read_all(bootstrap, topic)
+        for h, _ in await read_committed_records(bootstrap, topic)
         if "outbox-event-id" in h
     }
     report = BatchReport(events=len(visible))
     marked: set[str] = set()
-    for _, value in await _read_all(bootstrap, marker_topic):
+    for _, value in await read_committed_records(bootstrap, marker_topic):
         marker = json.loads(value or b"{}")
         if marker.get("outbox") != target:
             continue

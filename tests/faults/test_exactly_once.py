@@ -23,18 +23,17 @@ from collections.abc import Callable
 
 import anyio
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 
 from tests.conftest import Services
 from tests.faults.checker import OutboxChecker
-from tests.faults.eos_batches import check_batches
+from tests.faults.eos_batches import check_batches, read_committed_records
 from tests.faults.harness import (
     FaultRelay,
     connect,
     create_topics,
     durable_commits,
     eventually,
-    partitions,
     relays,
     restartable,
     run_blocking,
@@ -90,23 +89,11 @@ async def _whole_batches(dsn: str, bootstrap: str, topic: str, env: dict[str, st
 async def _visible(bootstrap: str, topic: str) -> set[str]:
     """Event ids a read_committed consumer sees in ``topic`` now (up to the last stable
     offsets)."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed"
-    )
-    await consumer.start()
-    try:
-        tps = await partitions(consumer, [topic])
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        seen: set[str] = set()
-        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
-            for batch in (await consumer.getmany(*tps, timeout_ms=200)).values():
-                for r in batch:
-                    seen.update(v.decode() for k, v in r.headers if k == "outbox-event-id")
-        return seen
-    finally:
-        await consumer.stop()
+    return {
+        h["outbox-event-id"].decode()
+        for h, _ in await read_committed_records(bootstrap, topic)
+        if "outbox-event-id" in h
+    }
 
 
 @pytest.mark.parametrize(
