@@ -25,6 +25,7 @@ from .kafka.publisher import KafkaPublisher, Publisher, PublishResult
 from .pg.migrations import VerifyReport, migrate, render_migrations, verify
 from .pg.store import PgOutboxStore
 from .producer.enqueue import OutboxEvent, enqueue, enqueue_many
+from .relay.fleet import Fleet, FleetDatabase
 from .relay.relay import Relay
 
 __all__ = [
@@ -45,6 +46,8 @@ __all__ = [
     "PublishResult",
     "Publisher",
     "PublisherUnavailable",
+    "Fleet",
+    "FleetDatabase",
     "Relay",
     "RelayEvents",
     "VerifyReport",

@@ -117,6 +117,8 @@ class OutboxNames:
             # Literal strings below are built from validated names only: no quote can occur.
             "@id_seq_literal@": f"'{s}.{_quote(t + '_id_seq')}'",
             "@channel_literal@": f"'{self.channel}'",
+            # The notification's payload (migration 0008): which outbox has news.
+            "@target_literal@": f"'{self.target}'",
             "@prefix@": t,
             "@config@": f"{s}.{_quote(t + '_config')}",
             "@eos_slot@": f"{s}.{_quote(t + '_eos_slot')}",
@@ -138,4 +140,6 @@ class OutboxNames:
         "@awake_ns@",
         "@eos_key@",
         "@channel_literal@",
+        # Names the real outbox in the scratch copy too: the payload is data, not a reference.
+        "@target_literal@",
     )

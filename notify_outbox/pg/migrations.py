@@ -45,7 +45,10 @@ CREATE TABLE IF NOT EXISTS @migrations@ (
 );
 """
 
-log = logging.getLogger("notify_outbox.migrations")  # the name it had before the move
+log = logging.getLogger("notify_outbox.migrations")
+
+#: What ``migrate`` NOTIFYs on a new outbox's channel (``relay/fleet.py`` re-discovers then).
+REGISTRY_PAYLOAD = "notify-outbox:registry"  # the name it had before the move
 
 # An attempt waits at most this long for each lock it needs (in PostgreSQL's lock_timeout
 # syntax). A migration that takes a table lock queues every producer behind its request, so a
@@ -264,6 +267,11 @@ async def _migrate_once(
                 _checksum(m),
             )
             applied.append(m.version)
+        channel = getattr(names, "channel", None)
+        if applied and 1 in applied and channel is not None:
+            # A new outbox: relays serving every outbox of the database (fleet.py) hear it on
+            # its channel at commit and serve it without waiting for their next catalog look.
+            await conn.execute("SELECT pg_notify($1, $2)", channel, REGISTRY_PAYLOAD)
         # Inside a caller's transaction (a savepoint here) the setting would outlive us.
         await conn.execute("SELECT set_config('lock_timeout', $1, true)", was)
     return applied

@@ -93,6 +93,9 @@ class Gate:
         self._rate_at = time.monotonic()
         self._lock = asyncio.Lock()  # the marker's state changes one at a time
         self._watch: asyncio.Task[None] | None = None
+        # Set when the marker is taken: the renewer rests until then (a relay serving many
+        # outboxes has a gate per outbox, and most of them are never awake).
+        self._marked = asyncio.Event()
 
     @property
     def awake(self) -> bool:
@@ -151,6 +154,9 @@ class Gate:
         a gap, in which producers simply notify). Once per epoch is half the statements of
         renewing every half epoch, a fixed cost per second that shows at steady load."""
         while True:
+            if not self.awake:
+                self._marked.clear()
+                await self._marked.wait()
             epoch_s = self.epoch_ms / 1000
             into = (time.time() / epoch_s) % 1.0  # how far into its epoch the clock is
             await anyio.sleep(epoch_s * ((0.5 - into) if into < 0.5 else (1.5 - into)))
@@ -186,6 +192,7 @@ class Gate:
             self._held = list(now_held)
             if self._marked_on is None and self._held:
                 self._marked_on = conn
+                self._marked.set()
                 self._events.emit("gate_awake")
 
     def _renewed_lately(self) -> bool:

@@ -63,12 +63,18 @@ class Listener:
         *,
         connect: Callable[..., Any] = asyncpg.connect,
         notify: Callable[[str, str], Awaitable[object]] | None = None,
+        route: Callable[[str], None] | None = None,
     ) -> None:
         """``notify(channel, payload)`` sends a notification over another connection (the
         workers' pool): it proves that a LISTEN through a connection pooler hears
-        notifications at all (see ``_check_listen``)."""
+        notifications at all (see ``_check_listen``). ``route(payload)``: takes every
+        notification that is not a health probe instead of ``wake`` (a relay serving many
+        outboxes, ``fleet.py``, rings the outbox the payload names); ``wake`` still gets
+        ``start`` and ``reconnect``."""
         self._settings = settings
         self._wake = wake
+        self._route = route
+        self._target = settings.names.target
         self._events = events
         self._connect = connect
         self._notify = notify
@@ -97,7 +103,13 @@ class Listener:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             return
-        self._wake("notification")
+        if self._route is not None:
+            self._route(payload)
+        elif not payload or payload == self._target:
+            # Since migration 0008 the payload names the outbox: another outbox's commits on
+            # a shared channel wake nobody here (an empty one is an older trigger's, or a
+            # hand-made NOTIFY: it wakes, as before).
+            self._wake("notification")
 
     async def _probe(self, conn: asyncpg.Connection) -> None:
         token = PROBE_PREFIX + secrets.token_hex(8)

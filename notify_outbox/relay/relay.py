@@ -63,7 +63,7 @@ from .pulse import Pulse
 from .stagelog import open_stage_log
 from .stalls import ClaimIdleTimeout
 from .wakeup import Doorbell, RetryTimers
-from .wiring import connect_pool, kafka_publisher, open_postgres
+from .wiring import SharedPorts, connect_pool, kafka_publisher, open_postgres
 
 __all__ = ["Relay"]
 
@@ -115,7 +115,9 @@ class Relay:
     closes what it built itself; ports given to it are the caller's to close.
     ``kafka_token_provider``: with SASL OAUTHBEARER, a function that returns a token (or an
     awaitable of one), called at each authentication; instead of the
-    ``kafka_sasl_oauth_token_provider`` setting.
+    ``kafka_sasl_oauth_token_provider`` setting. ``shared``: the ports of a database whose
+    outboxes one process serves (``Fleet``, ``fleet.py``); the relay then runs no listener,
+    poller or pulse of its own, and closes none of them.
     """
 
     def __init__(
@@ -126,8 +128,12 @@ class Relay:
         publisher: Publisher | None = None,
         fault_hook: FaultHook | None = None,
         kafka_token_provider: TokenProvider | None = None,
+        shared: SharedPorts | None = None,
     ) -> None:
         self.settings = settings
+        self._shared = shared
+        if shared is not None:
+            publisher = shared.publisher
         self._kafka_token_provider = kafka_token_provider
         self.events = RelayEvents()
         self.outcome: Literal["running", "stopped", "forced", "aborted", "failed"] = "running"
@@ -157,7 +163,7 @@ class Relay:
         #: When the first claim with rows of the current unbroken run of claims (some worker
         #: busy all along) ended: the gate's awake mark counts from there.
         self._busy_since: float | None = None
-        self.kafka_outage = Outage("Kafka", log)
+        self.kafka_outage = Outage("Kafka", log) if shared is None else shared.kafka_outage
         self.db_outage = Outage("PostgreSQL", log)
         self._retry_timers = RetryTimers(lambda: self._wake("retry"))
         self._busy_timer: asyncio.TimerHandle | None = None
@@ -168,7 +174,7 @@ class Relay:
         #: Whether NOTIFY_OUTBOX_DSN goes through a connection pooler (found at start).
         self.behind_pooler = False
         #: Names this relay's sessions in pg_stat_activity (pulse.py).
-        self.relay_id = secrets.token_hex(4)
+        self.relay_id = secrets.token_hex(4) if shared is None else shared.relay_id
         #: Proof that this process runs, and the end of frozen relays' claims (pulse.py);
         #: None when off (frozen_relay_timeout 0, a pooler, a store other than PostgreSQL's).
         self.pulse: Pulse | None = None
@@ -306,8 +312,10 @@ class Relay:
         Safe to call from a signal handler running in the loop, and more than once."""
         if self._stopping:
             return
-        log.info(
-            "stopping: finishing in-flight batches (up to %ss)", self.settings.shutdown_timeout
+        log.log(
+            logging.INFO if self._shared is None else logging.DEBUG,  # a fleet says it once
+            "stopping: finishing in-flight batches (up to %ss)",
+            self.settings.shutdown_timeout,
         )
         # One deadline for the whole graceful stop: batches in flight, then the producer's
         # flush and the pool's close share it (each used to get a full shutdown_timeout).
@@ -365,24 +373,30 @@ class Relay:
             if not await self._open():
                 clean = True
                 return
+            shared = self._shared
             async with anyio.create_task_group() as services:
-                if not self.settings.poll_only:
+                if shared is not None:
+                    # The fleet's listener (listening already), poller, pulse, Kafka watch
+                    # and outage reminders serve this outbox with the others of its database.
+                    self.listener = self.gate.listener = shared.listener
+                elif not self.settings.poll_only:
                     self.listener = Listener(
                         self.settings, self._wake, self.events, notify=self._notify
                     )
                     self.gate.listener = self.listener
                     services.start_soon(self.listener.run, name="listener")
-                services.start_soon(self._poller, name="poller")
+                if shared is None:
+                    services.start_soon(self._poller, name="poller")
+                    services.start_soon(self._remind_outages, name="outage-reminders")
+                    services.start_soon(self._watch_kafka, name="kafka-watch")
                 services.start_soon(self.gate.renew_while_claiming, name="gate-renewer")
                 services.start_soon(self._housekeeping, name="housekeeping")
                 services.start_soon(self._shutdown_watchdog, name="watchdog")
-                services.start_soon(self._remind_outages, name="outage-reminders")
-                services.start_soon(self._watch_kafka, name="kafka-watch")
                 services.start_soon(self.claim_timeout.watch_loop, name="stall-watch")
                 async with anyio.create_task_group() as workers:
                     for n in range(self.settings.workers):
                         workers.start_soon(self._worker, name=f"worker-{n}")
-                    if self.settings.poll_only:
+                    if self.settings.poll_only or shared is not None:
                         self._wake("start")
                     else:
                         await self.events.wait_for("listening")
@@ -405,25 +419,40 @@ class Relay:
         """Connect the ports not given (``wiring.py``), retrying until PostgreSQL and Kafka
         answer or a stop is asked."""
         s = self.settings
+        shared = self._shared
         if self._store is None:
-            connected = await self._until_stopped(connect_pool(s, self.relay_id))
-            if connected is None:
-                return False
-            self._pool, self.behind_pooler = connected
+            if shared is not None:
+                pool, self.behind_pooler = shared.pool, shared.behind_pooler
+            else:
+                connected = await self._until_stopped(connect_pool(s, self.relay_id))
+                if connected is None:
+                    return False
+                self._pool, self.behind_pooler = connected
+                pool = self._pool
             pg = await open_postgres(
-                self._pool,
+                pool,
                 self.behind_pooler,
                 s,
                 self.relay_id,
                 begin_round_trip=self.claim_timeout.round_trip,
                 on_reaped=self._after_reap,
+                shared=shared is not None,
             )
             self._store = self._own_store = pg.store
-            self.gate.enabled = pg.notify_mode == "gated" and not s.poll_only
+            self.gate.enabled = (
+                pg.notify_mode == "gated"
+                and not s.poll_only
+                and (shared is None or shared.listener is not None)
+            )
             self.gate.epoch_ms = pg.awake_epoch_ms
-            self.pulse = pg.pulse
-            if self.pulse is not None:
-                self.pulse.start()
+            if shared is not None:
+                self.pulse = shared.pulse
+                if self.pulse is not None:
+                    pg.store.reaped_after = s.frozen_relay_timeout
+            else:
+                self.pulse = pg.pulse
+                if self.pulse is not None:
+                    self.pulse.start()
         if self._publisher is None:
             kafka = kafka_publisher(s, self._kafka_token_provider)
             self._publisher = self._own_kafka = kafka
@@ -449,7 +478,7 @@ class Relay:
         return max(0.0, self._stop_deadline - time.monotonic())
 
     async def _close(self, *, graceful: bool) -> None:
-        if self.pulse is not None:
+        if self.pulse is not None and self._shared is None:
             await self.pulse.stop()
         if self._own_store is not None:
             # Connections waiting for a next claim go back to the pool, which waits for them.
@@ -509,6 +538,11 @@ class Relay:
 
     # --- wake-ups -----------------------------------------------------------------------------
 
+    def wake(self, source: str = "notification") -> None:
+        """Ring the relay: a worker claims (``start`` and ``reconnect``: every worker). For
+        whoever listens on its behalf (``fleet.py``); the relay's own listener calls it too."""
+        self._wake(source)
+
     def _wake(self, source: str) -> None:
         self.events.emit(f"wake:{source}")
         if self._stages is not None:
@@ -538,20 +572,27 @@ class Relay:
         self._busy_timer = asyncio.get_running_loop().call_later(delay, self._wake, "retry")
 
     async def _poller(self) -> None:
-        assert self._store is not None
         while True:
             await anyio.sleep(self.settings.poll_interval)
-            self.events.emit("poll")
-            try:
-                due, retry_in = await self._store.poll()
-            except DATABASE_ERRORS as e:
-                # The safety net failing is worth a line (once per outage).
-                self.db_outage.failed(redact(str(e) or type(e).__name__, self.settings))
-                continue
-            if retry_in is not None and not self._retry_timers.near(retry_in):
-                self._wake_for_retry(retry_in)  # e.g. retries scheduled by a relay that died
-            if due:
-                self._wake("poll")
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        """The fallback poll's look: wake a worker when rows are due, and arm the timer of
+        the earliest retry. (A relay of a fleet is polled by the fleet, which asks only the
+        outboxes that have unpublished rows.)"""
+        if self._store is None:
+            return  # not connected yet: its start claims anyway
+        self.events.emit("poll")
+        try:
+            due, retry_in = await self._store.poll()
+        except DATABASE_ERRORS as e:
+            # The safety net failing is worth a line (once per outage).
+            self.db_outage.failed(redact(str(e) or type(e).__name__, self.settings))
+            return
+        if retry_in is not None and not self._retry_timers.near(retry_in):
+            self._wake_for_retry(retry_in)  # e.g. retries scheduled by a relay that died
+        if due:
+            self._wake("poll")
 
     async def _watch_kafka(self) -> None:
         """While no worker is busy, ask Kafka now and then whether it still answers: an

@@ -12,14 +12,41 @@ import asyncpg
 
 from notify_outbox.core.errors import ConfigurationError, MigrationError
 from notify_outbox.core.settings import OutboxSettings
-from notify_outbox.kafka.publisher import KafkaPublisher, TokenProvider
+from notify_outbox.kafka.publisher import KafkaPublisher, Publisher, TokenProvider
 from notify_outbox.pg.db import connect_worker_pool
 from notify_outbox.pg.sqlfiles import Queries, render
 from notify_outbox.pg.store import PgOutboxStore
 
+from .listener import Listener
+from .outage import Outage
 from .pulse import Pulse, worker_app
 
-__all__ = ["PostgresPorts", "connect_pool", "kafka_publisher", "open_postgres", "require_schema"]
+__all__ = [
+    "PostgresPorts",
+    "SharedPorts",
+    "connect_pool",
+    "kafka_publisher",
+    "open_postgres",
+    "require_schema",
+]
+
+
+@dataclass
+class SharedPorts:
+    """What the relays of one database's outboxes share when one process serves many
+    (``fleet.py``): the workers' pool, the listening connection, the pulse, the Kafka
+    producer, the outage tracking. The fleet owns them; a relay given them only uses them."""
+
+    pool: asyncpg.Pool
+    behind_pooler: bool
+    publisher: Publisher
+    #: The listener of the outbox's channel (None: poll-only); already listening.
+    listener: Listener | None
+    pulse: Pulse | None
+    relay_id: str
+    #: Kafka's outage is the fleet's; PostgreSQL's is each outbox's own (a failing
+    #: statement, a permission, a broken schema, is one tenant's problem).
+    kafka_outage: Outage
 
 
 @dataclass
@@ -90,9 +117,12 @@ async def open_postgres(
     *,
     begin_round_trip: Callable[[float], None],
     on_reaped: Callable[[int], None],
+    shared: bool = False,
 ) -> PostgresPorts:
     """Over the workers' ``pool``: check the schema, read the notify configuration, and
-    build the store (and the pulse, not started)."""
+    build the store (and the pulse, not started). ``shared``: the pool serves many outboxes'
+    relays, so the store primes no transaction (a primed connection waits for this outbox's
+    next claim, out of the others' reach), and the pulse is the fleet's."""
     s = settings
     await require_schema(pool, s)
     queries = Queries(s.names)
@@ -106,10 +136,10 @@ async def open_postgres(
         begin_round_trip=begin_round_trip,
         # Not behind a transaction pooler: a primed transaction would pin a server connection
         # while it waits for the next claim.
-        prime=not behind_pooler,
+        prime=not behind_pooler and not shared,
     )
     pulse = None
-    if s.frozen_relay_timeout > 0 and not behind_pooler:
+    if s.frozen_relay_timeout > 0 and not behind_pooler and not shared:
         pulse = Pulse(
             s.dsn.get_secret_value(),
             relay_id,

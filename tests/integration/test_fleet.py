@@ -1,0 +1,187 @@
+"""One relay, many outboxes (issue #34): a ``Fleet`` serving a schema per tenant, against a real
+PostgreSQL and Kafka. Each outbox's events arrive in per-key order; the database gets one
+listening connection per channel and a pool bounded by settings; a tenant migrated while the
+fleet runs is served without a restart, a dropped one let go; a tenant that cannot be served is
+reported while the others deliver; the fallback poll finds rows no notification announced."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import anyio
+import asyncpg
+import pytest
+
+from notify_outbox import Fleet, FleetDatabase, OutboxNames, OutboxSettings, migrate
+from notify_outbox.pg.sqlfiles import load_migrations
+from tests.conftest import Services
+from tests.support import consume, topic_total
+
+pytestmark = pytest.mark.anyio
+
+LATEST = max(m.version for m in load_migrations())
+
+
+def settings(dsn: str, services: Services, **kw: Any) -> OutboxSettings:
+    base: dict[str, Any] = {
+        "dsn": dsn,
+        "kafka_bootstrap_servers": services.bootstrap,
+        "workers": 4,
+        "poll_interval": 30.0,  # long: these tests must not pass thanks to the poll
+    }
+    base.update(kw)
+    return OutboxSettings(**base)
+
+
+async def insert(conn: asyncpg.Connection, schema: str, topic: str, key: str, n: int) -> None:
+    await conn.execute(
+        f'INSERT INTO "{schema}".outbox (topic, key, payload) VALUES ($1, $2, $3)',
+        topic,
+        key,
+        json.dumps({"schema": schema, "n": n}),
+    )
+
+
+def by_outbox_and_key(records: list[Any]) -> dict[tuple[str, str], list[int]]:
+    seen: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for r in records:
+        body = json.loads(r.value)
+        seen[(body["schema"], r.key.decode())].append(body["n"])
+    return seen
+
+
+async def sessions(conn: asyncpg.Connection, app_prefix: str) -> int:
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE $1",
+            app_prefix + "%",
+        )
+    )
+
+
+async def test_a_fleet_delivers_every_tenants_events_in_key_order(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(empty_db_dsn)
+    tenants = [f"tenant_{i}" for i in range(6)]
+    try:
+        for t in tenants[:5]:
+            await migrate(conn, OutboxNames(t))
+        # One tenant on a channel of its own: a second listener, not one per outbox.
+        await migrate(conn, OutboxNames(tenants[5], channel="tenant_events"))
+        async with Fleet(
+            [FleetDatabase(settings(empty_db_dsn, services), discover=True)]
+        ) as fleet:
+            assert fleet.outboxes == [f"{t}.outbox" for t in tenants]
+            for n in range(20):
+                for t in tenants:
+                    await insert(conn, t, topic, f"k{n % 3}", n)
+            records, _ = await consume(services.bootstrap, topic, expect=120)
+            # Woken by notifications naming each outbox, not by the poll.
+            assert fleet.events.counts["wake:notification"] > 0
+            assert fleet.events.counts["wake:poll"] == 0
+            assert await sessions(conn, "notify-outbox-listener") == 2
+            # The pool's bound (workers + 2), whatever the number of outboxes.
+            assert await sessions(conn, "notify-outbox-worker") <= 6
+        assert await topic_total(services.bootstrap, topic) == 120
+    finally:
+        await conn.close()
+    seen = by_outbox_and_key(records)
+    for t in tenants:
+        for k in range(3):
+            assert seen[(t, f"k{k}")] == [n for n in range(20) if n % 3 == k]
+
+
+async def test_a_new_tenant_is_served_without_a_restart_and_a_dropped_one_let_go(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        await migrate(conn, OutboxNames("tenant_a"))
+        await migrate(conn, OutboxNames("tenant_b"))
+        async with Fleet(
+            [
+                FleetDatabase(
+                    settings(empty_db_dsn, services), discover=True, schemas_like="tenant\\_%"
+                )
+            ]
+        ) as fleet:
+            assert fleet.outboxes == ["tenant_a.outbox", "tenant_b.outbox"]
+            # Migrating a new tenant notifies the registry: served at once, not in 60 s.
+            await migrate(conn, OutboxNames("tenant_c"))
+            await migrate(conn, OutboxNames("other"))  # outside the pattern: not served
+            with anyio.fail_after(30):
+                while "tenant_c.outbox" not in fleet.outboxes:
+                    await fleet.events.wait_after(fleet.events.seen)
+            await insert(conn, "tenant_c", topic, "k", 1)
+            await consume(services.bootstrap, topic, expect=1)
+            assert "other.outbox" not in fleet.outboxes
+
+            leaving = fleet.relay("tenant_b.outbox")
+            assert leaving is not None
+            await conn.execute("DROP SCHEMA tenant_b CASCADE")
+            await fleet.rediscover()
+            with anyio.fail_after(30):
+                await fleet.events.wait_for("outbox_stopped")
+            assert leaving.outcome == "stopped"
+            assert fleet.outboxes == ["tenant_a.outbox", "tenant_c.outbox"]
+            # The others go on: the poll statement is rebuilt without the dropped table.
+            await insert(conn, "tenant_a", topic, "k", 2)
+            await consume(services.bootstrap, topic, expect=2)
+            assert fleet.failing() == {}
+    finally:
+        await conn.close()
+
+
+async def test_a_tenant_that_cannot_be_served_is_reported_and_the_others_deliver(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        await migrate(conn, OutboxNames("tenant_a"))
+        # Behind the shipped migrations: its relay refuses to start (MigrationError).
+        await migrate(conn, OutboxNames("tenant_old"), up_to=2)
+        async with Fleet(
+            [FleetDatabase(settings(empty_db_dsn, services), discover=True)]
+        ) as fleet:
+            with anyio.fail_after(30):
+                while "tenant_old.outbox" not in fleet.failing():
+                    await fleet.events.wait_after(fleet.events.seen)
+            assert "migrate" in fleet.failing()["tenant_old.outbox"]
+            assert fleet.ready
+            await insert(conn, "tenant_a", topic, "k", 1)
+            await consume(services.bootstrap, topic, expect=1)
+    finally:
+        await conn.close()
+
+
+async def test_the_fallback_poll_finds_rows_of_any_outbox(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    """Notifications off in one tenant's outbox: one poll statement for the database finds its
+    rows, and only that outbox runs its own poll."""
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        for t in ("tenant_a", "tenant_b", "tenant_c"):
+            await migrate(conn, OutboxNames(t))
+        await conn.execute("UPDATE tenant_b.outbox_config SET notify_mode = 'off'")
+        async with Fleet(
+            [FleetDatabase(settings(empty_db_dsn, services, poll_interval=0.2), discover=True)]
+        ) as fleet:
+            b = fleet.relay("tenant_b.outbox")
+            a = fleet.relay("tenant_a.outbox")
+            assert a is not None
+            assert b is not None
+            with anyio.fail_after(30):
+                await b.events.wait_for("idle")  # its start's claim is over
+            await insert(conn, "tenant_b", topic, "k", 1)
+            records, _ = await consume(services.bootstrap, topic, expect=1)
+            assert json.loads(records[0].value) == {"schema": "tenant_b", "n": 1}
+            assert b.events.counts["wake:poll"] >= 1, dict(b.events.counts)
+            assert a.events.counts["poll"] == 0  # idle: the database's statement said so
+            assert fleet.events.counts["fleet_poll"] >= 1
+    finally:
+        await conn.close()
