@@ -42,6 +42,7 @@ from notify_outbox.pg.deadletters import DeadLetterFilter
 from notify_outbox.pg.migrations import migrate, render_migrations, verify
 from notify_outbox.pg.sqlfiles import Queries, render, sql_dir
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
+from notify_outbox.relay.fleet import Fleet, FleetDatabase
 from notify_outbox.relay.relay import Relay
 
 from .admin import (
@@ -357,9 +358,42 @@ async def _run_exactly_once(settings: OutboxSettings) -> int:
     return EXIT_OK if relay.outcome == "stopped" else EXIT_FAILED
 
 
+async def _run_fleet(settings: OutboxSettings) -> int:
+    if settings.http_port is not None:
+        raise ConfigurationError(
+            "NOTIFY_OUTBOX_HTTP_PORT is not served yet with NOTIFY_OUTBOX_OUTBOXES (metrics "
+            "per outbox are to come): unset it, or run one relay per outbox"
+        )
+    fleet = Fleet(
+        [FleetDatabase.from_settings(settings)],
+        outbox_workers=settings.outbox_workers,
+        discovery_interval=settings.discovery_interval,
+        fault_hook=_fault_hook_from_env(),
+    )
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        log.info("received %s", signal.Signals(signum).name)
+        if signals_seen == 1:
+            fleet.request_stop()
+        else:
+            fleet.abort()
+
+    uninstall = _install_signal_handlers(asyncio.get_running_loop(), on_signal)
+    try:
+        await fleet.run()
+    finally:
+        uninstall()
+    return {"stopped": EXIT_OK, "aborted": EXIT_ABORTED}.get(fleet.outcome, EXIT_FAILED)
+
+
 async def _run_relay(settings: OutboxSettings) -> int:
     if settings.delivery == "exactly-once":
         return await _run_exactly_once(settings)
+    if settings.outboxes is not None:
+        return await _run_fleet(settings)
     relay = Relay(settings, fault_hook=_fault_hook_from_env())
     loop = asyncio.get_running_loop()
     signals_seen = 0

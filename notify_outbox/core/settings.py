@@ -403,6 +403,31 @@ class OutboxSettings(DatabaseSettings):
         description="Never LISTEN: claim on the fallback poll only (then set a short "
         "poll_interval)",
     )
+    outboxes: str | None = Field(
+        None,
+        description="Serve many outboxes of the database in one process (a schema per tenant): "
+        "`*` for every migrated outbox, re-checked while running (a new one is served without a "
+        "restart, a dropped one let go), or a comma-separated list of schema.table; unset: the "
+        "one outbox of db_schema and table. At-least-once delivery only",
+    )
+    outbox_schemas_like: str | None = Field(
+        None,
+        description="With outboxes=*: only schemas whose name matches this SQL LIKE pattern "
+        "(tenant\\_%)",
+    )
+    outbox_workers: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="With outboxes: workers per outbox (default: half of workers, at least 1); "
+        "workers then bounds the database's pool (workers + 2 connections)",
+    )
+    discovery_interval: Seconds = Field(
+        60.0,
+        gt=0,
+        description="With outboxes=*: how often the catalog is looked at for new and dropped "
+        "outboxes (riding on a fallback poll: it costs no statement of its own)",
+    )
     listen_dsn: SecretStr | None = Field(
         None,
         description="DSN of the one listening connection, when NOTIFY_OUTBOX_DSN goes through "
@@ -582,6 +607,26 @@ class OutboxSettings(DatabaseSettings):
             raise ValueError("must be a comma-separated list of host:port")
         return ",".join(servers)
 
+    @field_validator("outboxes")
+    @classmethod
+    def _outboxes(cls, v: str | None) -> str | None:
+        if v is None or v.strip() == "*":
+            return None if v is None else "*"
+        targets = [t.strip() for t in v.split(",") if t.strip()]
+        for target in targets:
+            schema, dot, table = target.partition(".")
+            try:
+                if not dot:
+                    raise ConfigurationError("")
+                OutboxNames(schema, table)
+            except ConfigurationError:
+                raise ValueError(
+                    "must be * or a comma-separated list of schema.table (lower-case identifiers)"
+                ) from None
+        if not targets:
+            raise ValueError("must be * or a comma-separated list of schema.table")
+        return ",".join(targets)
+
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         # Errors about several fields name each one with its variable (the model-level
@@ -599,6 +644,13 @@ class OutboxSettings(DatabaseSettings):
                     f"{_var('kafka_sasl_username')} and {_var('kafka_sasl_password')} are "
                     "required for SASL"
                 )
+        if self.outboxes is not None and self.delivery == "exactly-once":
+            raise ValueError(
+                f"{_var('outboxes')} serves many outboxes with at-least-once delivery only: "
+                f"run one relay per outbox with {_var('delivery')} exactly-once"
+            )
+        if self.outbox_schemas_like is not None and self.outboxes != "*":
+            raise ValueError(f"{_var('outbox_schemas_like')} needs {_var('outboxes')}=*")
         for low, high in (
             ("retry_base_delay", "retry_max_delay"),
             ("reconnect_min_delay", "reconnect_max_delay"),

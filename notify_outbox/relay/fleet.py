@@ -19,10 +19,11 @@ unchanged), and what does not depend on the outbox is shared, per database:
 
 Discovery (``FleetDatabase.discover``) serves every migrated outbox of a database, optionally
 only schemas matching a LIKE pattern, and re-checks: every ``discovery_interval`` a catalog
-fingerprint rides on a poll statement (so it costs no statement of its own), ``migrate`` of a
-new outbox sends a registry notification (``REGISTRY_PAYLOAD``) on its channel, and a notification naming an outbox it does not know triggers a
-re-check (at most once per ``_UNKNOWN_EVERY``). A new outbox is served without a restart; a
-dropped one is let go (its relay stops gracefully: its claims finish or roll back).
+fingerprint rides on a poll statement (so it costs no statement of its own); ``migrate`` of a
+new outbox sends a registry notification (``REGISTRY_PAYLOAD``) on its channel; and a
+notification naming an outbox it does not know triggers a re-check (at most once per
+``_UNKNOWN_EVERY``). A new outbox is served without a restart; a dropped one is let go (its
+relay stops gracefully: its claims finish or roll back).
 
 Idle, a database costs the poll (0.2 statements/s at the default 5 s) and the listener's health
 probe (0.1/s): 0.3 statements/s, whatever the number of outboxes.
@@ -99,6 +100,20 @@ class FleetDatabase:
     schemas_like: str | None = None
     table: str | None = None
 
+    @classmethod
+    def from_settings(cls, settings: OutboxSettings) -> FleetDatabase:
+        """The database and outboxes of ``settings.outboxes`` (``*``: discovery, with
+        ``outbox_schemas_like``; else the listed ``schema.table`` on ``settings.channel``)."""
+        if settings.outboxes is None:
+            raise ConfigurationError("NOTIFY_OUTBOX_OUTBOXES is not set: a single outbox")
+        if settings.outboxes == "*":
+            return cls(settings, discover=True, schemas_like=settings.outbox_schemas_like)
+        listed = []
+        for target in settings.outboxes.split(","):
+            schema, _, table = target.partition(".")
+            listed.append(OutboxNames(schema, table, settings.channel))
+        return cls(settings, outboxes=tuple(listed))
+
     def __post_init__(self) -> None:
         if self.discover == bool(self.outboxes):
             raise ConfigurationError(
@@ -167,9 +182,7 @@ class Fleet:
         a colon when the fleet has more than one database)."""
         many = len(self._databases) > 1
         return sorted(
-            (f"{i}:{t}" if many else t)
-            for i, db in enumerate(self._databases)
-            for t in db.members
+            (f"{i}:{t}" if many else t) for i, db in enumerate(self._databases) for t in db.members
         )
 
     def relay(self, target: str, database: int = 0) -> Relay | None:
@@ -643,4 +656,3 @@ class _Database:
                 await member.relay.poll_once()
         if fingerprint is not None and fingerprint != self._fingerprint:
             await self.refresh()
-

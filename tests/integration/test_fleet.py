@@ -72,9 +72,7 @@ async def test_a_fleet_delivers_every_tenants_events_in_key_order(
             await migrate(conn, OutboxNames(t))
         # One tenant on a channel of its own: a second listener, not one per outbox.
         await migrate(conn, OutboxNames(tenants[5], channel="tenant_events"))
-        async with Fleet(
-            [FleetDatabase(settings(empty_db_dsn, services), discover=True)]
-        ) as fleet:
+        async with Fleet([FleetDatabase(settings(empty_db_dsn, services), discover=True)]) as fleet:
             assert fleet.outboxes == [f"{t}.outbox" for t in tenants]
             for n in range(20):
                 for t in tenants:
@@ -144,9 +142,7 @@ async def test_a_tenant_that_cannot_be_served_is_reported_and_the_others_deliver
         await migrate(conn, OutboxNames("tenant_a"))
         # Behind the shipped migrations: its relay refuses to start (MigrationError).
         await migrate(conn, OutboxNames("tenant_old"), up_to=2)
-        async with Fleet(
-            [FleetDatabase(settings(empty_db_dsn, services), discover=True)]
-        ) as fleet:
+        async with Fleet([FleetDatabase(settings(empty_db_dsn, services), discover=True)]) as fleet:
             with anyio.fail_after(30):
                 while "tenant_old.outbox" not in fleet.failing():
                     await fleet.events.wait_after(fleet.events.seen)
