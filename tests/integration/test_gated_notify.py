@@ -44,7 +44,7 @@ class Notifications:
         seen = False
         with anyio.fail_after(10):
             while (payload := await self.queue.get()) != "sentinel":
-                seen = seen or payload == ""
+                seen = seen or payload == "public.outbox"  # the trigger names its outbox (0008)
         return seen
 
 
