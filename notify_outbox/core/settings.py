@@ -650,7 +650,9 @@ class OutboxSettings(DatabaseSettings):
                 f"run one relay per outbox with {_var('delivery')} exactly-once"
             )
         if self.outbox_schemas_like is not None and self.outboxes != "*":
-            raise ValueError(f"{_var('outbox_schemas_like')} needs {_var('outboxes')}=*")
+            raise ValueError(
+                f"{_var('outbox_schemas_like')} is used only with NOTIFY_OUTBOX_OUTBOXES=*"
+            )
         for low, high in (
             ("retry_base_delay", "retry_max_delay"),
             ("reconnect_min_delay", "reconnect_max_delay"),
