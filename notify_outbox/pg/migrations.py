@@ -268,9 +268,10 @@ async def _migrate_once(
             )
             applied.append(m.version)
         channel = getattr(names, "channel", None)
-        if applied and 1 in applied and channel is not None:
-            # A new outbox: relays serving every outbox of the database (fleet.py) hear it on
-            # its channel at commit and serve it without waiting for their next catalog look.
+        if applied and channel is not None:
+            # A new or upgraded outbox: relays serving every outbox of the database (fleet.py)
+            # hear it on its channel at commit and serve it (again) without waiting for their
+            # next look at the catalog.
             await conn.execute("SELECT pg_notify($1, $2)", channel, REGISTRY_PAYLOAD)
         # Inside a caller's transaction (a savepoint here) the setting would outlive us.
         await conn.execute("SELECT set_config('lock_timeout', $1, true)", was)

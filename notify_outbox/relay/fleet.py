@@ -20,7 +20,7 @@ unchanged), and what does not depend on the outbox is shared, per database:
 Discovery (``FleetDatabase.discover``) serves every migrated outbox of a database, optionally
 only schemas matching a LIKE pattern, and re-checks: every ``discovery_interval`` a catalog
 fingerprint rides on a poll statement (so it costs no statement of its own); ``migrate`` of a
-new outbox sends a registry notification (``REGISTRY_PAYLOAD``) on its channel; and a
+new or upgraded outbox sends a registry notification (``REGISTRY_PAYLOAD``) on its channel; and a
 notification naming an outbox it does not know triggers a re-check (at most once per
 ``_UNKNOWN_EVERY``). A new outbox is served without a restart; a dropped one is let go (its
 relay stops gracefully: its claims finish or roll back).
@@ -382,6 +382,9 @@ class _Database:
         self._refresh_lock = anyio.Lock()
         self._refresh_asked = anyio.Event()
         self._unknown_at = -1e9
+        # Outboxes found but not served (outside schemas_like; their relay failed): their
+        # notifications must not re-check the catalog every _UNKNOWN_EVERY.
+        self._ignored: set[str] = set()
         self._fingerprint: str | None = None
         self._poll_sql: dict[tuple[str, ...], list[str]] = {}
         self._poll_failing: str | None = None
@@ -495,7 +498,11 @@ class _Database:
         member = self.members.get(payload)
         if member is not None:
             member.relay.wake("notification")
-        elif self.spec.discover and time.monotonic() - self._unknown_at > _UNKNOWN_EVERY:
+        elif (
+            self.spec.discover
+            and payload not in self._ignored
+            and time.monotonic() - self._unknown_at > _UNKNOWN_EVERY
+        ):
             # A new tenant's first commit can come before the next look at the catalog.
             self._unknown_at = time.monotonic()
             self._refresh_asked.set()
@@ -529,12 +536,15 @@ class _Database:
             return {n.target: n for n in self.spec.outboxes}
         assert self._pool is not None
         async with self._pool.acquire() as conn:
-            found = await discover_outboxes(conn, table=self.spec.table)
+            every = await discover_outboxes(conn, table=self.spec.table)
+            found = every
             if self.spec.schemas_like is not None:
                 allowed = set(await schemas_like(conn, self.spec.schemas_like))
-                found = [f for f in found if f.names.schema in allowed]
+                found = [f for f in every if f.names.schema in allowed]
             self._fingerprint = await conn.fetchval(f"SELECT {_FINGERPRINT}")
-        return {f.names.target: f.names for f in found}
+        wanted = {f.names.target: f.names for f in found}
+        self._ignored = {f.names.target for f in every} - wanted.keys()
+        return wanted
 
     async def _start(self, names: OutboxNames) -> None:
         assert self._pool is not None
@@ -567,6 +577,7 @@ class _Database:
         except Exception as e:  # one outbox's failure is that outbox's: the others go on
             reason = redact(str(e) or type(e).__name__, self.settings)
             self._failed[target] = reason
+            self._ignored.add(target)  # tried again at the next discovery, not at its events
             log.error("outbox %s: its relay stopped: %s", target, reason)
         finally:
             if self.members.get(target) is member:
@@ -654,5 +665,5 @@ class _Database:
             member = self.members.get(target)
             if member is not None:
                 await member.relay.poll_once()
-        if fingerprint is not None and fingerprint != self._fingerprint:
-            await self.refresh()
+        if fingerprint is not None and (fingerprint != self._fingerprint or self._failed):
+            await self.refresh()  # new or dropped outboxes; or try the failed ones again

@@ -150,6 +150,11 @@ async def test_a_tenant_that_cannot_be_served_is_reported_and_the_others_deliver
             assert fleet.ready
             await insert(conn, "tenant_a", topic, "k", 1)
             await consume(services.bootstrap, topic, expect=1)
+            # Migrated up to date: the registry notification brings it in, no restart.
+            await migrate(conn, OutboxNames("tenant_old"))
+            await insert(conn, "tenant_old", topic, "k", 2)
+            await consume(services.bootstrap, topic, expect=2)
+            assert fleet.failing() == {}
     finally:
         await conn.close()
 
