@@ -359,11 +359,6 @@ async def _run_exactly_once(settings: OutboxSettings) -> int:
 
 
 async def _run_fleet(settings: OutboxSettings) -> int:
-    if settings.http_port is not None:
-        raise ConfigurationError(
-            "NOTIFY_OUTBOX_HTTP_PORT is not served yet with NOTIFY_OUTBOX_OUTBOXES (metrics "
-            "per outbox are to come): unset it, or run one relay per outbox"
-        )
     fleet = Fleet(
         [FleetDatabase.from_settings(settings)],
         outbox_workers=settings.outbox_workers,
@@ -383,7 +378,8 @@ async def _run_fleet(settings: OutboxSettings) -> int:
 
     uninstall = _install_signal_handlers(asyncio.get_running_loop(), on_signal)
     try:
-        await fleet.run()
+        async with serve_monitoring(fleet, settings):  # /metrics etc. if http_port is set
+            await fleet.run()
     finally:
         uninstall()
     return {"stopped": EXIT_OK, "aborted": EXIT_ABORTED}.get(fleet.outcome, EXIT_FAILED)

@@ -16,16 +16,23 @@ import logging
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+)
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.settings import format_validation_error
+from notify_outbox.relay.fleet import Fleet
 
-from .metrics import MonitoredRelay, RelayMetrics
+from .fleet_metrics import FleetMetrics
+from .metrics import MonitoredRelay, Readiness, RelayMetrics
 
 if TYPE_CHECKING:
     from notify_outbox.core.settings import OutboxSettings
@@ -48,11 +55,32 @@ _JSON = "application/json"
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
-class MonitoringServer:
-    """Serves ``/metrics``, ``/livez`` and ``/readyz`` of one relay on ``host:port`` (port 0:
-    any free port, see ``port`` once started)."""
+class Monitor(Protocol):
+    """What the server reads: ``RelayMetrics`` (one relay) or ``FleetMetrics`` (a fleet)."""
 
-    def __init__(self, metrics: RelayMetrics, host: str, port: int) -> None:
+    @property
+    def registry(self) -> CollectorRegistry: ...
+    @property
+    def stale_database(self) -> bool: ...
+
+    async def refresh(self) -> None:
+        """Read the table gauges unless they are fresh."""
+        ...
+
+    def readiness(self) -> Readiness:
+        """The answer of ``/readyz``."""
+        ...
+
+    def liveness(self) -> tuple[bool, float]:
+        """Whether the event loop answers in time, and its lag."""
+        ...
+
+
+class MonitoringServer:
+    """Serves ``/metrics``, ``/livez`` and ``/readyz`` of one relay (or fleet) on
+    ``host:port`` (port 0: any free port, see ``port`` once started)."""
+
+    def __init__(self, metrics: Monitor, host: str, port: int) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
@@ -115,7 +143,7 @@ class MonitoringServer:
         if method not in ("GET", "HEAD"):
             return 405, _JSON, _json({"error": f"{method} not allowed: use GET"})
         m = self.metrics
-        if path == "/metrics" or (path == "/readyz" and m.relay.db_outage.active):
+        if path == "/metrics" or (path == "/readyz" and m.stale_database):
             # /readyz: a fresh read of the gauges also tells whether PostgreSQL is back.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_REFRESH_TIMEOUT):
@@ -135,7 +163,9 @@ def _json(data: object) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def serve_monitoring(relay: MonitoredRelay, settings: OutboxSettings) -> AsyncIterator[None]:
+async def serve_monitoring(
+    relay: MonitoredRelay | Fleet, settings: OutboxSettings
+) -> AsyncIterator[None]:
     """The daemon's monitoring server while the body runs, if ``http_port`` is set (else
     nothing). Raises ConfigurationError at once when the port cannot be had."""
     if settings.http_port is None:
@@ -144,7 +174,9 @@ async def serve_monitoring(relay: MonitoredRelay, settings: OutboxSettings) -> A
     # Counters' *_created series double the output for nothing a dashboard uses (the daemon
     # owns its process; an embedding application keeps its own choice).
     disable_created_metrics()  # type: ignore[no-untyped-call]
-    metrics = RelayMetrics(relay)
+    metrics: RelayMetrics | FleetMetrics = (
+        FleetMetrics(relay) if isinstance(relay, Fleet) else RelayMetrics(relay)
+    )
     server = MonitoringServer(metrics, settings.http_host, settings.http_port)
     await server.start()
     metrics.start(refresh=False)  # the gauges are read when scraped, at most every 5 s

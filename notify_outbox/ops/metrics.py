@@ -177,11 +177,13 @@ class RelayMetrics:
         stats_interval: float = 5.0,
         stats: StatsSource | None = None,
         max_topics: int = MAX_TOPICS,
+        table: str | None = None,
     ) -> None:
         self.relay = relay
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         names = relay.settings.names
-        self.table = f"{names.schema}.{names.table}"
+        #: The ``table`` label (default the relay's ``schema.table``; a fleet's may differ).
+        self.table = table or f"{names.schema}.{names.table}"
         self.stats_interval = stats_interval
         self._stats_source = stats or self._query_stats
         self._max_topics = max_topics
@@ -441,6 +443,17 @@ class RelayMetrics:
             self._refreshing = asyncio.create_task(self._read_stats())
         await asyncio.shield(self._refreshing)
 
+    def set_stats(self, stats: OutboxStats | None, error: str | None = None) -> None:
+        """Table gauges read by someone else (a fleet reads all its outboxes' in one
+        statement): ``stats``, or the ``error`` of the failed read."""
+        now = time.monotonic()
+        self._stats_at = now
+        if error is not None:
+            self.stats_errors.labels(self.table).inc()
+            return
+        self.stats = stats
+        self._stats_ok_at = now
+
     async def _read_stats(self) -> None:
         try:
             self.stats = await self._stats_source()
@@ -515,6 +528,12 @@ class RelayMetrics:
             conn = listener.connection if listener is not None else None
             up["listener"] = conn is not None and not conn.is_closed()
         return up
+
+    @property
+    def stale_database(self) -> bool:
+        """Whether the relay knows of a PostgreSQL outage (``/readyz`` then reads the gauges
+        afresh, which tells whether it is over)."""
+        return self.relay.db_outage.active
 
     def readiness(self) -> Readiness:
         """Ready: started, not stopping, and every dependency up (listener: or poll-only)."""

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -126,6 +126,10 @@ class FleetDatabase:
             )
 
 
+#: ``observer(label, database, relay or None)``: see ``Fleet.add_member_observer``.
+MemberObserver = Callable[[str, int, "Relay | None"], None]
+
+
 @dataclass
 class _Member:
     relay: Relay
@@ -173,6 +177,7 @@ class Fleet:
         self._stop_requested = anyio.Event()
         self._ready = anyio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._observers: list[MemberObserver] = []
 
     # --- what it serves -----------------------------------------------------------------------
 
@@ -184,6 +189,43 @@ class Fleet:
         return sorted(
             (f"{i}:{t}" if many else t) for i, db in enumerate(self._databases) for t in db.members
         )
+
+    @property
+    def databases(self) -> int:
+        """How many databases the fleet serves."""
+        return len(self._databases)
+
+    def members(self) -> list[tuple[str, int, Relay]]:
+        """The relays serving now: (label as in ``outboxes``, database index, relay)."""
+        many = len(self._databases) > 1
+        return [
+            (f"{i}:{t}" if many else t, i, m.relay)
+            for i, db in enumerate(self._databases)
+            for t, m in sorted(db.members.items())
+        ]
+
+    def add_member_observer(self, observer: MemberObserver) -> None:
+        """Call ``observer(label, database, relay)`` for each outbox's relay when it starts
+        (and now, for those running), and ``observer(label, database, None)`` when it ends
+        (``ops/fleet_metrics.py`` keeps a metrics set per outbox with it)."""
+        self._observers.append(observer)
+        for label, i, relay in self.members():
+            observer(label, i, relay)
+
+    def _member_changed(self, database: _Database, target: str, relay: Relay | None) -> None:
+        i = self._databases.index(database)
+        label = f"{i}:{target}" if len(self._databases) > 1 else target
+        for observer in self._observers:
+            observer(label, i, relay)
+
+    def acquire(self, database: int) -> asyncpg.pool.PoolAcquireContext:
+        """A connection of the ``database``-th database's pool (``async with``), for a read
+        beside the relays (the metrics' table gauges). Raises ConnectionError before the
+        fleet has connected."""
+        pool = self._databases[database]._pool
+        if pool is None:
+            raise ConnectionError("not connected yet")
+        return pool.acquire(timeout=self.settings.db_command_timeout)
 
     def relay(self, target: str, database: int = 0) -> Relay | None:
         """The relay of outbox ``target`` (``schema.table``) of the ``database``-th database,
@@ -568,6 +610,7 @@ class _Database:
         self.members[names.target] = member
         self._failed.pop(names.target, None)
         self._relays.start_soon(self._serve, member, name=f"relay-{names.target}")
+        self.fleet._member_changed(self, names.target, relay)
         self.fleet.events.emit("outbox_started")
 
     async def _serve(self, member: _Member) -> None:
@@ -582,6 +625,7 @@ class _Database:
         finally:
             if self.members.get(target) is member:
                 del self.members[target]
+                self.fleet._member_changed(self, target, None)
             member.done.set()
             self.fleet.events.emit("outbox_stopped")
 

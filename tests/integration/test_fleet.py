@@ -7,6 +7,8 @@ reported while the others deliver; the fallback poll finds rows no notification 
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from typing import Any
 
@@ -15,9 +17,11 @@ import asyncpg
 import pytest
 
 from notify_outbox import Fleet, FleetDatabase, OutboxNames, OutboxSettings, migrate
+from notify_outbox.ops.fleet_metrics import FleetMetrics
+from notify_outbox.ops.http import MonitoringServer
 from notify_outbox.pg.sqlfiles import load_migrations
 from tests.conftest import Services
-from tests.support import consume, topic_total
+from tests.support import consume, metric, topic_total
 
 pytestmark = pytest.mark.anyio
 
@@ -184,5 +188,80 @@ async def test_the_fallback_poll_finds_rows_of_any_outbox(
             assert b.events.counts["wake:poll"] >= 1, dict(b.events.counts)
             assert a.events.counts["poll"] == 0  # idle: the database's statement said so
             assert fleet.events.counts["fleet_poll"] >= 1
+    finally:
+        await conn.close()
+
+
+async def _get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    def fetch() -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    return await anyio.to_thread.run_sync(fetch)
+
+
+async def test_metrics_are_labelled_by_outbox_and_readyz_lists_the_failing_ones(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    """Per-outbox series (past the cap, under _other), the table gauges of every outbox from
+    one statement, and /readyz ready with a failing tenant listed."""
+    conn = await asyncpg.connect(empty_db_dsn)
+    try:
+        for t in ("tenant_a", "tenant_b", "tenant_c"):
+            await migrate(conn, OutboxNames(t))
+        await migrate(conn, OutboxNames("tenant_old"), up_to=2)
+        # Pending rows the fleet cannot deliver yet: a topic that does not exist, retried.
+        await insert(conn, "tenant_b", "no-such-topic-" + topic, "k", 0)
+        fleet = Fleet(
+            [
+                FleetDatabase(
+                    settings(empty_db_dsn, services, retry_base_delay=3600, retry_max_delay=3600),
+                    discover=True,
+                )
+            ]
+        )
+        metrics = FleetMetrics(fleet, max_outboxes=2)
+        server = MonitoringServer(metrics, "127.0.0.1", 0)
+        await server.start()
+        metrics.start(refresh=False)
+        try:
+            async with fleet:
+                with anyio.fail_after(30):
+                    while "tenant_old.outbox" not in fleet.failing():
+                        await fleet.events.wait_after(fleet.events.seen)
+                    await fleet.events.wait_for("retried")
+                for t, n in (("tenant_a", 3), ("tenant_c", 2)):
+                    for i in range(n):
+                        await insert(conn, t, topic, "k", i)
+                await consume(services.bootstrap, topic, expect=5)
+                with anyio.fail_after(30):
+                    while fleet.events.counts["published"] < 5:
+                        await fleet.events.wait_after(fleet.events.seen)
+
+                port = server.port
+                published = "notify_outbox_published_total"
+                counts = {
+                    table: await anyio.to_thread.run_sync(
+                        lambda t=table: metric(port, published, table=t)
+                    )
+                    for table in ("tenant_a.outbox", "tenant_b.outbox", "_other")
+                }
+                # The first two outboxes have series of their own, the third adds up in _other.
+                assert counts == {"tenant_a.outbox": 3.0, "tenant_b.outbox": 0.0, "_other": 2.0}
+                pending = await anyio.to_thread.run_sync(
+                    lambda: metric(port, "notify_outbox_pending_events", table="tenant_b.outbox")
+                )
+                assert pending == 1.0
+
+                status, body = await _get(port, "/readyz")
+                assert status == 200, body
+                assert "tenant_old.outbox" in body["checks"]["outboxes"]
+                assert "migrate" in body["checks"]["outboxes"]
+        finally:
+            await server.close()
+            await metrics.aclose()
     finally:
         await conn.close()
