@@ -43,6 +43,7 @@ from notify_outbox.pg.migrations import migrate, render_migrations, verify
 from notify_outbox.pg.sqlfiles import Queries, render, sql_dir
 from notify_outbox.relay.exactly_once import ExactlyOnceRelay
 from notify_outbox.relay.fleet import Fleet, FleetDatabase
+from notify_outbox.relay.fleet_file import load_fleet_file
 from notify_outbox.relay.relay import Relay
 
 from .admin import (
@@ -359,8 +360,13 @@ async def _run_exactly_once(settings: OutboxSettings) -> int:
 
 
 async def _run_fleet(settings: OutboxSettings) -> int:
+    databases = (
+        load_fleet_file(settings.fleet_file, settings)
+        if settings.fleet_file is not None
+        else [FleetDatabase.from_settings(settings)]
+    )
     fleet = Fleet(
-        [FleetDatabase.from_settings(settings)],
+        databases,
         outbox_workers=settings.outbox_workers,
         discovery_interval=settings.discovery_interval,
         fault_hook=_fault_hook_from_env(),
@@ -388,7 +394,7 @@ async def _run_fleet(settings: OutboxSettings) -> int:
 async def _run_relay(settings: OutboxSettings) -> int:
     if settings.delivery == "exactly-once":
         return await _run_exactly_once(settings)
-    if settings.outboxes is not None:
+    if settings.outboxes is not None or settings.fleet_file is not None:
         return await _run_fleet(settings)
     relay = Relay(settings, fault_hook=_fault_hook_from_env())
     loop = asyncio.get_running_loop()

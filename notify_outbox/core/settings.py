@@ -410,6 +410,13 @@ class OutboxSettings(DatabaseSettings):
         "restart, a dropped one let go), or a comma-separated list of schema.table; unset: the "
         "one outbox of db_schema and table. At-least-once delivery only",
     )
+    fleet_file: Path | None = Field(
+        None,
+        description="Serve the outboxes of several databases in one process: a TOML file of "
+        "[[database]] tables, each with its DSN (dsn_env, dsn_file or dsn; none: "
+        "NOTIFY_OUTBOX_DSN) and outboxes (* or a list of schema.table); see "
+        "docs/operations/many-outboxes.md",
+    )
     outbox_schemas_like: str | None = Field(
         None,
         description="With outboxes=*: only schemas whose name matches this SQL LIKE pattern "
@@ -648,6 +655,15 @@ class OutboxSettings(DatabaseSettings):
             raise ValueError(
                 f"{_var('outboxes')} serves many outboxes with at-least-once delivery only: "
                 f"run one relay per outbox with {_var('delivery')} exactly-once"
+            )
+        if self.fleet_file is not None and self.outboxes is not None:
+            raise ValueError(
+                f"{_var('fleet_file')} names the outboxes of each database: unset "
+                f"{_var('outboxes')}"
+            )
+        if self.fleet_file is not None and self.delivery == "exactly-once":
+            raise ValueError(
+                f"{_var('fleet_file')} serves many outboxes with at-least-once delivery only"
             )
         if self.outbox_schemas_like is not None and self.outboxes != "*":
             raise ValueError(

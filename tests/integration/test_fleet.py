@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+import uuid
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,11 +23,38 @@ from notify_outbox.ops.fleet_metrics import FleetMetrics
 from notify_outbox.ops.http import MonitoringServer
 from notify_outbox.pg.sqlfiles import load_migrations
 from tests.conftest import Services
-from tests.support import consume, metric, topic_total
+from tests.support import RelayProcess, consume, dsn_with_database, metric, topic_total
 
 pytestmark = pytest.mark.anyio
 
 LATEST = max(m.version for m in load_migrations())
+
+
+def new_database(services: Services) -> str:
+    name = f"f_{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(services.dsn)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    anyio.run(create)
+    return dsn_with_database(services.dsn, name)
+
+
+def drop_database(services: Services, dsn: str) -> None:
+    name = dsn.rsplit("/", 1)[1].split("?")[0]
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(services.dsn)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    anyio.run(drop)
 
 
 def settings(dsn: str, services: Services, **kw: Any) -> OutboxSettings:
@@ -265,3 +294,61 @@ async def test_metrics_are_labelled_by_outbox_and_readyz_lists_the_failing_ones(
             await metrics.aclose()
     finally:
         await conn.close()
+
+
+def test_the_daemon_serves_the_databases_of_a_fleet_file(
+    services: Services, topic: str, tmp_path: Path
+) -> None:
+    """``NOTIFY_OUTBOX_FLEET_FILE``: one process, a schema-per-tenant database (discovered) and
+    a service's database (listed, on a channel of its own), its DSN from a variable."""
+    tenants, billing = new_database(services), new_database(services)
+    try:
+
+        async def setup() -> None:
+            for dsn, names in (
+                (tenants, [OutboxNames("tenant_a"), OutboxNames("tenant_b")]),
+                (billing, [OutboxNames("public", channel="billing_events")]),
+            ):
+                conn = await asyncpg.connect(dsn)
+                try:
+                    for n in names:
+                        await migrate(conn, n)
+                finally:
+                    await conn.close()
+
+        anyio.run(setup)
+        fleet_file = tmp_path / "fleet.toml"
+        fleet_file.write_text(
+            '[[database]]\noutboxes = "*"\n\n'
+            '[[database]]\ndsn_env = "BILLING_DSN"\noutboxes = ["public.outbox"]\n'
+            'channel = "billing_events"\n'
+        )
+        env = {"NOTIFY_OUTBOX_FLEET_FILE": str(fleet_file), "BILLING_DSN": billing}
+        with RelayProcess(tenants, services.bootstrap, env=env) as relay:
+            line = relay.wait_for_line("fleet running")
+            assert "3 outboxes of 2 database(s)" in line
+
+            async def produce() -> list[Any]:
+                for dsn, schema in (
+                    (tenants, "tenant_a"),
+                    (tenants, "tenant_b"),
+                    (billing, "public"),
+                ):
+                    conn = await asyncpg.connect(dsn)
+                    try:
+                        await insert(conn, schema, topic, "k", 1)
+                    finally:
+                        await conn.close()
+                records, _ = await consume(services.bootstrap, topic, expect=3)
+                return records
+
+            records = anyio.run(produce)
+            assert relay.stop() == 0
+        assert sorted(json.loads(r.value)["schema"] for r in records) == [
+            "public",
+            "tenant_a",
+            "tenant_b",
+        ]
+    finally:
+        for dsn in (tenants, billing):
+            drop_database(services, dsn)

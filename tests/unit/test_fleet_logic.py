@@ -4,6 +4,7 @@ ignores the news of other outboxes sharing its channel (migration 0008)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from notify_outbox import FleetDatabase, OutboxNames
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.events import RelayEvents
 from notify_outbox.core.settings import OutboxSettings, load_settings
+from notify_outbox.relay.fleet_file import load_fleet_file
 from notify_outbox.relay.listener import PROBE_PREFIX, Listener
 
 DSN = "postgresql://app:secret@127.0.0.1:5432/app"
@@ -82,3 +84,62 @@ def test_a_fleet_listener_routes_every_payload_but_probes() -> None:
         listener._on_notification(None, 1, "notify_outbox", payload)
     assert routed == ["tenant_a.outbox", "", "notify-outbox:registry"]
     assert woken == []
+
+
+def test_the_fleet_file_names_each_database_and_its_outboxes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TENANTS_DSN", "postgresql://relay:tenant-secret@db-1/app")
+    secret = tmp_path / "billing_dsn"
+    secret.write_text("postgresql://relay:billing-secret@db-2/billing\n")
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        f"""
+[[database]]
+dsn_env = "TENANTS_DSN"
+outboxes = "*"
+schemas_like = "tenant\\\\_%"
+
+[[database]]
+dsn_file = "{secret}"
+outboxes = ["public.outbox", "audit.events"]
+channel = "billing_events"
+
+[[database]]
+outboxes = ["public.outbox"]
+"""
+    )
+    tenants, billing, default = load_fleet_file(path, settings(listen_dsn=DSN))
+    assert tenants.discover
+    assert tenants.schemas_like == "tenant\\_%"
+    assert tenants.settings.dsn.get_secret_value().endswith("@db-1/app")
+    assert tenants.settings.listen_dsn is None  # NOTIFY_OUTBOX_LISTEN_DSN is DSN's alone
+    assert billing.settings.dsn.get_secret_value().endswith("@db-2/billing")
+    assert billing.outboxes == (
+        OutboxNames("public", "outbox", "billing_events"),
+        OutboxNames("audit", "events", "billing_events"),
+    )
+    assert default.settings.dsn.get_secret_value() == DSN
+    assert default.settings.listen_dsn is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[[database]]\noutboxes = []\n", "number 1: outboxes must be"),
+        ('[[database]]\noutboxes = "*"\n[[database]]\nhost = "x"\n', "number 2: unknown key host"),
+        ('[[database]]\noutboxes = ["outbox"]\n', "is not schema.table"),
+        ('[[database]]\noutboxes = ["public.outbox"]\nschemas_like = "t%"\n', "only with"),
+        ('[[database]]\ndsn_env = "NO_SUCH_DSN_VAR"\noutboxes = "*"\n', "NO_SUCH_DSN_VAR"),
+        ('[[database]]\ndsn = "mysql://x"\noutboxes = "*"\n', "NOTIFY_OUTBOX_DSN"),
+        ('[[database]]\ndsn = "a"\ndsn_env = "b"\noutboxes = "*"\n', "one of dsn"),
+        ('outboxes = "*"\n', "one or more \\[\\[database\\]\\] tables"),
+        ("[[database]\n", "not valid TOML"),
+    ],
+)
+def test_a_wrong_fleet_file_says_where(tmp_path: Path, text: str, says: str) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigurationError, match=says) as raised:
+        load_fleet_file(path, settings())
+    assert "secret" not in str(raised.value)
