@@ -346,6 +346,7 @@ class Fleet:
                 return
             async with anyio.create_task_group() as services:
                 services.start_soon(self._remind_outages, name="outage-reminders")
+                services.start_soon(self._watch_kafka, name="kafka-watch")
                 async with anyio.create_task_group() as databases:
                     for db in self._databases:
                         databases.start_soon(db.run, name="fleet-database")
@@ -383,6 +384,23 @@ class Fleet:
             tg.start_soon(watch)
             tg.start_soon(work)
         return finished
+
+    async def _watch_kafka(self) -> None:
+        """While no relay of the fleet is busy, ask Kafka now and then whether it answers (as
+        a single relay does): an outage shows in the log and /readyz when it starts."""
+        publisher = self._publisher
+        assert publisher is not None
+        while True:
+            await anyio.sleep(self.settings.kafka_idle_check_interval)
+            busy = any(relay.busy_workers for _, _, relay in self.members())
+            if busy or (publisher.available and await publisher.check()):
+                continue
+            self.events.emit("kafka_unavailable")
+            self.kafka_outage.failed("Kafka stopped answering")
+            await publisher.wait_available()
+            if self.kafka_outage.active:
+                self.kafka_outage.recovered(None)
+                self.events.emit("kafka_back")
 
     async def _remind_outages(self) -> None:
         while True:
