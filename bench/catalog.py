@@ -7,7 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import drain, eos_freeze, failing_head, held_snapshot, inbox, recovery, stalled_relay
+from bench import (
+    drain,
+    eos_freeze,
+    failing_head,
+    fleet,
+    held_snapshot,
+    inbox,
+    recovery,
+    stalled_relay,
+)
 from bench.regimes import Regime
 from bench.report import write_run_report
 
@@ -21,6 +30,7 @@ REGIMES: dict[str, Regime] = {
         stalled_relay.REGIME,
         eos_freeze.REGIME,
         inbox.REGIME,
+        fleet.REGIME,
     )
 }
 

@@ -1,5 +1,5 @@
 """The command line: ``python -m bench run | smoke | drain | recovery | held-snapshot |
-failing-head | stalled-relay | eos-freeze | inbox | report``.
+failing-head | stalled-relay | eos-freeze | inbox | fleet | report``.
 
 Exit codes: 0 done; 1 the bench itself broke (a process failed, events went missing at a light
 load, a smoke check failed); 2 bad usage.

@@ -168,7 +168,7 @@ async def fill_failing(dsn: str, topic: str, rows: int, keys: int) -> dict[str, 
     return {"insert_s": inserted, "vacuum_s": time.monotonic() - t0 - inserted}
 
 
-def _quiet_record(
+def quiet_record(
     before: dict[str, Any],
     after: dict[str, Any],
     calls0: dict[int, tuple[str, int, int]],
@@ -394,7 +394,7 @@ class _FailingHead(Cells[Mode]):
         cpu1, db1 = meter.read()
         after = (await db_counters(services.dsn, [database], statements=self.statements))[database]
         calls1 = await statement_calls(services.dsn, database) if self.statements else {}
-        out = _quiet_record(before, after, calls0, calls1, seconds)
+        out = quiet_record(before, after, calls0, calls1, seconds)
         out["mode_cpu_percent"] = 100 * (cpu1 - cpu0) / seconds
         out["db_cpu_percent"] = (
             100 * (db1 - db0) / seconds if db0 is not None and db1 is not None else None

@@ -10,7 +10,8 @@ scheduled ``time.monotonic_ns()`` (one clock for the host), so latency counts fr
 errors, not retried). ``stop_on_input``: a line on stdin ends the schedule. ``announce``: prints
 ``{"t0": ...}`` before the first event. ``sink: "kafka"``: no database, the relay's own producer
 sends straight to the topic (the Kafka floor). ``closed``: as fast as possible for ``duration``
-(producer overhead without pgbench)."""
+(producer overhead without pgbench). ``tables``: each event into one of these outbox tables,
+picked at random (seeded), instead of ``outbox`` (single-row transactions only)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ class LoadConfig:
     announce: bool = False  # open loop: print {"t0": ...} on stdout when the schedule is fixed
     sink: str = "postgres"  # "postgres": INSERT into the outbox; "kafka": the floor (no database)
     bootstrap: str = ""  # Kafka's bootstrap servers, for the "kafka" sink
+    tables: tuple[str, ...] = ()  # e.g. ("t000.outbox", ...): a random one per event
 
     @classmethod
     def load(cls, path: Path) -> LoadConfig:
         """Read a config written by ``save``."""
-        return cls(**json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        return cls(**{**data, "tables": tuple(data.get("tables", ()))})
 
     def save(self, path: Path) -> None:
         """Write this config as JSON."""
@@ -220,6 +223,10 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
         sys.stdout.write(json.dumps({"t0": t0}) + "\n")
         sys.stdout.flush()
     n = len(sched)
+    if cfg.tables and cfg.tx_events != 1:
+        raise ValueError("tables: single-row transactions only")
+    rng = random.Random(cfg.seed)
+    table_of = [rng.randrange(len(cfg.tables)) for _ in range(n)] if cfg.tables else []
     send = new_array(n)
     ack = new_array(n)
     window_start = t0 + int(cfg.warmup * 1e9)
@@ -267,6 +274,13 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
             try:
                 if kafka is not None:
                     await kafka.send(group, [sched[j] for j in group])
+                elif cfg.tables:
+                    await conn.execute(
+                        SQL_INSERT.replace("outbox", cfg.tables[table_of[i]], 1),
+                        cfg.topic,
+                        event_key(cfg, i),
+                        event_payload(cfg, i, sched[i]),
+                    )
                 else:
                     await _insert_many(cfg, conn, group, [sched[j] for j in group])
             except (

@@ -358,11 +358,20 @@ class PhaseRun:
         return await self.start_helper(name, "_loadgen", str(config_path))
 
     async def start_steady_writers(
-        self, dsn: str, topic: str, *, rate: float, keys: int, seconds: float, out: Path, name: str
+        self,
+        dsn: str,
+        topic: str,
+        *,
+        rate: float,
+        keys: int,
+        seconds: float,
+        out: Path,
+        name: str,
+        tables: tuple[str, ...] = (),
     ) -> tuple[Child, int]:
-        """Open-loop writers at ``rate`` ev/s over ``keys`` keys, on a schedule 10
-        minutes longer than ``seconds`` (``stop_writers`` ends it); returns them and the
-        schedule's start (monotonic ns)."""
+        """Open-loop writers at ``rate`` ev/s over ``keys`` keys (into a random one of
+        ``tables`` per event, if given), on a schedule 10 minutes longer than ``seconds``
+        (``stop_writers`` ends it); returns them and the schedule's start (monotonic ns)."""
         lc = LoadConfig(
             dsn=dsn,
             topic=topic,
@@ -375,6 +384,7 @@ class PhaseRun:
             keys=keys,
             stop_on_input=True,
             announce=True,
+            tables=tables,
         )
         gen = await self.start_loadgen(lc, name=name)
         try:
