@@ -1,4 +1,4 @@
-"""Many outboxes, one relay fleet (issue #34, item 7): three relay processes, each serving every
+"""Scenario 36, many outboxes (issue #34, item 7): three relay processes, each serving every
 outbox of the database (``NOTIFY_OUTBOX_OUTBOXES=*``), share 50 tenants' outboxes while writers
 commit keyed events into all of them; one process is killed with SIGKILL mid-run and a new one
 added. Nothing committed is lost, and each (outbox, key)'s events arrive in commit order."""
