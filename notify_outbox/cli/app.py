@@ -359,6 +359,19 @@ async def _run_exactly_once(settings: OutboxSettings) -> int:
     return EXIT_OK if relay.outcome == "stopped" else EXIT_FAILED
 
 
+def _stop_then_abort(stop: Callable[[], None], abort: Callable[[], None]) -> Callable[[int], None]:
+    """A signal handler: the first SIGTERM/SIGINT stops gracefully, a second one aborts."""
+    seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal seen
+        seen += 1
+        log.info("received %s", signal.Signals(signum).name)
+        (stop if seen == 1 else abort)()
+
+    return on_signal
+
+
 async def _run_fleet(settings: OutboxSettings) -> int:
     databases = (
         load_fleet_file(settings.fleet_file, settings)
@@ -371,18 +384,9 @@ async def _run_fleet(settings: OutboxSettings) -> int:
         discovery_interval=settings.discovery_interval,
         fault_hook=_fault_hook_from_env(),
     )
-    signals_seen = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        log.info("received %s", signal.Signals(signum).name)
-        if signals_seen == 1:
-            fleet.request_stop()
-        else:
-            fleet.abort()
-
-    uninstall = _install_signal_handlers(asyncio.get_running_loop(), on_signal)
+    uninstall = _install_signal_handlers(
+        asyncio.get_running_loop(), _stop_then_abort(fleet.request_stop, fleet.abort)
+    )
     try:
         async with serve_monitoring(fleet, settings):  # /metrics etc. if http_port is set
             await fleet.run()
@@ -398,18 +402,7 @@ async def _run_relay(settings: OutboxSettings) -> int:
         return await _run_fleet(settings)
     relay = Relay(settings, fault_hook=_fault_hook_from_env())
     loop = asyncio.get_running_loop()
-    signals_seen = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        log.info("received %s", signal.Signals(signum).name)
-        if signals_seen == 1:
-            relay.request_stop()
-        else:
-            relay.abort()
-
-    uninstall = _install_signal_handlers(loop, on_signal)
+    uninstall = _install_signal_handlers(loop, _stop_then_abort(relay.request_stop, relay.abort))
     try:
         ready = asyncio.ensure_future(relay.wait_ready())
 
