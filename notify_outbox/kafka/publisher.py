@@ -123,6 +123,9 @@ class _Dropped(_Abandoned):
 # an xid (which holds back vacuum cluster-wide) for the whole send deadline.
 _PROBE_EVERY = 0.5
 _PROBE_TIMEOUT = 1.0
+# A topic refused as unknown while still listed: metadata looks before calling it an outage.
+_TOPIC_RECHECKS = 3
+_TOPIC_RECHECK_GAP = 0.1
 # How often an unavailable Kafka is asked whether it is back: a refused connection costs
 # nothing, and delivery should resume well within a second of the broker's return.
 _RECOVERY_FIRST = 0.02
@@ -868,11 +871,18 @@ class KafkaPublisher:
         """A batch refused for an unknown topic while the producer's metadata still listed
         it: either the topic was deleted and the answer came before the metadata learnt it
         (seen on a loaded host: a spurious outage), or a partition is moving (an outage).
-        Asks for the metadata once more: the rows of a topic that is gone fail as missing,
-        the rest make it an outage, as before."""
-        with contextlib.suppress(kafka_errors.KafkaError, OSError, TimeoutError):
-            with anyio.fail_after(_PROBE_TIMEOUT):
-                await producer.client.force_metadata_update()
+        Asks for the metadata again, up to ``_TOPIC_RECHECKS`` times ``_TOPIC_RECHECK_GAP``
+        apart while a refused topic is still listed (on a loaded host the broker answering the
+        metadata request may not have learnt of the deletion yet either: a spurious outage in
+        CI): the rows of a topic that is gone fail as missing, the rest make it an outage."""
+        for attempt in range(_TOPIC_RECHECKS):
+            if attempt:
+                await anyio.sleep(_TOPIC_RECHECK_GAP)
+            with contextlib.suppress(kafka_errors.KafkaError, OSError, TimeoutError):
+                with anyio.fail_after(_PROBE_TIMEOUT):
+                    await producer.client.force_metadata_update()
+            if all(_topic_gone(producer, batch.topic, e) for batch, e in unknown_topic):
+                break
         for batch, error in unknown_topic:
             if _topic_gone(producer, batch.topic, error):
                 for row in batch.rows:
