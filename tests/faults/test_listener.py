@@ -84,6 +84,7 @@ async def test_03_spoofed_notify_by_another_role_is_harmless(
                 "notify-outbox-probe:0000000000000000",
                 "notify-outbox-probe:" + "z" * 7970,
                 probes[0],  # a replayed real token
+                "public.outbox",  # the relay's own outbox named (migration 0008): a hint only
             ]
             before = [await p.produce(f"key-{i % 5}") for i in range(20)]
             await checker.drain_and_check(within=30, record=False)
@@ -93,11 +94,15 @@ async def test_03_spoofed_notify_by_another_role_is_harmless(
                 for payload in junk:
                     await spoofer.execute("SELECT pg_notify('notify_outbox', $1)", payload)
                 await spoofer.execute(f"NOTIFY notify_outbox, 'plain-notify-{i}'")
-            spoofed = 10 * 7  # six junk payloads without the probe prefix, one plain NOTIFY
+            # Only the empty payload and the outbox's own name wake the relay: a payload naming
+            # anything else is another outbox's news (migration 0008) and is ignored. A last
+            # empty one, delivered after every other, says they have all been handled.
+            spoofed = 10 * 2
+            await spoofer.execute("SELECT pg_notify('notify_outbox', '')")
             with anyio.move_on_after(30):
-                await relay.events.wait_for("wake:notification", heard + spoofed)
+                await relay.events.wait_for("wake:notification", heard + spoofed + 1)
             counts = relay.events.counts.copy()
-            assert counts["wake:notification"] == heard + spoofed, counts
+            assert counts["wake:notification"] == heard + spoofed + 1, counts
             assert counts["claimed"] == claimed, "a spoofed wake-up claimed something"
             after = [await p.produce(f"key-{i % 5}") for i in range(10)]
             legit = before + after
