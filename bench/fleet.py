@@ -55,7 +55,6 @@ from bench.services import Services, connection, db_counters, dsn_for, statement
 from devstack.relayproc import READY, create_topics
 
 _FLEET_READY = "fleet running"
-_LEAD_S = 3.0  # fairness: the others' events flow this long before the backlog is inserted
 _QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
 _IDLE_TARGET = 0.3  # statements/s per database with every outbox idle (issue #34)
 _FAIR_TARGET_MS = 20.0  # the others' p99 while one outbox drains a backlog (issue #34)
@@ -77,8 +76,11 @@ class FleetConfig(PhaseConfig):
     backlog_rows: int = 100_000
     backlog_keys: int = 1000
     fairness_seconds: float = 30.0
+    lead: float = 3.0
     drain_timeout: float = 300.0
     no_floor: bool = False
+    fairness_only: bool = False
+    split: bool = False
     quick: bool = False
 
 
@@ -111,7 +113,13 @@ def arguments(p: argparse.ArgumentParser) -> None:
         fairness_seconds="seconds of the other outboxes' events in a fairness cell (at least "
         "the drain)",
         drain_timeout="seconds the backlog may take to drain",
+        lead="seconds the others' events flow in a fairness cell before it is measured and "
+        "the backlog inserted (the fleet's sessions warm up meanwhile)",
         no_floor="leave out the Kafka floor cells",
+        fairness_only="only the fairness cells (no idle, latency or floor cells)",
+        split="also a control fairness cell: the backlog's outbox served by a relay process "
+        "of its own, the fleet serving the others (is the fleet's sharing the cause, or the "
+        "host?)",
         quick="one short round (about 4 minutes)",
     )
     phase_options(p)
@@ -173,7 +181,9 @@ class _Fleet(RegimeRun):
         self.statements = False
         run.result["modes"] = {"notify": self.mode.to_json()}
         run.result["cells"] = self.cells
-        run.progress.total = cfg.repeat * (3 + bool(cfg.backlog_rows) + (not cfg.no_floor))
+        setups = 0 if cfg.fairness_only else 2 + (not cfg.no_floor)
+        fair = 1 + bool(cfg.backlog_rows) * (1 + cfg.split)
+        run.progress.total = cfg.repeat * (setups + fair)
 
     def intro(self) -> str:
         cfg = self.cfg
@@ -195,6 +205,7 @@ class _Fleet(RegimeRun):
             for rnd in range(cfg.repeat):
                 kinds = ["fleet", "per-outbox"][:: 1 if rnd % 2 == 0 else -1]
                 kinds += [] if cfg.no_floor else ["floor"]
+                kinds = [] if cfg.fairness_only else kinds
                 for kind in kinds:
                     label = f"{kind}, round {rnd + 1}"
                     await add_cell(
@@ -204,14 +215,18 @@ class _Fleet(RegimeRun):
                         label,
                         self._setup_cell(services, dsn, rnd, kind, label),
                     )
-                for rows in dict.fromkeys((0, cfg.backlog_rows)):
-                    label = f"fairness, {rows:,} backlog, round {rnd + 1}"
+                fair = [(0, False)] + [(cfg.backlog_rows, False)] * bool(cfg.backlog_rows)
+                if cfg.split and cfg.backlog_rows:
+                    fair.insert(1 + rnd % 2, (cfg.backlog_rows, True))
+                for rows, split in fair:
+                    label = f"fairness{', split' * split}, {rows:,} backlog, round {rnd + 1}"
                     await add_cell(
                         run,
                         self.cells,
-                        {"round": rnd, "kind": "fairness", "backlog": rows},
+                        {"round": rnd, "kind": "fairness", "backlog": rows}
+                        | ({"setup": "split"} if split else {}),
                         label,
-                        self._fairness_cell(services, dsn, rnd, rows, label),
+                        self._fairness_cell(services, dsn, rnd, rows, label, split),
                     )
         finally:
             await run.drop_database(services, self.database)
@@ -236,24 +251,31 @@ class _Fleet(RegimeRun):
         self.run.progress.line(f"{len(self.schemas)} outboxes migrated in {seconds:.1f}s")
         return dsn
 
-    async def _start(self, services: Services, dsn: str, schemas: list[str] | None) -> list[Child]:
-        """The fleet (``schemas`` None) or a relay per schema, each running."""
+    async def _start(
+        self, services: Services, dsn: str, schemas: list[str] | None, split: bool = False
+    ) -> list[Child]:
+        """The fleet (``schemas`` None) or a relay per schema, each running. ``split``: the
+        fleet serves every outbox but the first, which a relay of its own serves."""
         run, env = self.run, self.cfg.relay_env
         procs: list[Child] = []
         try:
             if schemas is None:
+                served = ",".join(f"{s}.outbox" for s in self.schemas[1:]) if split else "*"
                 procs.append(
                     await run.start(
                         services,
                         self.mode,
                         dsn,
                         name="fleet",
-                        extra_env={**env, "NOTIFY_OUTBOX_OUTBOXES": "*"},
+                        extra_env={**env, "NOTIFY_OUTBOX_OUTBOXES": served},
                         wait_ready=False,
                     )
                 )
                 await procs[0].wait_for_log(_FLEET_READY, READY_TIMEOUT)
-                return procs
+                if not split:
+                    return procs
+                schemas = self.schemas[:1]
+            started = len(procs)
             for s in schemas:
                 procs.append(
                     await run.start(
@@ -266,7 +288,7 @@ class _Fleet(RegimeRun):
                     )
                 )
             within = max(READY_TIMEOUT, 3.0 * len(procs))  # Python start-ups share 2 cores
-            await asyncio.gather(*(p.wait_for_log(READY, within) for p in procs))
+            await asyncio.gather(*(p.wait_for_log(READY, within) for p in procs[started:]))
         except BaseException:
             await asyncio.gather(*(p.stop(5) for p in procs))
             raise
@@ -410,13 +432,15 @@ class _Fleet(RegimeRun):
             got_path.unlink(missing_ok=True)
 
     async def _fairness_cell(
-        self, services: Services, dsn: str, rnd: int, rows: int, label: str
+        self, services: Services, dsn: str, rnd: int, rows: int, label: str, split: bool
     ) -> dict[str, Any]:
         """The fleet with the other outboxes' events at ``rate`` for ``fairness_seconds``
-        (at least until the backlog drained); ``_LEAD_S`` in, ``rows`` committed in one
-        transaction into the first outbox."""
+        (at least until the backlog drained); ``lead`` in, ``rows`` committed in one
+        transaction into the first outbox (``split``: served by a relay of its own)."""
         run, cfg = self.run, self.cfg
         cell = cell_record(len(self.cells) + 1, round=rnd, kind="fairness", backlog=rows)
+        if split:
+            cell["setup"] = "split"
         topic, consumer = await self._topic(services, cell)
         gen_path, got_path = run.array_paths(f"fleet-{cell['cell']}")
         backlog_path = got_path.with_name(f"fleet-{cell['cell']}-backlog.bin")
@@ -424,7 +448,7 @@ class _Fleet(RegimeRun):
         gen: Child | None = None
         try:
             run.progress.status(f"{label}: starting the fleet")
-            procs = await self._start(services, dsn, None)
+            procs = await self._start(services, dsn, None, split)
             gen, t0 = await run.start_steady_writers(
                 dsn,
                 topic,
@@ -436,7 +460,7 @@ class _Fleet(RegimeRun):
                 tables=tuple(f"{s}.outbox" for s in self.schemas[1:]),
             )
             alive = [(procs[0], "the fleet"), (gen, "the writers")]
-            start = t0 + int(_LEAD_S * 1e9)
+            start = t0 + int(cfg.lead * 1e9)
             await run.pace(start, lambda left: f"{label}: lead-in {left:.0f}s", alive=alive)
             if rows:
                 run.progress.status(f"{label}: inserting the backlog")
@@ -577,13 +601,15 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 | {"processes": cfg["outboxes"], **scaled, "ready_s": None}
             )
     fairness = []
-    for rows in dict.fromkeys(c.get("backlog") for c in _cells(result, "fairness")):
-        cells = _cells(result, "fairness", backlog=rows)
+    fair_cells = _cells(result, "fairness")
+    for setup, rows in dict.fromkeys((c.get("setup"), c.get("backlog")) for c in fair_cells):
+        cells = _cells(result, "fairness", backlog=rows, setup=setup)
         others = [c["others"] for c in cells if "others" in c]
         during = [c["others_during_drain"] for c in cells if "others_during_drain" in c]
         drains = [c["drain"] for c in cells if "drain" in c]
         fairness.append(
             {
+                "setup": setup or "fleet",
                 "backlog": rows,
                 "rounds": len(others),
                 **{k: median(x.get(k) for x in others) for k in ("p50", "p99", "max")},
@@ -608,7 +634,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                     per_s <= _IDLE_TARGET,
                 )
             )
-    loaded = next((r for r in fairness if r["backlog"]), None)
+    loaded = next((r for r in fairness if r["backlog"] and r["setup"] == "fleet"), None)
     if loaded is not None and loaded["drain_p99"] is not None:
         targets.append(
             target(
@@ -662,12 +688,14 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         f"event), {cfg['warmup']:g} s warm-up then {cfg['latency_seconds']:g} s measured, "
         "commit ack -> consumer receipt",
         f"- fairness: the fleet with the other {cfg['outboxes'] - 1} outboxes' events at "
-        f"{cfg['rate']:g} ev/s; {_LEAD_S:g} s in, {cfg['backlog_rows']:,} rows of "
+        f"{cfg['rate']:g} ev/s; {cfg.get('lead', 3.0):g} s in, {cfg['backlog_rows']:,} rows of "
         f"{cfg['backlog_keys']} keys committed in one transaction into t000; the others' "
         "latency over the cell and while the backlog drained (from its commit to the "
         "consumer's last backlog row), the drain's rows/s; next to the same cell without "
         "the backlog",
     ]
+    if env := cfg.get("relay_env"):
+        lines.append("- relay settings: " + ", ".join(f"`{k}={v}`" for k, v in env.items()))
     lines += targets_section(summary, "issue #34")
     lines += ["", "## Idle cost (medians over rounds)", ""]
     lines += grid(
@@ -694,8 +722,16 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         ("missing", lambda r: str(r["missing"])),
     )
     lines += ["", "## Fairness: one outbox draining a backlog (the fleet; ms)", ""]
+    split = any(r.get("setup", "fleet") != "fleet" for r in summary["fairness"])
+    if split:
+        lines += [
+            "**split**: the backlog's outbox served by a relay process of its own, the fleet "
+            "serving the others (a control: what the host alone costs the others).",
+            "",
+        ]
     lines += grid(
         summary["fairness"],
+        *([("setup", lambda r: r["setup"])] if split else []),
         ("backlog rows", lambda r: f"{r['backlog']:,}"),
         ("others p50", lambda r: num(r["p50"])),
         ("others p99", lambda r: num(r["p99"])),
