@@ -34,9 +34,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -70,6 +71,10 @@ log = logging.getLogger("notify_outbox.fleet")
 _UNKNOWN_EVERY = 5.0
 # Outboxes per poll statement (PostgreSQL's plan for a union of thousands would be slow to make).
 _POLL_CHUNK = 500
+# A draining outbox pauses (outbox_drain_share) while another outbox had events this recently,
+# and for at most this long at a time.
+_ACTIVE_WINDOW = 1.0
+_PACE_MAX = 1.0
 
 # The fingerprint of the database's outboxes: every table with a notify trigger of its own
 # name. It changes when an outbox is migrated (0001 creates the trigger) or dropped.
@@ -137,6 +142,32 @@ class _Member:
     done: anyio.Event = field(default_factory=anyio.Event)
 
 
+class _Activity:
+    """Which outboxes had events last (the two latest, and when), so that a draining one
+    can ask in O(1) whether any other had some within ``window`` seconds."""
+
+    def __init__(self, window: float = _ACTIVE_WINDOW) -> None:
+        self.window = window
+        self._last: tuple[object, float] = (None, -math.inf)
+        self._before: tuple[object, float] = (None, -math.inf)
+
+    def note(self, who: object, now: float) -> None:
+        if self._last[0] is not who:
+            self._before = self._last
+        self._last = (who, now)
+
+    def others(self, who: object, now: float) -> bool:
+        """Whether an outbox other than ``who`` had events within the window."""
+        other = self._before if self._last[0] is who else self._last
+        return now - other[1] <= self.window
+
+
+def pause_for(busy: float, share: float) -> float:
+    """Seconds a worker pauses after a claim that took ``busy`` seconds, so that it claims
+    for ``share`` of the time (at most ``_PACE_MAX``)."""
+    return min(busy * (1.0 / share - 1.0), _PACE_MAX)
+
+
 class Fleet:
     """Moves committed rows of many outboxes to Kafka: every promise of ``Relay``, per outbox.
 
@@ -171,6 +202,8 @@ class Fleet:
         self._fault_hook = fault_hook
         self._discovery_interval = discovery_interval
         self._outbox_workers = outbox_workers
+        self._drain_share = self.settings.outbox_drain_share
+        self._activity = _Activity()
         self._databases = [_Database(self, spec) for spec in databases]
         self._publisher: KafkaPublisher | None = None
         self._stopping = False
@@ -410,6 +443,24 @@ class Fleet:
                 for member in db.members.values():
                     member.relay.db_outage.remind()
 
+    def _had_events(self, member: _Member) -> None:
+        self._activity.note(member, time.monotonic())
+
+    def _pacer(self, member: _Member) -> Callable[[float], Awaitable[None]] | None:
+        """The pause of ``member``'s workers after a full claim (``outbox_drain_share``):
+        while another outbox had events within ``_ACTIVE_WINDOW``, the drain claims for its
+        share of the time only. None when the share is 1."""
+        share = self._drain_share
+        if share >= 1.0:
+            return None
+
+        async def pace(busy: float) -> None:
+            if self._activity.others(member, time.monotonic()):
+                self.events.emit("drain_paused")
+                await anyio.sleep(pause_for(busy, share))
+
+        return pace
+
     def _member_settings(self, base: OutboxSettings, names: OutboxNames) -> OutboxSettings:
         workers = self._outbox_workers or max(1, base.workers // 2)
         return base.model_copy(
@@ -546,6 +597,7 @@ class _Database:
         for member in self.members.values():
             if member.names.channel == channel:
                 member.relay.wake(source)
+                self.fleet._had_events(member)
 
     def _route(self, channel: str, payload: str) -> None:
         if payload == REGISTRY_PAYLOAD:
@@ -558,6 +610,7 @@ class _Database:
         member = self.members.get(payload)
         if member is not None:
             member.relay.wake("notification")
+            self.fleet._had_events(member)
         elif (
             self.spec.discover
             and payload not in self._ignored
@@ -625,6 +678,7 @@ class _Database:
         relay = Relay(settings, shared=shared, fault_hook=self.fleet._fault_hook)
         relay.events.add_hook(self.fleet.events.emit)
         member = _Member(relay, names)
+        shared.pace = self.fleet._pacer(member)
         self.members[names.target] = member
         self._failed.pop(names.target, None)
         self._relays.start_soon(self._serve, member, name=f"relay-{names.target}")
@@ -726,6 +780,7 @@ class _Database:
         for target in due:
             member = self.members.get(target)
             if member is not None:
+                self.fleet._had_events(member)
                 await member.relay.poll_once()
         if fingerprint is not None and (fingerprint != self._fingerprint or self._failed):
             await self.refresh()  # new or dropped outboxes; or try the failed ones again

@@ -676,7 +676,9 @@ class Relay:
         has had a worker claiming all along (at 800 ev/s a relay went on being woken by a
         NOTIFY per commit for 20-60 s after its start, at twice the latency).
         """
+        pace = None if self._shared is None else self._shared.pace
         while not self._stopping:
+            began = time.monotonic() if pace is not None else 0.0
             done = await self._claim_once(backoffs, cause)
             if done is None:
                 cause = self._woken("error")
@@ -690,6 +692,8 @@ class Relay:
                 if claimed >= self.settings.batch_size:
                     # More is probably waiting: bring an idle sibling in to help.
                     self._wake("backlog")
+                    if pace is not None:
+                        await pace(time.monotonic() - began)
                     cause = self._woken("full")
                     continue
                 if more is not False:

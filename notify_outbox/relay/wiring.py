@@ -5,7 +5,7 @@ publisher. The relay itself works through the ports only (``OutboxStore``, ``Pub
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -47,6 +47,9 @@ class SharedPorts:
     #: Kafka's outage is the fleet's; PostgreSQL's is each outbox's own (a failing
     #: statement, a permission, a broken schema, is one tenant's problem).
     kafka_outage: Outage
+    #: Awaited by a worker after each full claim (a backlog), with the seconds that claim
+    #: took: the fleet's pause that leaves the other outboxes their share (None: none).
+    pace: Callable[[float], Awaitable[None]] | None = None
 
 
 @dataclass

@@ -352,3 +352,54 @@ def test_the_daemon_serves_the_databases_of_a_fleet_file(
     finally:
         for dsn in (tenants, billing):
             drop_database(services, dsn)
+
+
+async def test_a_draining_outbox_pauses_while_another_has_events(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(empty_db_dsn)
+    writer = await asyncpg.connect(empty_db_dsn)
+    quiet = 0
+    try:
+        await migrate(conn, OutboxNames("busy"))
+        await migrate(conn, OutboxNames("quiet"))
+        s = settings(empty_db_dsn, services, batch_size=100, outbox_drain_share=0.5)
+        async with Fleet([FleetDatabase(s, discover=True)]) as fleet:
+            drained = anyio.Event()
+
+            async def other_tenant() -> None:
+                # A tenant with events all along the drain (an event every 20 ms).
+                nonlocal quiet
+                while not drained.is_set():
+                    await insert(writer, "quiet", topic, "q", quiet)
+                    quiet += 1
+                    await anyio.sleep(0.02)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(other_tenant)
+                await fleet.events.wait_for("wake:notification", 3)
+                await conn.execute(
+                    "INSERT INTO busy.outbox (topic, key, payload) SELECT $1, 'k' || (g % 5), "
+                    "json_build_object('schema', 'busy', 'n', g) FROM generate_series(0, 999) g "
+                    "ORDER BY g",
+                    topic,
+                )
+                with anyio.fail_after(60):
+                    while await conn.fetchval(
+                        "SELECT count(*) FROM busy.outbox WHERE published_at IS NULL"
+                    ):
+                        await fleet.events.wait_for(
+                            "batch_done", fleet.events.counts["batch_done"] + 1
+                        )
+                drained.set()
+            # Ten full claims of the backlog, each followed by a pause: the quiet tenant had
+            # events within the last second at every one.
+            assert fleet.events.counts["drain_paused"] >= 5
+            records, _ = await consume(services.bootstrap, topic, expect=1000 + quiet)
+    finally:
+        await writer.close()
+        await conn.close()
+    seen = by_outbox_and_key(records)
+    for k in range(5):
+        assert seen[("busy", f"k{k}")] == list(range(k, 1000, 5))
+    assert seen[("quiet", "q")] == list(range(quiet))

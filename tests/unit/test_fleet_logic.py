@@ -4,17 +4,23 @@ ignores the news of other outboxes sharing its channel (migration 0008)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import anyio
 import pytest
 
-from notify_outbox import FleetDatabase, OutboxNames
+from notify_outbox import Fleet, FleetDatabase, OutboxNames, Relay
 from notify_outbox.core.errors import ConfigurationError
 from notify_outbox.core.events import RelayEvents
 from notify_outbox.core.settings import OutboxSettings, load_settings
+from notify_outbox.relay.fleet import _Activity, pause_for
 from notify_outbox.relay.fleet_file import load_fleet_file
 from notify_outbox.relay.listener import PROBE_PREFIX, Listener
+from notify_outbox.relay.outage import Outage
+from notify_outbox.relay.wiring import SharedPorts
+from tests.fakes import FakePublisher, FakeStore, fake_settings
 
 DSN = "postgresql://app:secret@127.0.0.1:5432/app"
 
@@ -143,3 +149,89 @@ def test_a_wrong_fleet_file_says_where(tmp_path: Path, text: str, says: str) -> 
     with pytest.raises(ConfigurationError, match=says) as raised:
         load_fleet_file(path, settings())
     assert "secret" not in str(raised.value)
+
+
+# --- a draining outbox's share (outbox_drain_share) ---------------------------------------------
+
+
+def test_activity_says_whether_another_outbox_had_events_within_the_window() -> None:
+    a, b, c = object(), object(), object()
+    seen = _Activity(window=1.0)
+    assert not seen.others(a, 0.0)  # nothing yet
+    seen.note(a, 10.0)
+    assert not seen.others(a, 10.5)  # only itself
+    assert seen.others(b, 10.5)
+    seen.note(b, 11.0)
+    seen.note(a, 11.2)  # a again: b is still the latest other
+    assert seen.others(a, 11.9)
+    assert not seen.others(a, 12.1)  # b's events are older than the window
+    seen.note(c, 12.0)
+    assert seen.others(a, 12.1)  # c
+    assert seen.others(c, 12.1)  # a at 11.2 is within the window
+    assert not seen.others(c, 12.3)  # and is not any more
+
+
+def test_a_paused_drain_claims_for_its_share_of_the_time() -> None:
+    assert pause_for(0.04, 0.25) == pytest.approx(0.12)  # claims 40 ms of every 160 ms
+    assert pause_for(0.04, 0.5) == pytest.approx(0.04)
+    assert pause_for(0.04, 1.0) == 0.0
+    assert pause_for(30.0, 0.1) == 1.0  # one slow claim does not stop the drain for long
+
+
+@pytest.mark.anyio
+async def test_the_fleet_pauses_a_drain_only_while_other_outboxes_have_events(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(anyio, "sleep", sleep)  # the fleet's pause
+    spec = FleetDatabase(settings(outbox_drain_share=0.5), discover=True)
+    fleet = Fleet([spec])
+    drain, other = cast(Any, object()), cast(Any, object())
+    pace = fleet._pacer(drain)
+    assert pace is not None
+    await pace(0.03)
+    assert slept == []  # alone: full speed
+    fleet._had_events(other)
+    await pace(0.03)
+    assert slept == [pytest.approx(0.03)]
+    assert fleet.events.counts["drain_paused"] == 1
+    fleet._had_events(drain)  # its own events do not count
+    await pace(0.03)
+    assert len(slept) == 2
+    assert Fleet([FleetDatabase(settings(), discover=True)])._pacer(drain) is None  # share 1
+
+
+@pytest.mark.anyio
+async def test_a_shared_relay_paces_after_full_claims_only() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    for i in range(120):
+        store.add(key=f"k{i % 7}")
+    paced: list[float] = []
+
+    async def pace(busy: float) -> None:
+        paced.append(busy)
+
+    shared = SharedPorts(
+        pool=cast(Any, None),
+        behind_pooler=False,
+        publisher=pub,
+        listener=None,
+        pulse=None,
+        relay_id="test",
+        kafka_outage=Outage("Kafka", logging.getLogger("test")),
+        pace=pace,
+    )
+    relay = Relay(fake_settings(workers=1, batch_size=50), store=store, shared=shared)
+    async with relay:
+        relay.wake("notification")
+        with anyio.fail_after(10):
+            while store.pending():
+                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+    assert sorted(r.id for r in pub.sent) == list(range(1, 121))
+    # Claims of 50, 50 and 20 rows: the two full ones paused, with the time each took.
+    assert len(paced) == 2
+    assert all(busy > 0 for busy in paced)
