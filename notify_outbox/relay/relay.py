@@ -677,9 +677,15 @@ class Relay:
         NOTIFY per commit for 20-60 s after its start, at twice the latency).
         """
         pace = None if self._shared is None else self._shared.pace
+        limit_now = None if self._shared is None else self._shared.limit
+        limit = self.settings.batch_size
         while not self._stopping:
-            began = time.monotonic() if pace is not None else 0.0
-            done = await self._claim_once(backoffs, cause)
+            began = 0.0
+            if pace is not None:
+                began = time.monotonic()
+            if limit_now is not None:
+                limit = limit_now() or self.settings.batch_size
+            done = await self._claim_once(backoffs, cause, limit)
             if done is None:
                 cause = self._woken("error")
                 continue  # an error was handled (and waited out): claim again
@@ -689,7 +695,7 @@ class Relay:
                 if self._busy_since is None:
                     self._busy_since = now
                 await self.gate.busy_for(now - self._busy_since, claimed)
-                if claimed >= self.settings.batch_size:
+                if claimed >= limit:
                     # More is probably waiting: bring an idle sibling in to help.
                     self._wake("backlog")
                     if pace is not None:
@@ -716,7 +722,7 @@ class Relay:
             return True
 
     async def _claim_once(
-        self, backoffs: tuple[Backoff, Backoff], cause: _Cause | None
+        self, backoffs: tuple[Backoff, Backoff], cause: _Cause | None, limit: int
     ) -> tuple[int, bool | None] | None:
         """One claim-publish-mark round: rows claimed, and whether more rows were due after
         it committed (None: unknown). None after an error that was logged and waited out.
@@ -729,7 +735,7 @@ class Relay:
             return None
         began = time.monotonic()
         try:
-            claimed = await self._process_batch(cause)
+            claimed = await self._process_batch(cause, limit)
         except ClaimLost as e:
             # Not a database outage: the relay stalled. Claim again at once (a new session).
             self.events.emit("claim_lost")
@@ -784,19 +790,19 @@ class Relay:
         except DATABASE_ERRORS:
             return None
 
-    async def _process_batch(self, cause: _Cause | None) -> tuple[int, bool | None]:
+    async def _process_batch(self, cause: _Cause | None, limit: int) -> tuple[int, bool | None]:
         pulse = self.pulse
         if pulse is None:
-            return await self._claim_and_publish(cause)
+            return await self._claim_and_publish(cause, limit)
         # The pulse beats while a claim is open: another relay ends this one's claims only
         # when both went silent (pulse.py).
         pulse.claim_started()
         try:
-            return await self._claim_and_publish(cause)
+            return await self._claim_and_publish(cause, limit)
         finally:
             pulse.claim_ended()
 
-    async def _claim_and_publish(self, cause: _Cause | None) -> tuple[int, bool | None]:
+    async def _claim_and_publish(self, cause: _Cause | None, limit: int) -> tuple[int, bool | None]:
         assert self._store is not None
         assert self._publisher is not None
         self.gate.progress()
@@ -808,7 +814,7 @@ class Relay:
         # while this process did not run (pulse.py).
         lost = lost_after(idle_timeout, None if self.pulse is None else self.pulse.timeout)
         start = time.monotonic_ns() if cause is not None else 0
-        async with self._store.claim(self.settings.batch_size, idle_timeout) as batch:
+        async with self._store.claim(limit, idle_timeout) as batch:
             self.gate.progress()
             rows_at = time.monotonic_ns() if cause is not None else 0
             rows = batch.rows

@@ -50,6 +50,8 @@ class SharedPorts:
     #: Awaited by a worker after each full claim (a backlog), with the seconds that claim
     #: took: the fleet's pause that leaves the other outboxes their share (None: none).
     pace: Callable[[float], Awaitable[None]] | None = None
+    #: Asked before each claim: a smaller claim size for now (None: ``batch_size``).
+    limit: Callable[[], int | None] | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import anyio
@@ -205,6 +206,25 @@ async def test_the_fleet_pauses_a_drain_only_while_other_outboxes_have_events(
     assert Fleet([FleetDatabase(settings(), discover=True)])._pacer(drain) is None  # share 1
 
 
+def test_a_drain_claims_fewer_rows_while_other_outboxes_have_events() -> None:
+    fleet = Fleet([FleetDatabase(settings(outbox_drain_share=0.5), discover=True)])
+    other = cast(Any, object())
+
+    def member(batch_size: int) -> SimpleNamespace:
+        return SimpleNamespace(relay=SimpleNamespace(settings=settings(batch_size=batch_size)))
+
+    big, small = member(1000), member(50)
+    limit, limit_small = fleet._limiter(cast(Any, big)), fleet._limiter(cast(Any, small))
+    assert limit is not None
+    assert limit_small is not None
+    assert limit() is None  # alone: its batch size
+    fleet._had_events(other)
+    assert limit() == 100
+    assert limit_small() == 50  # never more than its batch size
+    share_one = Fleet([FleetDatabase(settings(), discover=True)])
+    assert share_one._limiter(cast(Any, big)) is None
+
+
 @pytest.mark.anyio
 async def test_a_shared_relay_paces_after_full_claims_only() -> None:
     store, pub = FakeStore(), FakePublisher()
@@ -235,3 +255,37 @@ async def test_a_shared_relay_paces_after_full_claims_only() -> None:
     # Claims of 50, 50 and 20 rows: the two full ones paused, with the time each took.
     assert len(paced) == 2
     assert all(busy > 0 for busy in paced)
+
+
+@pytest.mark.anyio
+async def test_a_shared_relay_claims_as_many_rows_as_it_is_told() -> None:
+    store, pub = FakeStore(), FakePublisher()
+    for i in range(120):
+        store.add(key=f"k{i % 7}")
+    sizes: list[int] = []
+    store_claim = store.claim
+
+    def claim(limit: int, idle_timeout: float | None = None) -> Any:
+        sizes.append(limit)
+        return store_claim(limit, idle_timeout)
+
+    store.claim = claim  # type: ignore[method-assign]
+    shared = SharedPorts(
+        pool=cast(Any, None),
+        behind_pooler=False,
+        publisher=pub,
+        listener=None,
+        pulse=None,
+        relay_id="test",
+        kafka_outage=Outage("Kafka", logging.getLogger("test")),
+        limit=lambda: 30,
+    )
+    relay = Relay(fake_settings(workers=1, batch_size=50), store=store, shared=shared)
+    async with relay:
+        relay.wake("notification")
+        with anyio.fail_after(10):
+            while store.pending():
+                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+    assert sorted(r.id for r in pub.sent) == list(range(1, 121))
+    assert sizes[:4] == [30, 30, 30, 30]  # 120 rows in four claims of 30
+    assert set(sizes) == {30}
