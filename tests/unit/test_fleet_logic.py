@@ -225,6 +225,27 @@ def test_a_drain_claims_fewer_rows_while_other_outboxes_have_events() -> None:
     assert share_one._limiter(cast(Any, big)) is None
 
 
+async def drain_shared(store: FakeStore, pub: FakePublisher, **ports: Any) -> None:
+    """A relay of one worker and batches of 50 on ``store``, given the fleet's ``ports``
+    (``pace``, ``limit``), woken as the fleet's listener would, until the store is empty."""
+    shared = SharedPorts(
+        pool=cast(Any, None),
+        behind_pooler=False,
+        publisher=pub,
+        listener=None,
+        pulse=None,
+        relay_id="test",
+        kafka_outage=Outage("Kafka", logging.getLogger("test")),
+        **ports,
+    )
+    relay = Relay(fake_settings(workers=1, batch_size=50), store=store, shared=shared)
+    async with relay:
+        relay.wake("notification")
+        with anyio.fail_after(10):
+            while store.pending():
+                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+
+
 @pytest.mark.anyio
 async def test_a_shared_relay_paces_after_full_claims_only() -> None:
     store, pub = FakeStore(), FakePublisher()
@@ -235,22 +256,7 @@ async def test_a_shared_relay_paces_after_full_claims_only() -> None:
     async def pace(busy: float) -> None:
         paced.append(busy)
 
-    shared = SharedPorts(
-        pool=cast(Any, None),
-        behind_pooler=False,
-        publisher=pub,
-        listener=None,
-        pulse=None,
-        relay_id="test",
-        kafka_outage=Outage("Kafka", logging.getLogger("test")),
-        pace=pace,
-    )
-    relay = Relay(fake_settings(workers=1, batch_size=50), store=store, shared=shared)
-    async with relay:
-        relay.wake("notification")
-        with anyio.fail_after(10):
-            while store.pending():
-                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+    await drain_shared(store, pub, pace=pace)
     assert sorted(r.id for r in pub.sent) == list(range(1, 121))
     # Claims of 50, 50 and 20 rows: the two full ones paused, with the time each took.
     assert len(paced) == 2
@@ -270,22 +276,7 @@ async def test_a_shared_relay_claims_as_many_rows_as_it_is_told() -> None:
         return store_claim(limit, idle_timeout)
 
     store.claim = claim  # type: ignore[method-assign]
-    shared = SharedPorts(
-        pool=cast(Any, None),
-        behind_pooler=False,
-        publisher=pub,
-        listener=None,
-        pulse=None,
-        relay_id="test",
-        kafka_outage=Outage("Kafka", logging.getLogger("test")),
-        limit=lambda: 30,
-    )
-    relay = Relay(fake_settings(workers=1, batch_size=50), store=store, shared=shared)
-    async with relay:
-        relay.wake("notification")
-        with anyio.fail_after(10):
-            while store.pending():
-                await relay.events.wait_for("batch_done", relay.events.counts["batch_done"] + 1)
+    await drain_shared(store, pub, limit=lambda: 30)
     assert sorted(r.id for r in pub.sent) == list(range(1, 121))
     assert sizes[:4] == [30, 30, 30, 30]  # 120 rows in four claims of 30
     assert set(sizes) == {30}
