@@ -65,6 +65,7 @@ class FleetConfig(PhaseConfig):
     """Everything one fleet run does; recorded in the result JSON."""
 
     outboxes: int = 200
+    databases: int = 1
     per_outbox_procs: int = 20
     repeat: int = 3
     settle: float = 15.0
@@ -102,14 +103,18 @@ def arguments(p: argparse.ArgumentParser) -> None:
         p,
         FleetConfig,
         outboxes="outboxes (schemas t000, t001, ...) in the database (default 200)",
+        databases="databases the outboxes are spread over (round robin; default 1): the fleet "
+        "serves them all from one process (a fleet file)",
         per_outbox_procs="relay processes of the per-outbox setup, one per outbox: idle "
         "figures are also scaled to --outboxes (default 20)",
         repeat="rounds (setups interleaved; medians)",
         settle="seconds after start-up before the idle window (PostgreSQL's delayed statistics)",
         idle_window="seconds of the idle window",
         rate="events/s of the latency and fairness cells (a random outbox per event)",
+        warmup="seconds of a latency cell's load before it is measured",
         latency_seconds="measured seconds of a latency cell",
         backlog_rows="rows of the backlog one outbox drains in the fairness cell",
+        backlog_keys="distinct keys of the backlog's rows",
         fairness_seconds="seconds of the other outboxes' events in a fairness cell (at least "
         "the drain)",
         drain_timeout="seconds the backlog may take to drain",
@@ -135,6 +140,8 @@ def configure(args: argparse.Namespace) -> FleetConfig:
                 setattr(cfg, name, value)
     if cfg.outboxes < 2 or not 1 <= cfg.per_outbox_procs <= cfg.outboxes:
         raise BenchError("--outboxes must be at least 2, --per-outbox-procs 1 to --outboxes")
+    if not 1 <= cfg.databases <= cfg.outboxes:
+        raise BenchError("--databases must be 1 to --outboxes")
     if cfg.repeat < 1 or cfg.rate <= 0 or cfg.backlog_rows < 0:
         raise BenchError("--repeat and --rate must be positive, --backlog-rows not negative")
     return cfg
@@ -175,7 +182,12 @@ class _Fleet(RegimeRun):
         if cfg.alt_relay is not None:
             self.mode = self.mode.from_tree(cfg.alt_relay, "notify")
         self.schemas = _schemas(cfg.outboxes)
-        self.database = f"bench_fleet_{run.run_id.lower()}"
+        base = f"bench_fleet_{run.run_id.lower()}"
+        n = cfg.databases
+        self.db_names = [base] if n == 1 else [f"{base}_{i}" for i in range(n)]
+        self.database = self.db_names[0]
+        self.db_of = {s: i % n for i, s in enumerate(self.schemas)}
+        self.dsns: list[str] = []
         self.cells: list[dict[str, Any]] = []
         self.postmaster: int | None = None
         self.statements = False
@@ -229,27 +241,59 @@ class _Fleet(RegimeRun):
                         self._fairness_cell(services, dsn, rnd, rows, label, split),
                     )
         finally:
-            await run.drop_database(services, self.database)
+            for db in self.db_names:
+                await run.drop_database(services, db)
 
     async def _create(self, services: Services) -> str:
-        """The database and its outboxes, each migrated with ``notify_outbox.migrate``."""
+        """The databases and their outboxes, each migrated with ``notify_outbox.migrate``;
+        the first database's DSN (the backlog's)."""
         from notify_outbox import OutboxNames, migrate
 
-        db = self.database
-        await services.admin(
-            f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)', f'CREATE DATABASE "{db}"'
-        )
-        services.databases.append(db)
-        dsn = dsn_for(services.dsn, db)
         t0 = time.monotonic()
-        async with connection(dsn) as conn:
-            for i, schema in enumerate(self.schemas):
-                self.run.progress.status(f"migrating outbox {i + 1}/{len(self.schemas)}")
-                await migrate(conn, OutboxNames(schema, "outbox", "notify_outbox"))
+        for n, db in enumerate(self.db_names):
+            await services.admin(
+                f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)', f'CREATE DATABASE "{db}"'
+            )
+            services.databases.append(db)
+            self.dsns.append(dsn_for(services.dsn, db))
+            async with connection(self.dsns[-1]) as conn:
+                for i, schema in enumerate(self.schemas):
+                    if self.db_of[schema] != n:
+                        continue
+                    self.run.progress.status(f"migrating outbox {i + 1}/{len(self.schemas)}")
+                    await migrate(conn, OutboxNames(schema, "outbox", "notify_outbox"))
         seconds = time.monotonic() - t0
-        self.run.result["database"] = {"outboxes": len(self.schemas), "migrate_s": seconds}
+        self.run.result["database"] = {
+            "outboxes": len(self.schemas),
+            "databases": len(self.db_names),
+            "migrate_s": seconds,
+        }
         self.run.progress.line(f"{len(self.schemas)} outboxes migrated in {seconds:.1f}s")
-        return dsn
+        return self.dsns[0]
+
+    def _table(self, schema: str) -> str:
+        """The load generator's name of a schema's outbox (``i:`` its database's index)."""
+        many = len(self.db_names) > 1
+        return f"{self.db_of[schema]}:{schema}.outbox" if many else f"{schema}.outbox"
+
+    def _fleet_env(self, split: bool) -> dict[str, str]:
+        """How the fleet process is told what to serve: ``NOTIFY_OUTBOX_OUTBOXES`` for one
+        database, a fleet file (``[[database]]`` tables) for several. ``split``: not t000."""
+        if len(self.db_names) == 1:
+            served = ",".join(f"{s}.outbox" for s in self.schemas[1:]) if split else "*"
+            return {"NOTIFY_OUTBOX_OUTBOXES": served}
+        lines = []
+        for n, dsn in enumerate(self.dsns):
+            mine = [f'"{s}.outbox"' for s in self.schemas if self.db_of[s] == n]
+            if split and n == 0:
+                mine = mine[1:]
+                if not mine:
+                    continue
+            served = f"[{', '.join(mine)}]" if split and n == 0 else '"*"'
+            lines += ["[[database]]", f'dsn = "{dsn}"', f"outboxes = {served}", ""]
+        path = self.run.work / f"fleet-{'split' if split else 'all'}.toml"
+        path.write_text("\n".join(lines))
+        return {"NOTIFY_OUTBOX_FLEET_FILE": str(path)}
 
     async def _start(
         self, services: Services, dsn: str, schemas: list[str] | None, split: bool = False
@@ -260,14 +304,13 @@ class _Fleet(RegimeRun):
         procs: list[Child] = []
         try:
             if schemas is None:
-                served = ",".join(f"{s}.outbox" for s in self.schemas[1:]) if split else "*"
                 procs.append(
                     await run.start(
                         services,
                         self.mode,
                         dsn,
                         name="fleet",
-                        extra_env={**env, "NOTIFY_OUTBOX_OUTBOXES": served},
+                        extra_env={**env, **self._fleet_env(split)},
                         wait_ready=False,
                     )
                 )
@@ -281,7 +324,7 @@ class _Fleet(RegimeRun):
                     await run.start(
                         services,
                         self.mode,
-                        dsn,
+                        self.dsns[self.db_of[s]],
                         name=f"relay-{s}",
                         extra_env={**env, "NOTIFY_OUTBOX_DB_SCHEMA": s},
                         wait_ready=False,
@@ -326,7 +369,7 @@ class _Fleet(RegimeRun):
                 cell["processes"] = len(procs)
                 cell["ready_s"] = time.monotonic() - t0
                 cell["idle"] = await self._idle(services, procs, label)
-            tables = tuple(f"{s}.outbox" for s in schemas)
+            tables = tuple(self._table(s) for s in schemas)
             cell["latency"] = await self._latency(services, dsn, topic, consumer, cell, tables)
         finally:
             await self._stop(cell, procs)
@@ -350,12 +393,20 @@ class _Fleet(RegimeRun):
     async def _counters(self, services: Services) -> tuple[dict[str, Any], dict[Any, Any], int]:
         """The database's transactions and statements, its statements' calls, and the
         server connections to it (read through the maintenance database)."""
-        db = self.database
-        counts = (await db_counters(services.dsn, [db], statements=self.statements))[db]
-        calls = await statement_calls(services.dsn, db) if self.statements else {}
+        names = self.db_names
+        per_db = await db_counters(services.dsn, names, statements=self.statements)
+        counts: dict[str, Any] = {}
+        for key in ("xacts", "commits", "calls"):
+            values = [per_db[db][key] for db in names if db in per_db]
+            counts[key] = None if None in values else sum(values)
+        calls: dict[int, tuple[str, int, int]] = {}
+        if self.statements:
+            for n, db in enumerate(names):
+                for qid, row in (await statement_calls(services.dsn, db)).items():
+                    calls[n * 2**64 + qid] = row  # query ids are per database
         async with connection(services.dsn) as conn:
             conns = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1", db
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = ANY($1::text[])", names
             )
         return counts, calls, int(conns)
 
@@ -408,6 +459,7 @@ class _Fleet(RegimeRun):
             out=str(gen_path),
             keys=cfg.keys,
             tables=tables,
+            dsns=tuple(self.dsns) if len(self.dsns) > 1 and tables else (),
             sink="postgres" if tables else "kafka",
             bootstrap=services.bootstrap,
         )
@@ -457,7 +509,8 @@ class _Fleet(RegimeRun):
                 seconds=cfg.fairness_seconds + cfg.drain_timeout,
                 out=gen_path,
                 name=f"writers-{cell['cell']}",
-                tables=tuple(f"{s}.outbox" for s in self.schemas[1:]),
+                tables=tuple(self._table(s) for s in self.schemas[1:]),
+                dsns=tuple(self.dsns) if len(self.dsns) > 1 else (),
             )
             alive = [(procs[0], "the fleet"), (gen, "the writers")]
             start = t0 + int(cfg.lead * 1e9)
@@ -626,12 +679,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if per_s is None:
             per_s, what = fleet["xacts_per_s"], "transactions/s (pg_stat_database)"
         if per_s is not None:
+            dbs = cfg.get("databases", 1)
             targets.append(
                 target(
                     f"one fleet process, {fleet['outboxes']} idle outboxes: at most "
                     f"{_IDLE_TARGET:g} statements/s per database",
-                    f"{per_s:.2f} {what}",
-                    per_s <= _IDLE_TARGET,
+                    f"{per_s:.2f} {what}"
+                    + (f" over {dbs} databases: {per_s / dbs:.2f} per database" if dbs > 1 else ""),
+                    per_s / dbs <= _IDLE_TARGET,
                 )
             )
     loaded = next((r for r in fairness if r["backlog"] and r["setup"] == "fleet"), None)
@@ -669,10 +724,19 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
     lines = [f"# notify-outbox fleet {result['run_id']}", ""]
     lines += environment_lines(result)
     migrated = result.get("database", {}).get("migrate_s")
-    lines += [
+    dbs = cfg.get("databases", 1)
+    where = (
         f"- one database, {cfg['outboxes']} outboxes (schemas t000, t001, ...; one channel), "
         f"migrated with `notify_outbox.migrate` in {num(migrated)} s; setups: **fleet**, one "
-        "process with `NOTIFY_OUTBOX_OUTBOXES=*`; **per-outbox**, one relay process per "
+        "process with `NOTIFY_OUTBOX_OUTBOXES=*`"
+        if dbs == 1
+        else f"- {dbs} databases, {cfg['outboxes']} outboxes spread over them round robin "
+        f"(schemas t000, t001, ...; one channel), migrated with `notify_outbox.migrate` in "
+        f"{num(migrated)} s; setups: **fleet**, one process serving every database from a "
+        'fleet file (a `[[database]]` table each, `outboxes = "*"`)'
+    )
+    lines += [
+        where + "; **per-outbox**, one relay process per "
         f"outbox (`NOTIFY_OUTBOX_DB_SCHEMA`), {cfg['per_outbox_procs']} of them (the idle "
         f"figures also scaled linearly to {cfg['outboxes']}: a machine of 2 cores does not run "
         f"{cfg['outboxes']} Python processes); **floor**, no database (the load generator "

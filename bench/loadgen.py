@@ -68,12 +68,21 @@ class LoadConfig:
     sink: str = "postgres"  # "postgres": INSERT into the outbox; "kafka": the floor (no database)
     bootstrap: str = ""  # Kafka's bootstrap servers, for the "kafka" sink
     tables: tuple[str, ...] = ()  # e.g. ("t000.outbox", ...): a random one per event
+    # More databases: a table named "i:schema.table" is in dsns[i] (each writer connects to
+    # every one of them); plain "schema.table" names are in dsn.
+    dsns: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, path: Path) -> LoadConfig:
         """Read a config written by ``save``."""
         data = json.loads(path.read_text())
-        return cls(**{**data, "tables": tuple(data.get("tables", ()))})
+        return cls(
+            **{
+                **data,
+                "tables": tuple(data.get("tables", ())),
+                "dsns": tuple(data.get("dsns", ())),
+            }
+        )
 
     def save(self, path: Path) -> None:
         """Write this config as JSON."""
@@ -168,23 +177,34 @@ class _KafkaSink:
             await self.producer.stop()
 
 
-async def _connect_all(cfg: LoadConfig) -> list[asyncpg.Connection]:
+async def _connect_all(cfg: LoadConfig) -> list[Any]:
+    """A connection per writer; with ``dsns``, a list per writer: one to each database."""
     if cfg.producer == "enqueue":
         import notify_outbox  # noqa: F401  (a slow first import must not stall the schedule)
     elif cfg.producer != "sql":
         raise ValueError(f"unknown producer {cfg.producer!r}")
-    return list(
-        await asyncio.gather(
-            *(
-                asyncpg.connect(
-                    cfg.dsn,
-                    timeout=_CONNECT_TIMEOUT,
-                    server_settings={"application_name": "bench-loadgen"},
-                )
-                for _ in range(cfg.writers)
-            )
+
+    def connect(dsn: str) -> Any:
+        return asyncpg.connect(
+            dsn, timeout=_CONNECT_TIMEOUT, server_settings={"application_name": "bench-loadgen"}
         )
-    )
+
+    if cfg.dsns:
+        if cfg.reconnect or not cfg.tables:
+            raise ValueError("dsns: with tables, and no reconnect")
+        return [
+            list(await asyncio.gather(*(connect(d) for d in cfg.dsns))) for _ in range(cfg.writers)
+        ]
+    return list(await asyncio.gather(*(connect(cfg.dsn) for _ in range(cfg.writers))))
+
+
+def _table_places(cfg: LoadConfig) -> list[tuple[int, str]]:
+    """Each of ``tables`` as (index into ``dsns``, or -1 for ``dsn``; ``schema.table``)."""
+    out = []
+    for t in cfg.tables:
+        db, sep, name = t.partition(":")
+        out.append((int(db), name) if sep else (-1, t))
+    return out
 
 
 async def _insert_many(
@@ -237,7 +257,8 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
     reconnects = 0
     stopped_at: int | None = None
     # Every connection, reconnects included, is closed at the end (the floor has none).
-    opened = [] if kafka is not None else list(conns)
+    opened = [] if kafka is not None else [c for w in conns for c in (w if cfg.dsns else [w])]
+    places = _table_places(cfg)
 
     async def writer(conn: Any) -> None:
         nonlocal next_i, reconnects
@@ -275,8 +296,9 @@ async def run_open(cfg: LoadConfig) -> dict[str, Any]:
                 if kafka is not None:
                     await kafka.send(group, [sched[j] for j in group])
                 elif cfg.tables:
-                    await conn.execute(
-                        SQL_INSERT.replace("outbox", cfg.tables[table_of[i]], 1),
+                    db, table = places[table_of[i]]
+                    await (conn[db] if db >= 0 else conn).execute(
+                        SQL_INSERT.replace("outbox", table, 1),
                         cfg.topic,
                         event_key(cfg, i),
                         event_payload(cfg, i, sched[i]),

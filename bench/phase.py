@@ -368,6 +368,7 @@ class PhaseRun:
         out: Path,
         name: str,
         tables: tuple[str, ...] = (),
+        dsns: tuple[str, ...] = (),
     ) -> tuple[Child, int]:
         """Open-loop writers at ``rate`` ev/s over ``keys`` keys (into a random one of
         ``tables`` per event, if given), on a schedule 10 minutes longer than ``seconds``
@@ -385,6 +386,7 @@ class PhaseRun:
             stop_on_input=True,
             announce=True,
             tables=tables,
+            dsns=dsns,
         )
         gen = await self.start_loadgen(lc, name=name)
         try:

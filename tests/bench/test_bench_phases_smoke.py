@@ -238,3 +238,38 @@ def test_inbox_bench_applies_every_message_once_in_every_mode(
         assert c["rows"] == c["distinct"] == messages, c
         assert c["msg_per_s"] > 0, c
     assert path.with_suffix(".md").is_file()
+
+
+FLEET_TIMEOUT = 240
+
+
+@pytest.mark.timeout(FLEET_TIMEOUT + 30)
+def test_fleet_serves_outboxes_of_two_databases_from_one_process(
+    services: Services, tmp_path: Path
+) -> None:
+    args = ["fleet", "--outboxes", "4", "--databases", "2", "--per-outbox-procs", "2"]
+    args += ["--repeat", "1", "--settle", "1", "--idle-window", "1", "--rate", "40"]
+    args += ["--warmup", "0.5", "--latency-seconds", "2", "--no-floor", "--split"]
+    args += ["--backlog-rows", "300", "--backlog-keys", "10", "--fairness-seconds", "2"]
+    args += ["--lead", "1", "--drain-timeout", "60", "--out", str(tmp_path)]
+    done = _bench(args, relay_env(services.dsn, services.bootstrap), FLEET_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("fleet-*.json")
+    result = json.loads(path.read_text())
+    assert result["database"]["databases"] == 2
+    cells = result["cells"]
+    assert not [c for c in cells if "error" in c], cells
+    # The fleet: one process for the outboxes of both databases; every event arrived.
+    fleet = next(c for c in cells if c["kind"] == "fleet")
+    assert fleet["processes"] == 1
+    assert fleet["latency"]["acked"] > 0
+    assert fleet["latency"]["missing"] == 0
+    per_outbox = next(c for c in cells if c["kind"] == "per-outbox")
+    assert per_outbox["processes"] == 2
+    assert per_outbox["latency"]["missing"] == 0
+    drained = [c for c in cells if c["kind"] == "fairness" and c["backlog"]]
+    assert {c.get("setup", "fleet") for c in drained} == {"fleet", "split"}
+    for c in drained:
+        assert c["drain"]["received"] == 300, c["drain"]
+        assert c["others"]["missing"] == 0, c["others"]
+    assert path.with_suffix(".md").is_file()
