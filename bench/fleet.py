@@ -78,6 +78,7 @@ class FleetConfig(PhaseConfig):
     backlog_keys: int = 1000
     fairness_seconds: float = 30.0
     lead: float = 3.0
+    held_backlog: float = 0.0
     drain_timeout: float = 300.0
     no_floor: bool = False
     fairness_only: bool = False
@@ -120,6 +121,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
         drain_timeout="seconds the backlog may take to drain",
         lead="seconds the others' events flow in a fairness cell before it is measured and "
         "the backlog inserted (the fleet's sessions warm up meanwhile)",
+        held_backlog="seconds the backlog waits unannounced after its commit (its outbox's "
+        "notify off meanwhile, the relays' fallback polls 10 minutes apart) before a NOTIFY "
+        "naming its outbox starts the drain, measured from that NOTIFY: the drain apart from "
+        "the stall every commit of the database meets while the backlog's WAL is flushed "
+        "(0: drained as it commits)",
         no_floor="leave out the Kafka floor cells",
         fairness_only="only the fairness cells (no idle, latency or floor cells)",
         split="also a control fairness cell: the backlog's outbox served by a relay process "
@@ -296,11 +302,16 @@ class _Fleet(RegimeRun):
         return {"NOTIFY_OUTBOX_FLEET_FILE": str(path)}
 
     async def _start(
-        self, services: Services, dsn: str, schemas: list[str] | None, split: bool = False
+        self,
+        services: Services,
+        dsn: str,
+        schemas: list[str] | None,
+        split: bool = False,
+        extra: dict[str, str] | None = None,
     ) -> list[Child]:
         """The fleet (``schemas`` None) or a relay per schema, each running. ``split``: the
         fleet serves every outbox but the first, which a relay of its own serves."""
-        run, env = self.run, self.cfg.relay_env
+        run, env = self.run, {**self.cfg.relay_env, **(extra or {})}
         procs: list[Child] = []
         try:
             if schemas is None:
@@ -500,7 +511,9 @@ class _Fleet(RegimeRun):
         gen: Child | None = None
         try:
             run.progress.status(f"{label}: starting the fleet")
-            procs = await self._start(services, dsn, None, split)
+            held = cfg.held_backlog > 0 and rows > 0
+            extra = {"NOTIFY_OUTBOX_POLL_INTERVAL": "600"} if held else {}
+            procs = await self._start(services, dsn, None, split, extra)
             gen, t0 = await run.start_steady_writers(
                 dsn,
                 topic,
@@ -517,7 +530,15 @@ class _Fleet(RegimeRun):
             await run.pace(start, lambda left: f"{label}: lead-in {left:.0f}s", alive=alive)
             if rows:
                 run.progress.status(f"{label}: inserting the backlog")
-                cell["backlog_insert"] = await self._insert_backlog(dsn, topic, rows)
+                cell["backlog_insert"] = await self._insert_backlog(dsn, topic, rows, held)
+                if held:
+                    wake = time.monotonic_ns() + int(cfg.held_backlog * 1e9)
+                    await run.pace(wake, lambda left: f"{label}: backlog held {left:.0f}s")
+                    async with connection(dsn) as conn:
+                        await conn.execute(
+                            "SELECT pg_notify('notify_outbox', $1)", f"{self.schemas[0]}.outbox"
+                        )
+                    cell["backlog_insert"]["wake_ns"] = time.monotonic_ns()
                 run.progress.status(f"{label}: draining the backlog")
                 cell["backlog_consumer"] = await run.collect(
                     consumer, cell=2, expect=rows, within=cfg.drain_timeout, out=backlog_path
@@ -536,7 +557,8 @@ class _Fleet(RegimeRun):
             if rows:
                 cell["drain"] = self._drain(cell["backlog_insert"], load_arrays(backlog_path))
                 if cell["drain"]["last_ns"] is not None:
-                    during = (cell["backlog_insert"]["ack_ns"], cell["drain"]["last_ns"])
+                    began = cell["backlog_insert"].get("wake_ns", cell["backlog_insert"]["ack_ns"])
+                    during = (began, cell["drain"]["last_ns"])
                     cell["others_during_drain"] = _ack_recv(g, got, *during)
         finally:
             if gen is not None:
@@ -563,9 +585,16 @@ class _Fleet(RegimeRun):
         )
         return cell
 
-    async def _insert_backlog(self, dsn: str, topic: str, rows: int) -> dict[str, Any]:
-        """``rows`` rows into the first outbox in one transaction (payload cell 2)."""
+    async def _insert_backlog(
+        self, dsn: str, topic: str, rows: int, quiet: bool = False
+    ) -> dict[str, Any]:
+        """``rows`` rows into the first outbox in one transaction (payload cell 2); ``quiet``:
+        with the outbox's notify off meanwhile (nobody is told)."""
+        config = f"{self.schemas[0]}.outbox_config"
         async with connection(dsn) as conn:
+            mode = await conn.fetchval(f"SELECT notify_mode FROM {config}")
+            if quiet:
+                await conn.execute(f"UPDATE {config} SET notify_mode = 'off'")
             t0 = time.monotonic_ns()
             await conn.execute(
                 f"INSERT INTO {self.schemas[0]}.outbox (topic, key, payload) "
@@ -577,12 +606,15 @@ class _Fleet(RegimeRun):
                 timeout=_QUERY_TIMEOUT,
             )
             ack = time.monotonic_ns()
+            if quiet:
+                await conn.execute(f"UPDATE {config} SET notify_mode = $1", mode)
         return {"rows": rows, "insert_s": (ack - t0) / 1e9, "ack_ns": ack}
 
     def _drain(self, insert: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
-        """How fast the backlog reached the consumer after its commit."""
+        """How fast the backlog reached the consumer after its commit (after the NOTIFY that
+        started its drain, when it was held)."""
         recv = got["recv"]
-        ack = int(insert["ack_ns"])
+        ack = int(insert.get("wake_ns", insert["ack_ns"]))
         if len(recv) < insert["rows"]:
             return {"received": len(recv), "last_ns": None, "seconds": None, "rows_per_s": None}
         seconds = (max(recv) - ack) / 1e9
@@ -758,6 +790,12 @@ def markdown(result: dict[str, Any], summary: dict[str, Any], plots: list[str]) 
         "consumer's last backlog row), the drain's rows/s; next to the same cell without "
         "the backlog",
     ]
+    if held := cfg.get("held_backlog"):
+        lines.append(
+            f"- the backlog held {held:g} s unannounced after its commit (its outbox's notify "
+            "off, the relays' fallback polls 10 minutes apart), then its drain started by a "
+            "NOTIFY naming its outbox: the drain window and rows/s count from that NOTIFY"
+        )
     if env := cfg.get("relay_env"):
         lines.append("- relay settings: " + ", ".join(f"`{k}={v}`" for k, v in env.items()))
     lines += targets_section(summary, "issue #34")

@@ -205,7 +205,6 @@ class Fleet:
         self._discovery_interval = discovery_interval
         self._outbox_workers = outbox_workers
         self._drain_share = self.settings.outbox_drain_share
-        self._activity = _Activity()
         self._databases = [_Database(self, spec) for spec in databases]
         self._publisher: KafkaPublisher | None = None
         self._stopping = False
@@ -445,26 +444,26 @@ class Fleet:
                 for member in db.members.values():
                     member.relay.db_outage.remind()
 
-    def _had_events(self, member: _Member) -> None:
-        self._activity.note(member, time.monotonic())
-
-    def _pacer(self, member: _Member) -> Callable[[float], Awaitable[None]] | None:
+    def _pacer(
+        self, member: _Member, activity: _Activity
+    ) -> Callable[[float], Awaitable[None]] | None:
         """The pause of ``member``'s workers after a full claim (``outbox_drain_share``):
-        while another outbox had events within ``_ACTIVE_WINDOW``, the drain claims for its
-        share of the time only. None when the share is 1."""
+        while another outbox of its database had events within ``_ACTIVE_WINDOW``
+        (``activity``), the drain claims for its share of the time only. None when the share
+        is 1. Per database: what a drain slows down is its database (its WAL, its CPUs)."""
         share = self._drain_share
         if share >= 1.0:
             return None
 
         async def pace(busy: float) -> None:
-            if self._activity.others(member, time.monotonic()):
+            if activity.others(member, time.monotonic()):
                 self.events.emit("drain_paused")
                 await anyio.sleep(pause_for(busy, share))
 
         return pace
 
-    def _limiter(self, member: _Member) -> Callable[[], int | None] | None:
-        """``member``'s claim size while another outbox had events within
+    def _limiter(self, member: _Member, activity: _Activity) -> Callable[[], int | None] | None:
+        """``member``'s claim size while another outbox of its database had events within
         ``_ACTIVE_WINDOW``: ``_SHARED_CLAIM`` rows (None: its batch size). None when
         ``outbox_drain_share`` is 1."""
         if self._drain_share >= 1.0:
@@ -472,7 +471,7 @@ class Fleet:
         shared = min(_SHARED_CLAIM, member.relay.settings.batch_size)
 
         def limit() -> int | None:
-            return shared if self._activity.others(member, time.monotonic()) else None
+            return shared if activity.others(member, time.monotonic()) else None
 
         return limit
 
@@ -514,6 +513,8 @@ class _Database:
         self._fingerprint: str | None = None
         self._poll_sql: dict[tuple[str, ...], list[str]] = {}
         self._poll_failing: str | None = None
+        #: Which of its outboxes had events last (outbox_drain_share).
+        self.activity = _Activity()
 
     @property
     def listening(self) -> bool:
@@ -612,7 +613,7 @@ class _Database:
         for member in self.members.values():
             if member.names.channel == channel:
                 member.relay.wake(source)
-                self.fleet._had_events(member)
+                self.activity.note(member, time.monotonic())
 
     def _route(self, channel: str, payload: str) -> None:
         if payload == REGISTRY_PAYLOAD:
@@ -625,7 +626,7 @@ class _Database:
         member = self.members.get(payload)
         if member is not None:
             member.relay.wake("notification")
-            self.fleet._had_events(member)
+            self.activity.note(member, time.monotonic())
         elif (
             self.spec.discover
             and payload not in self._ignored
@@ -693,8 +694,8 @@ class _Database:
         relay = Relay(settings, shared=shared, fault_hook=self.fleet._fault_hook)
         relay.events.add_hook(self.fleet.events.emit)
         member = _Member(relay, names)
-        shared.pace = self.fleet._pacer(member)
-        shared.limit = self.fleet._limiter(member)
+        shared.pace = self.fleet._pacer(member, self.activity)
+        shared.limit = self.fleet._limiter(member, self.activity)
         self.members[names.target] = member
         self._failed.pop(names.target, None)
         self._relays.start_soon(self._serve, member, name=f"relay-{names.target}")
@@ -796,7 +797,7 @@ class _Database:
         for target in due:
             member = self.members.get(target)
             if member is not None:
-                self.fleet._had_events(member)
+                self.activity.note(member, time.monotonic())
                 await member.relay.poll_once()
         if fingerprint is not None and (fingerprint != self._fingerprint or self._failed):
             await self.refresh()  # new or dropped outboxes; or try the failed ones again

@@ -251,7 +251,7 @@ def test_fleet_serves_outboxes_of_two_databases_from_one_process(
     args += ["--repeat", "1", "--settle", "1", "--idle-window", "1", "--rate", "40"]
     args += ["--warmup", "0.5", "--latency-seconds", "2", "--no-floor", "--split"]
     args += ["--backlog-rows", "300", "--backlog-keys", "10", "--fairness-seconds", "2"]
-    args += ["--lead", "1", "--drain-timeout", "60", "--out", str(tmp_path)]
+    args += ["--lead", "1", "--held-backlog", "1", "--drain-timeout", "60", "--out", str(tmp_path)]
     done = _bench(args, relay_env(services.dsn, services.bootstrap), FLEET_TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     (path,) = tmp_path.glob("fleet-*.json")
@@ -272,4 +272,7 @@ def test_fleet_serves_outboxes_of_two_databases_from_one_process(
     for c in drained:
         assert c["drain"]["received"] == 300, c["drain"]
         assert c["others"]["missing"] == 0, c["others"]
+        # Held unannounced, then started by the NOTIFY: nothing of it arrived before that.
+        assert c["backlog_insert"]["wake_ns"] > c["backlog_insert"]["ack_ns"]
+        assert c["drain"]["first_after_s"] > 0, c["drain"]
     assert path.with_suffix(".md").is_file()

@@ -403,3 +403,45 @@ async def test_a_draining_outbox_pauses_while_another_has_events(
     for k in range(5):
         assert seen[("busy", f"k{k}")] == list(range(k, 1000, 5))
     assert seen[("quiet", "q")] == list(range(quiet))
+
+
+async def test_a_failing_tenant_and_a_held_snapshot_hold_back_only_that_tenant(
+    empty_db_dsn: str, services: Services, topic: str
+) -> None:
+    conn = await asyncpg.connect(empty_db_dsn)
+    holder = await asyncpg.connect(empty_db_dsn)
+    missing = f"missing-{uuid.uuid4().hex[:8]}"  # auto-creation is off on the test broker
+    try:
+        await migrate(conn, OutboxNames("failing"))
+        await migrate(conn, OutboxNames("healthy"))
+        for n in range(300):
+            await conn.execute(
+                "INSERT INTO failing.outbox (topic, key, payload) VALUES ($1, $2, $3)",
+                missing,
+                f"f{n % 10}",
+                json.dumps({"schema": "failing", "n": n}),
+            )
+        s = settings(empty_db_dsn, services, max_attempts=1000, retry_base_delay=0.05)
+        async with Fleet([FleetDatabase(s, discover=True)]) as fleet:
+            await fleet.events.wait_for("retried", 1)  # the failing tenant's rows fail
+            # A snapshot held open across the healthy tenant's commits (as pg_dump holds one),
+            # on the failing tenant's table.
+            tx = holder.transaction(isolation="repeatable_read")
+            await tx.start()
+            assert await holder.fetchval("SELECT count(*) FROM failing.outbox") == 300
+            for n in range(30):
+                await insert(conn, "healthy", topic, f"k{n % 3}", n)
+            records, _ = await consume(services.bootstrap, topic, expect=30, within=30)
+            await tx.rollback()
+            pending = await conn.fetchval(
+                "SELECT count(*) FROM failing.outbox WHERE published_at IS NULL"
+            )
+            dead = await conn.fetchval("SELECT count(*) FROM failing.outbox_dead_letter")
+    finally:
+        await holder.close()
+        await conn.close()
+    seen = by_outbox_and_key(records)
+    for k in range(3):
+        assert seen[("healthy", f"k{k}")] == [n for n in range(30) if n % 3 == k]
+    assert pending == 300  # still retried: nothing of it was sent, nor dead-lettered
+    assert dead == 0

@@ -5,6 +5,7 @@ ignores the news of other outboxes sharing its channel (migration 0008)."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -192,18 +193,21 @@ async def test_the_fleet_pauses_a_drain_only_while_other_outboxes_have_events(
     spec = FleetDatabase(settings(outbox_drain_share=0.5), discover=True)
     fleet = Fleet([spec])
     drain, other = cast(Any, object()), cast(Any, object())
-    pace = fleet._pacer(drain)
+    activity = _Activity()  # the database's
+    pace = fleet._pacer(drain, activity)
     assert pace is not None
     await pace(0.03)
     assert slept == []  # alone: full speed
-    fleet._had_events(other)
+    activity.note(other, time.monotonic())
     await pace(0.03)
     assert slept == [pytest.approx(0.03)]
     assert fleet.events.counts["drain_paused"] == 1
-    fleet._had_events(drain)  # its own events do not count
+    activity.note(drain, time.monotonic())  # its own events do not count
     await pace(0.03)
     assert len(slept) == 2
-    assert Fleet([FleetDatabase(settings(), discover=True)])._pacer(drain) is None  # share 1
+    never = Fleet([FleetDatabase(settings(outbox_drain_share=1), discover=True)])
+    assert never._pacer(drain, activity) is None
+    assert Fleet([FleetDatabase(settings(), discover=True)])._drain_share == 0.25  # default
 
 
 def test_a_drain_claims_fewer_rows_while_other_outboxes_have_events() -> None:
@@ -214,15 +218,17 @@ def test_a_drain_claims_fewer_rows_while_other_outboxes_have_events() -> None:
         return SimpleNamespace(relay=SimpleNamespace(settings=settings(batch_size=batch_size)))
 
     big, small = member(1000), member(50)
-    limit, limit_small = fleet._limiter(cast(Any, big)), fleet._limiter(cast(Any, small))
+    activity = _Activity()
+    limit = fleet._limiter(cast(Any, big), activity)
+    limit_small = fleet._limiter(cast(Any, small), activity)
     assert limit is not None
     assert limit_small is not None
     assert limit() is None  # alone: its batch size
-    fleet._had_events(other)
+    activity.note(other, time.monotonic())
     assert limit() == 100
     assert limit_small() == 50  # never more than its batch size
-    share_one = Fleet([FleetDatabase(settings(), discover=True)])
-    assert share_one._limiter(cast(Any, big)) is None
+    share_one = Fleet([FleetDatabase(settings(outbox_drain_share=1), discover=True)])
+    assert share_one._limiter(cast(Any, big), activity) is None
 
 
 async def drain_shared(store: FakeStore, pub: FakePublisher, **ports: Any) -> None:
