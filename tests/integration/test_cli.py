@@ -156,7 +156,15 @@ async def test_ten_thousand_events_16_writers_3_relays_arrive_once_in_key_order(
     _, in_kafka = await consume(services.bootstrap, topic, expect=expected, within=60)
     assert expected > 9000
     assert sum(1 for n in published if n > 0) >= 2, f"one relay did all the work: {published}"
-    assert in_kafka == expected, "duplicates or phantoms"
+    # The relays' warnings say why, when a repeat comes without a fault (a claim ended by a
+    # peer's pulse, a stall): CI ran it 1 time in many with one repeat and no evidence.
+    said = "\n".join(
+        f"relay {i}: {line}"
+        for i, r in enumerate(relays)
+        for line in r.output(100_000).splitlines()
+        if " DEBUG " not in line
+    )
+    assert in_kafka == expected, f"duplicates or phantoms; the relays said:\n{said[-6000:]}"
     seen = [header(r, "outbox-event-id") or "" for r in records]
     assert len(set(seen)) == expected
     assert set(seen) == set(committed)
