@@ -379,7 +379,8 @@ class OutboxSettings(DatabaseSettings):
         "keys wait about this long instead of claim_idle_timeout. A busy event loop does not "
         "silence the pulse; a process starved of CPU (a container at its CPU limit) does, for "
         "a while: a relay whose pulse ran late recently is given three times its worst recent "
-        "delay (up to 2 s) instead, and so is every relay by one that ran late itself. Needs "
+        "delay (up to 2 s) instead, and so is every relay by one that ran late itself; a relay "
+        "under a CPU quota (cgroup) at least two of its periods. Needs "
         "the relays to see and signal each other's sessions (one role, or pg_signal_backend); "
         "off behind a connection pooler; 0 turns it off",
     )

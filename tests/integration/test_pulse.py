@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -166,6 +166,65 @@ async def test_a_relay_whose_pulse_ran_late_is_ended_only_after_the_tolerance_it
     assert pulse.reaped == 2
 
 
+async def test_a_relay_under_a_cpu_quota_tells_its_floor_before_any_claim_and_is_ended_after_it(
+    db_dsn: str,
+) -> None:
+    """A relay in a container with a CPU quota of 0.5 s periods may be stopped for most of a
+    period from its first busy second, before its pulse ran late once: its pulse session
+    carries two periods (1 s) from the start, so a peer ends its claim only after that, not
+    after frozen_relay_timeout (its first claims were ended, and sent twice, before)."""
+    base = 0.15
+    quota_pulse = Pulse(
+        db_dsn,
+        "quota001",
+        base,
+        command_timeout=5,
+        on_reaped=lambda n: None,
+        quota_period=lambda: 0.5,
+    )
+    assert quota_pulse.tolerance() == 1.0
+    reaped: list[int] = []
+    async with (
+        session(db_dsn, "watch") as watch,
+        session(db_dsn, worker_app("quota001")) as throttled_worker,
+    ):
+        quota_pulse.start()
+        try:
+            # No claim yet: the pulse opened its session and told its tolerance on it.
+            await eventually(
+                lambda: _true_async(
+                    watch.fetchval(
+                        "SELECT query FROM pg_stat_activity WHERE application_name = $1",
+                        pulse_app("quota001"),
+                    ),
+                    lambda q: isinstance(q, str) and q.startswith(tagged("", 1.0)),
+                ),
+                within=10,
+                what="the throttled relay's pulse session carries its 1 s tolerance",
+            )
+            # Then the relay is stopped inside a claim (its pulse thread has no claim to beat
+            # for: its session stays idle, as a stopped one's).
+            await throttled_worker.execute("BEGIN; SELECT 1")
+            went_idle = time.monotonic()
+            reaper = Pulse(db_dsn, "reaper05", base, command_timeout=5, on_reaped=reaped.append)
+            reaper.start()
+            try:
+                reaper.claim_started()
+                await eventually(
+                    lambda: _ended(watch, throttled_worker),
+                    within=10,
+                    what="the throttled relay's claim was ended once silent for its tolerance",
+                )
+                ended_after = time.monotonic() - went_idle
+                reaper.claim_ended()
+            finally:
+                await reaper.stop()
+        finally:
+            await quota_pulse.stop()
+    assert ended_after >= 1.0 - 0.05, f"ended after {ended_after:.2f}s, not after 1 s"
+    assert reaper.reaped == 1
+
+
 async def test_a_pulse_starved_of_the_interpreter_carries_its_lateness_and_reaps_later(
     db_dsn: str,
 ) -> None:
@@ -306,3 +365,7 @@ async def _ended(watch: asyncpg.Connection, conn: asyncpg.Connection) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _true_async(value: Awaitable[object], test: Callable[[object], bool]) -> bool:
+    return test(await value)
