@@ -63,6 +63,7 @@ from bench.services import (
     connection,
     db_counters,
     statement_calls,
+    statements_delta,
 )
 
 _QUERY_TIMEOUT = 300.0  # a 100,000-row insert or VACUUM on a busy 2-core machine
@@ -183,11 +184,8 @@ def quiet_record(
             deltas.append((calls - c0, rows - r0, " ".join(_COMMENT.sub("", text).split())))
     deltas.sort(reverse=True)
     claims = [d for d in deltas if _CLAIM.search(d[2])]
-    statements = (
-        (after["calls"] - before["calls"]) / seconds
-        if after.get("calls") is not None and before.get("calls") is not None
-        else None
-    )
+    delta = statements_delta(before, after)
+    statements = delta / seconds if delta is not None else None
     return {
         "seconds": round(seconds, 3),
         "commits_per_s": (after["commits"] - before["commits"]) / seconds,

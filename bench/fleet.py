@@ -410,6 +410,7 @@ class _Fleet(RegimeRun):
         for key in ("xacts", "commits", "calls"):
             values = [per_db[db][key] for db in names if db in per_db]
             counts[key] = None if None in values else sum(values)
+        counts["dealloc"] = next((per_db[db].get("dealloc") for db in names if db in per_db), None)
         calls: dict[int, tuple[str, int, int]] = {}
         if self.statements:
             for n, db in enumerate(names):

@@ -139,6 +139,12 @@ async def record_environment(
     }
     try:
         await services.admin("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        # Entries of databases dropped since (earlier runs' own) fill the store until new ones
+        # evict entries under measurement: forgotten here, as nobody can read them.
+        await services.admin(
+            "SELECT pg_stat_statements_reset(0, g.dbid, 0) FROM (SELECT DISTINCT dbid FROM "
+            "pg_stat_statements WHERE dbid NOT IN (SELECT oid FROM pg_database)) AS g"
+        )
         env["pg_stat_statements"] = True
     except asyncpg.PostgresError as e:
         env["pg_stat_statements"] = False

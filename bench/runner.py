@@ -35,6 +35,7 @@ from bench.services import (
     open_services,
     prepare_mode,
     set_notify,
+    statements_delta,
 )
 from bench.stages import STAGE_LOG_ENV, StageLog, collect_stages
 from devstack.relayproc import create_topics
@@ -168,11 +169,8 @@ class Runner:
             for name, child in children.items():
                 db_name = names[name]
                 b, a = before.get(db_name, {}), after.get(db_name, {})
-                calls = (
-                    (a["calls"] - b["calls"]) / elapsed
-                    if a.get("calls") is not None and b.get("calls") is not None
-                    else None
-                )
+                delta = statements_delta(b, a) if a and b else None
+                calls = delta / elapsed if delta is not None else None
                 xacts = (a["xacts"] - b["xacts"]) / elapsed if a and b else None
                 record = {
                     "mode": name,

@@ -264,7 +264,23 @@ async def db_counters(dsn: str, names: list[str], *, statements: bool) -> dict[s
             for name in out:
                 if out[name]["calls"] is None:
                     out[name]["calls"] = 0
+            # Entries evicted meanwhile (pg_stat_statements.max reached: a long-lived server
+            # that ran many benches) take their calls with them: a window in which this moved
+            # has no statement count (statements_delta).
+            dealloc = await conn.fetchval("SELECT dealloc FROM pg_stat_statements_info")
+            for name in out:
+                out[name]["dealloc"] = dealloc
         return out
+
+
+def statements_delta(before: dict[str, Any], after: dict[str, Any]) -> int | None:
+    """Statements run between two ``db_counters`` readings of a database, or None when they
+    were not counted or ``pg_stat_statements`` evicted entries meanwhile (a sum of calls that
+    lost some would be too low, even negative)."""
+    b, a = before.get("calls"), after.get("calls")
+    if b is None or a is None or before.get("dealloc") != after.get("dealloc") or a < b:
+        return None
+    return int(a - b)
 
 
 async def statement_calls(dsn: str, database: str) -> dict[int, tuple[str, int, int]]:
