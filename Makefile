@@ -57,25 +57,25 @@ unit: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict notify_outbox devstack bench examples
+	$(VENV)/bin/mypy --strict notify_outbox devstack tools bench examples
 
 # The docs site (mkdocs.yml, docs/) into site/, strictly: any warning (a broken link or anchor,
 # a page missing from the nav) fails. It regenerates nothing: generated references that drifted
 # from the code fail here too; `make docs-reference` rewrites them.
 docs: $(STAMP)
-	$(PY) -m devstack.docgen --check
+	$(PY) -m tools.docgen --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean -d site
 
 # docs/reference/configuration.md and cli.md, from OutboxSettings and the command line's parser;
 # the headline figures of README.md and docs/benchmarks.md, from bench/results/.
 docs-reference: $(STAMP)
-	$(PY) -m devstack.docgen
+	$(PY) -m tools.docgen
 	$(PY) -m bench.figures
 
 # sql/schema.sql and sql/inbox_schema.sql from the migrations (a throwaway local PostgreSQL, or
 # NOTIFY_OUTBOX_TEST_DSN's); tests/integration/test_schema.py proves them equal.
 schema: $(STAMP)
-	$(PY) -m devstack.schema
+	$(PY) -m tools.schema
 
 # The release artefacts as a user gets them: the sdist and the wheel built by `python -m build`
 # (the wheel from the sdist, so a file missing from the sdist fails here), their metadata
@@ -101,10 +101,10 @@ dist-check: $(STAMP)
 # Kubernetes schemas of the pinned kubernetes-validate (dev extra) and the vendored CRD schemas.
 # Then each deliberately broken manifest of tests/unit/k8s_broken/ must be rejected. No cluster.
 k8s-check: $(STAMP)
-	$(PY) -m devstack.k8s rules --check
-	$(PY) -m devstack.k8s validate deploy/kubernetes
+	$(PY) -m tools.k8s rules --check
+	$(PY) -m tools.k8s validate deploy/kubernetes
 	@set -uo pipefail; for f in tests/unit/k8s_broken/*.yaml; do \
-		out=$$($(PY) -m devstack.k8s validate "$$f" 2>&1) && { \
+		out=$$($(PY) -m tools.k8s validate "$$f" 2>&1) && { \
 			echo "k8s-check: $$f was accepted, but it is broken on purpose" >&2; exit 1; }; \
 		grep -q "^k8s-check: $$f" <<<"$$out" || { \
 			echo "k8s-check: $$f: the validator failed without naming it:" >&2; \

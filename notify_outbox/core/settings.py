@@ -747,7 +747,7 @@ def format_validation_error(
 
 _PREFIX = "NOTIFY_OUTBOX_"
 # Read by name outside the settings classes (suffixes after the prefix), with what they mean:
-# the configuration reference (devstack/docgen.py) lists them after the settings.
+# the configuration reference (tools/docgen.py) lists them after the settings.
 _OTHER_VARIABLES: Mapping[str, str] = {
     # cli/app.py / core/logs.py
     "LOG_FORMAT": "Log format of the daemon and the commands: text (the default) or json, one "

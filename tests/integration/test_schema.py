@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import asyncpg
 import pytest
 
-from devstack.schema import REGENERATE, SCHEMAS, SchemaFile, apply_migrations, apply_schema, dump
 from notify_outbox.core.names import OutboxNames
 from notify_outbox.inbox.schema import InboxNames
 from notify_outbox.pg.migrations import TrackNames
 from tests.conftest import Services
 from tests.support import dsn_with_database
+from tools.schema import REGENERATE, SCHEMAS, SchemaFile, apply_migrations, apply_schema, dump
 
 pytestmark = pytest.mark.anyio
 
@@ -90,6 +90,6 @@ async def test_the_schema_file_is_what_the_migrations_make(
         )
         pytest.fail(
             f"{schema.path.name} is not what the migrations make ({case}); regenerate it with "
-            f"`{REGENERATE}` (python -m devstack.schema):\n{diff}",
+            f"`{REGENERATE}` (python -m tools.schema):\n{diff}",
             pytrace=False,
         )

@@ -1,4 +1,4 @@
-"""The docs site's generated references (devstack/docgen.py) match the code: the configuration
+"""The docs site's generated references (tools/docgen.py) match the code: the configuration
 reference documents every ``NOTIFY_OUTBOX_*`` variable, the CLI reference every command and flag,
 and the committed pages are exactly what the generator gives today."""
 
@@ -13,9 +13,9 @@ import markdown
 import pytest
 import yaml
 
-from devstack import docgen, k8s
 from notify_outbox.cli.app import _parser
 from notify_outbox.core.settings import _OTHER_VARIABLES, OutboxSettings
+from tools import docgen, k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_generated_reference_matches_the_code(path: Path) -> None:
     committed = path.read_text(encoding="utf-8") if path.exists() else None
     assert committed == expected, (
         f"{path.relative_to(ROOT)} drifted from the code: run `make docs-reference` "
-        "(python -m devstack.docgen) and commit the result"
+        "(python -m tools.docgen) and commit the result"
     )
 
 
@@ -103,7 +103,7 @@ def test_every_alert_has_a_runbook_section() -> None:
     ["NotifyOutboxRelayDown", "Tracing (OpenTelemetry, optional)", "`notify-outbox run`", "Ä b–c"],
 )
 def test_the_runbook_anchors_are_mkdocs_anchors(heading: str) -> None:
-    # The anchor devstack.k8s links to is the one the site's Markdown (toc) gives the heading.
+    # The anchor tools.k8s links to is the one the site's Markdown (toc) gives the heading.
     html = markdown.markdown(f"## {heading}\n", extensions=["toc"])
     expected = re.search(r'id="([^"]*)"', html)
     assert expected is not None

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from devstack import k8s
 from notify_outbox.cli.app import _parser
 from notify_outbox.core.settings import DatabaseSettings, OutboxSettings, unknown_variables
 from notify_outbox.ops.http import HttpSettings
+from tools import k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "deploy" / "kubernetes"
@@ -50,7 +50,7 @@ def test_prometheus_rule_is_generated_from_the_alert_rules() -> None:
     committed = (KIT / "prometheusrule.yaml").read_text(encoding="utf-8")
     assert committed == k8s.expected_prometheus_rule(), (
         "deploy/kubernetes/prometheusrule.yaml drifted from deploy/prometheus/"
-        "notify-outbox-alerts.yml: run `python -m devstack.k8s rules`"
+        "notify-outbox-alerts.yml: run `python -m tools.k8s rules`"
     )
 
 
