@@ -149,12 +149,9 @@ async def test_a_relay_whose_pulse_ran_late_is_ended_only_after_the_tolerance_it
                 f"the starved relay's claim was ended with the frozen one's, after "
                 f"{frozen_after:.2f}s: its tolerance ({tolerant}s) was not read"
             )
-            await eventually(
-                lambda: _ended(watch, starved_worker),
-                within=10,
-                what="the starved relay's claim was ended once silent for its tolerance",
+            starved_after = await _ended_after(
+                watch, starved_worker, went_idle, "the starved relay's claim"
             )
-            starved_after = time.monotonic() - went_idle
             pulse.claim_ended()
         finally:
             await pulse.stop()
@@ -210,12 +207,9 @@ async def test_a_relay_under_a_cpu_quota_tells_its_floor_before_any_claim_and_is
             reaper.start()
             try:
                 reaper.claim_started()
-                await eventually(
-                    lambda: _ended(watch, throttled_worker),
-                    within=10,
-                    what="the throttled relay's claim was ended once silent for its tolerance",
+                ended_after = await _ended_after(
+                    watch, throttled_worker, went_idle, "the throttled relay's claim"
                 )
-                ended_after = time.monotonic() - went_idle
                 reaper.claim_ended()
             finally:
                 await reaper.stop()
@@ -361,6 +355,18 @@ async def test_the_pulse_beats_only_for_long_claims_and_after_busy_buckets(
 
 async def _ended(watch: asyncpg.Connection, conn: asyncpg.Connection) -> bool:
     return not await _alive(watch, conn)
+
+
+async def _ended_after(
+    watch: asyncpg.Connection, conn: asyncpg.Connection, went_idle: float, whose: str
+) -> float:
+    """Seconds from ``went_idle`` until ``conn``'s session was ended (a reaper's doing)."""
+    await eventually(
+        lambda: _ended(watch, conn),
+        within=10,
+        what=f"{whose} was ended once silent for its tolerance",
+    )
+    return time.monotonic() - went_idle
 
 
 async def _true(value: bool) -> bool:
