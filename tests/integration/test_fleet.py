@@ -2,7 +2,8 @@
 PostgreSQL and Kafka. Each outbox's events arrive in per-key order; the database gets one
 listening connection per channel and a pool bounded by settings; a tenant migrated while the
 fleet runs is served without a restart, a dropped one let go; a tenant that cannot be served is
-reported while the others deliver; the fallback poll finds rows no notification announced."""
+reported while the others deliver; the fallback poll finds rows no notification announced; the
+Debezium-compatible mode works per tenant, and an inbox applies what it relays once."""
 
 from __future__ import annotations
 
@@ -19,11 +20,20 @@ import asyncpg
 import pytest
 
 from notify_outbox import Fleet, FleetDatabase, OutboxNames, OutboxSettings, migrate
+from notify_outbox.debezium.capture import DebeziumCapture, install_capture, verify_capture
+from notify_outbox.inbox import Inbox, migrate_inbox
 from notify_outbox.ops.fleet_metrics import FleetMetrics
 from notify_outbox.ops.http import MonitoringServer
 from notify_outbox.pg.sqlfiles import load_migrations
 from tests.conftest import Services
-from tests.support import RelayProcess, consume, dsn_with_database, metric, topic_total
+from tests.support import (
+    RelayProcess,
+    consume,
+    create_topics,
+    dsn_with_database,
+    metric,
+    topic_total,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -445,3 +455,77 @@ async def test_a_failing_tenant_and_a_held_snapshot_hold_back_only_that_tenant(
         assert seen[("healthy", f"k{k}")] == [n for n in range(30) if n % 3 == k]
     assert pending == 300  # still retried: nothing of it was sent, nor dead-lettered
     assert dead == 0
+
+
+async def test_a_fleet_relays_each_tenants_debezium_table_and_an_inbox_applies_each_event_once(
+    empty_db_dsn: str, services: Services
+) -> None:
+    """The Debezium-compatible mode per outbox: two tenants, each with the router's table and
+    the capture into its own relay outbox, served by one fleet with the Debezium header style.
+    Each tenant's events arrive as the router would emit them (topic, key, value, the one
+    header ``id``), in insert order; an inbox reading that header applies each event once,
+    and a second delivery of all of them applies none."""
+    sfx = uuid.uuid4().hex[:8]
+    tenants = {"tenant_a": f"OrderA{sfx}", "tenant_b": f"OrderB{sfx}"}
+    topics = [f"outbox.event.{kind}" for kind in tenants.values()]
+    await create_topics(services.bootstrap, topics)
+    conn = await asyncpg.connect(empty_db_dsn)
+    rows: dict[str, list[tuple[uuid.UUID, str, str]]] = {}
+    try:
+        for tenant in tenants:
+            await migrate(conn, OutboxNames(tenant, table="relay_outbox"))
+            await conn.execute(
+                f"CREATE TABLE {tenant}.outbox (id uuid PRIMARY KEY, aggregatetype varchar(255) "
+                "NOT NULL, aggregateid varchar(255) NOT NULL, type varchar(255) NOT NULL, "
+                "payload jsonb)"
+            )
+            names = OutboxNames(tenant, table="relay_outbox")
+            await install_capture(conn, DebeziumCapture(schema=tenant), names)
+            assert (await verify_capture(conn, DebeziumCapture(schema=tenant), names)).ok
+            rows[tenant] = [(uuid.uuid4(), f"{n % 2}", f'{{"n": {n}}}') for n in range(10)]
+        relayed = settings(empty_db_dsn, services, table="relay_outbox", header_style="debezium")
+        async with Fleet([FleetDatabase(relayed, discover=True)]) as fleet:
+            assert fleet.outboxes == [f"{t}.relay_outbox" for t in tenants]
+            for n in range(10):
+                for tenant, kind in tenants.items():
+                    eid, key, payload = rows[tenant][n]
+                    await conn.execute(
+                        f"INSERT INTO {tenant}.outbox (id, aggregatetype, aggregateid, type, "
+                        "payload) VALUES ($1, $2, $3, 'OrderCreated', $4)",
+                        eid,
+                        kind,
+                        key,
+                        payload,
+                    )
+            got = {}
+            for tenant, kind in tenants.items():
+                records, _ = await consume(services.bootstrap, f"outbox.event.{kind}", expect=10)
+                got[tenant] = sorted(records, key=lambda r: (r.partition, r.offset))
+        for tenant, kind in tenants.items():
+            assert await topic_total(services.bootstrap, f"outbox.event.{kind}") == 10
+            for key in ("0", "1"):
+                sent = [(e, p) for e, k, p in rows[tenant] if k == key]
+                came = [r for r in got[tenant] if r.key == key.encode()]
+                # Insert order per key; the value is the jsonb column's text; one header, id.
+                assert [(list(r.headers), r.value) for r in came] == [
+                    ([("id", str(e).encode())], p.encode()) for e, p in sent
+                ]
+        await migrate_inbox(conn)
+        await conn.execute("CREATE TABLE applied (event_id text)")
+        inbox = Inbox(consumer="orders", id_header="id")
+        everything = [r for tenant in tenants for r in got[tenant]]
+        for delivery in (1, 2):
+            fresh = 0
+            for record in everything:
+                async with conn.transaction(), inbox.process(conn, record) as new:
+                    if new:
+                        fresh += 1
+                        await conn.execute(
+                            "INSERT INTO applied VALUES ($1)", inbox.event_id(record)
+                        )
+            assert fresh == (20 if delivery == 1 else 0), f"delivery {delivery}: {fresh} fresh"
+        assert sorted(await conn.fetchval("SELECT array_agg(event_id) FROM applied")) == sorted(
+            str(e) for tenant in tenants for e, _, _ in rows[tenant]
+        )
+    finally:
+        await conn.close()
