@@ -236,7 +236,8 @@ def cpu_quota_period(
         if controllers == "":  # v2: one hierarchy, at the mount point
             bases = [root]
         elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
-            bases = [root / controllers, root / "cpu", root / "cpu,cpuacct"]
+            # Where the controller is mounted: under its own name, or a joined one's (once each).
+            bases = list(dict.fromkeys([root / controllers, root / "cpu", root / "cpu,cpuacct"]))
         else:
             continue
         for base in bases:
@@ -314,8 +315,7 @@ class Pulse:
                 timeout,
             )
         self._untagged = timeout  # what peers take a session without a statement for
-        timeout = self.timeout
-        self._reap_for = max(REAP_AT_LEAST, REAP_FOR * timeout)
+        self._reap_for = max(REAP_AT_LEAST, REAP_FOR * self.timeout)
         self._command_timeout = command_timeout
         self._on_reaped = on_reaped
         never = -1e9
@@ -338,8 +338,8 @@ class Pulse:
         self.reaped = 0
         #: How late the thread ran recently (written by the thread only).
         self.lateness = Lateness()
-        self._told = timeout  # the tolerance last logged
-        self._carried = timeout  # the tolerance in the session's last statement
+        self._told = self.timeout  # the tolerance last logged
+        self._carried = self.timeout  # the tolerance in the session's last statement
 
     # --- called in the relay's event loop ------------------------------------------------
 
