@@ -562,30 +562,40 @@ class KafkaPublisher:
         unknown_topic: list[tuple[_Sent, BaseException]] = []  # see _recheck_topics
         topics = {r.topic for r in rows}
         unsettled: list[_Sent] = []  # sent, acks not classified yet
-        with anyio.move_on_after(self._settings.kafka_send_timeout) as scope:
-            try:
-                missing = await self._missing_topics(topics)
-            except (kafka_errors.KafkaError, OSError) as e:
-                result.unavailable = f"Kafka metadata unavailable: {_describe(e)}"
-            todo: Sequence[OutboxRow] = rows
-            while todo and result.unavailable is None:
-                # One topic, the common case: the whole claim is one wave (blocked keys are
-                # skipped while the wave is built).
-                wave, todo = (todo, ()) if len(topics) == 1 else _next_wave(todo, blocked)
-                # Filled as batches are handed over: a timeout that cuts the wave short
-                # must still find every batch sent, to park its ack (_classify).
-                unsettled = []
-                await self._send_wave(producer, on_ack, wave, missing, blocked, result, unsettled)
-                if unsettled:
-                    result.handed_at = time.monotonic_ns()
-                if result.unavailable is None and not await self._await_acks(
-                    [b.future for b in unsettled], topics
-                ):
-                    result.unavailable = "Kafka stopped answering"
-                if result.unavailable is None:
-                    self._classify(producer, unsettled, result, blocked, unknown_topic)
+        # asyncio's timeout, not anyio's cancel scope: entering one of those cost 40 µs of a
+        # quiet relay's ~250 µs from the claim's rows to the hand-over (the producer is
+        # asyncio's anyway).
+        deadline = asyncio.timeout(self._settings.kafka_send_timeout)
+        try:
+            async with deadline:
+                try:
+                    missing = await self._missing_topics(topics)
+                except (kafka_errors.KafkaError, OSError) as e:
+                    result.unavailable = f"Kafka metadata unavailable: {_describe(e)}"
+                todo: Sequence[OutboxRow] = rows
+                while todo and result.unavailable is None:
+                    # One topic, the common case: the whole claim is one wave (blocked keys
+                    # are skipped while the wave is built).
+                    wave, todo = (todo, ()) if len(topics) == 1 else _next_wave(todo, blocked)
+                    # Filled as batches are handed over: a timeout that cuts the wave short
+                    # must still find every batch sent, to park its ack (_classify).
                     unsettled = []
-        if scope.cancelled_caught and result.unavailable is None:
+                    await self._send_wave(
+                        producer, on_ack, wave, missing, blocked, result, unsettled
+                    )
+                    if unsettled:
+                        result.handed_at = time.monotonic_ns()
+                    if result.unavailable is None and not await self._await_acks(
+                        [b.future for b in unsettled], topics
+                    ):
+                        result.unavailable = "Kafka stopped answering"
+                    if result.unavailable is None:
+                        self._classify(producer, unsettled, result, blocked, unknown_topic)
+                        unsettled = []
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # not the deadline's: a socket's, say
+        if deadline.expired() and result.unavailable is None:
             result.unavailable = (
                 f"Kafka did not acknowledge within {self._settings.kafka_send_timeout}s"
             )

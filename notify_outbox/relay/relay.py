@@ -56,6 +56,7 @@ from notify_outbox.pg.store import (
 )
 
 from .gate import Gate
+from .keepalive import publish_renewing
 from .listener import Listener
 from .outage import Outage, tame_third_party_logs
 from .policy import decide
@@ -888,20 +889,11 @@ class Relay:
         """Publish a claim's rows; while the acks take long, renew the claim's transaction
         (the server ends it after ``idle_timeout`` of silence, as for a stalled relay). The
         claim's connection is free meanwhile: the publisher never uses it."""
-        assert self._publisher is not None
-        publish = asyncio.ensure_future(self._publisher.publish(batch.rows))
-        try:
-            while True:
-                done, _ = await asyncio.wait({publish}, timeout=idle_timeout / 4)
-                if done:
-                    return publish.result()
-                await batch.keepalive()
-        except BaseException:
-            # The claim is lost (or the relay stops): whatever was sent is sent again later.
-            publish.cancel()
-            with contextlib.suppress(BaseException):
-                await publish
-            raise
+        publisher = self._publisher
+        assert publisher is not None
+        return await publish_renewing(
+            lambda: publisher.publish(batch.rows), batch.keepalive, idle_timeout / 4
+        )
 
     def _fault(self, point: str) -> None:
         if self._fault_hook is not None:

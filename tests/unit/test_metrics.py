@@ -147,7 +147,6 @@ async def test_a_schema_registry_outage_is_named_in_the_log_readiness_and_gauges
     """Rows that wait for the Schema Registry (their schemas could not be loaded): the
     outage's lines, ``/readyz`` and ``notify_outbox_up`` name the registry, not Kafka."""
     store = FakeStore()
-    store.add(topic="orders")
     pub = FakePublisher()
     pub.dependency = SCHEMA_REGISTRY
 
@@ -162,6 +161,9 @@ async def test_a_schema_registry_outage_is_named_in_the_log_readiness_and_gauges
     with caplog.at_level(logging.WARNING, logger="notify_outbox.relay"):
         async with relay:
             assert metrics.readiness().checks["schema_registry"] == "ok"
+            # The row comes once the relay is seen ready: its first claim may publish at once.
+            store.add(topic="orders")
+            relay.wake()
             await relay.events.wait_for("kafka_unavailable")
             down = metrics.readiness()
             assert not down.ready
