@@ -32,8 +32,8 @@ END = "<!-- end of bench figures -->"
 
 # The runs shown (bench/results/<id>.json); docs/benchmarks.md tells each one's story.
 # run --quick --repeat 3 --loads 100 1000, floor and poller, --compare-rev 6979fc3
-LATENCY_RUN = "20261128T131442Z"
-DRAIN_RUN = "drain-20261128T132005Z"
+LATENCY_RUN = "20261129T070703Z"
+DRAIN_RUN = "drain-20261129T071102Z"
 HELD_RUN = "held-snapshot-20261127T061409Z"  # 10 min hold, medians of 3
 FAILING_RUN = "failing-head-20261127T131719Z"  # medians of 3
 STALLED_RUN = "stalled-relay-20261127T104422Z"  # medians of 3, as shipped
