@@ -72,7 +72,8 @@ async def test_a_failed_renewal_ends_the_publish_with_the_renewals_error() -> No
             await publish_renewing(publish, renew, 0.01)
     assert cancelled.is_set()
     task = asyncio.current_task()
-    assert task is not None and task.cancelling() == 0  # the caller is not left cancelled
+    assert task is not None
+    assert task.cancelling() == 0  # the caller is not left cancelled
     await asyncio.sleep(0)  # and no cancellation is still on its way to it
 
 
