@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import asyncpg
@@ -28,10 +28,19 @@ INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ('t', $1, '{}') RETURN
 
 
 async def claim_once(
-    conn: asyncpg.Connection, marks: MarkKeeper, batch: int, *, commit: bool = True
+    conn: asyncpg.Connection,
+    marks: MarkKeeper,
+    batch: int,
+    *,
+    commit: bool = True,
+    claimed: Callable[[list[asyncpg.Record]], None] | None = None,
 ) -> list[asyncpg.Record]:
     """One claim as the relay makes it: the rows are deleted (published) if ``commit``, else
-    the claim rolls back and they stay pending."""
+    the claim rolls back and they stay pending. ``claimed`` is told the rows of a claim that
+    commits before its COMMIT, as the relay sends them before its own: told after it, two
+    claimers' rows could be told in another order than they were claimed in (one claimer's
+    COMMIT answered late while the next owner of the bucket claimed and committed; seen once,
+    on a loaded host)."""
     await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         mark, token = marks.take()
@@ -41,6 +50,8 @@ async def claim_once(
         rows = list(records[:-1])
         if rows and commit:
             await conn.execute("DELETE FROM outbox WHERE id = ANY($1)", [r["id"] for r in rows])
+            if claimed is not None:
+                claimed(rows)
         await conn.execute("COMMIT" if commit else "ROLLBACK")
     except BaseException:
         await conn.execute("ROLLBACK")
@@ -111,13 +122,14 @@ async def test_claims_from_the_mark_never_skip_a_late_commit(db_dsn: str) -> Non
                 await conn.execute("COMMIT")
                 committed.update(ids)
 
+    def note(rows: list[asyncpg.Record]) -> None:
+        claimed.extend((r["id"], r["key"]) for r in rows)
+
     async def claim_while_producing(conn: asyncpg.Connection) -> None:
         while not stop_producing.is_set():
             # A claim that rolls back leaves its rows pending, as a relay's failed batch does.
             commit = rng.random() > 0.1
-            rows = await claim_once(conn, marks, 20, commit=commit)
-            if commit:
-                claimed.extend((r["id"], r["key"]) for r in rows)
+            await claim_once(conn, marks, 20, commit=commit, claimed=note)
             await anyio.sleep(rng.choice([0, 0.001, 0.003]))
 
     conns = [await asyncpg.connect(db_dsn) for _ in range(7)]
@@ -136,8 +148,7 @@ async def test_claims_from_the_mark_never_skip_a_late_commit(db_dsn: str) -> Non
         # Everything committed must now come out of claims that start at the mark.
         with anyio.fail_after(30):
             while len(claimed) < len(committed):
-                rows = await claim_once(claimers[0], marks, 50)
-                claimed.extend((r["id"], r["key"]) for r in rows)
+                rows = await claim_once(claimers[0], marks, 50, claimed=note)
                 if not rows:
                     left = await claimers[1].fetch("SELECT id, key, xmin FROM outbox")
                     assert not left, f"rows below the mark {marks.mark}: {left}"
@@ -268,13 +279,13 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
                     await conn.execute(
                         "DELETE FROM outbox WHERE id = ANY($1)", [r["id"] for r in rows]
                     )
-            claimed_by("old", rows)
+                claimed_by("old", rows)  # before the COMMIT (see claim_once)
             await anyio.sleep(0.002)
 
     async def new_claims(conn: asyncpg.Connection) -> None:
         await migrated.wait()
         while not stop_producing.is_set():
-            claimed_by("new", await claim_once(conn, marks, 20))
+            await claim_once(conn, marks, 20, claimed=lambda rows: claimed_by("new", rows))
             await anyio.sleep(0.002)
 
     setup = await asyncpg.connect(empty_db_dsn)
@@ -300,8 +311,12 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
             stop_producing.set()
         with anyio.fail_after(30):
             while len(claimed) < len(committed):
-                rows = await claim_once(conns[4], marks, 50)
-                claimed.extend((r["id"], r["key"]) for r in rows)
+                rows = await claim_once(
+                    conns[4],
+                    marks,
+                    50,
+                    claimed=lambda rows: claimed.extend((r["id"], r["key"]) for r in rows),
+                )
                 if not rows:
                     assert not await setup.fetch("SELECT id FROM outbox"), marks.mark
     finally:
