@@ -14,13 +14,16 @@ SELECT @schema@.@prefix@_due($1, $2, $3);
 
 -- name: poll
 -- The fallback poll's look, in one statement: has_due; seconds until the earliest retry that is
--- not due yet (NULL: none), to wake the relay then; and whether a parked row is left first of
--- its key, which only promote_stuck releases (migration 0006).
+-- not due yet (NULL: none), to wake the relay then; whether a parked row is left first of its
+-- key, which only promote_stuck releases (migration 0006); and when the server started, which
+-- changes when it restarted or another server took over (the relay then drops its low-water
+-- mark: a failover to an asynchronous standby can lose marks, and leave rows below it).
 SELECT @schema@.@prefix@_due($1, $2, $3),
        (SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 FROM @table@
         WHERE published_at IS NULL AND next_attempt_at > now()
           AND next_attempt_at < 'infinity'),
-       EXISTS (SELECT FROM @schema@.@prefix@_stuck());
+       EXISTS (SELECT FROM @schema@.@prefix@_stuck()),
+       pg_postmaster_start_time();
 
 -- name: promote_stuck
 -- Promotes the parked rows left first of their key. A row some claim holds is skipped: that
@@ -166,7 +169,8 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM @dead_letter@ LIMIT $1) AS d) AS dead_lettered;
 
 -- name: notify_mode
-SELECT notify_mode, awake_epoch_ms FROM @config@;
+-- Read at a relay's start; with the server's start time (see poll).
+SELECT notify_mode, awake_epoch_ms, pg_postmaster_start_time() AS server_started FROM @config@;
 
 -- name: set_notify_mode
 UPDATE @config@ SET notify_mode = $1 RETURNING notify_mode;

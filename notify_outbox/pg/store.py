@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
-from datetime import timedelta
+from datetime import datetime, timedelta
 from operator import attrgetter
 
 import asyncpg
@@ -25,6 +26,8 @@ from notify_outbox.core.outbox import BatchOutcome, ClaimedBatch, OutboxRow, Out
 from .db import read_only, terminate
 from .deadletters import DeadLetterFilter, purge
 from .sqlfiles import Queries
+
+log = logging.getLogger("notify_outbox.store")
 
 __all__ = [
     "BatchOutcome",
@@ -98,6 +101,12 @@ class MarkKeeper:
         if token == self._version:
             self.mark = mark
             self._version += 1
+
+    def reset(self) -> None:
+        """Start again from the first mark (the next claim reads the queue from its start);
+        marks of claims under way are dropped."""
+        self.mark = LowWaterMark()
+        self._version += 1
 
 
 class _PgBatch:
@@ -324,6 +333,7 @@ class PgOutboxStore:
         begin_round_trip: Callable[[float], None] | None = None,
         prime: bool = False,
         prime_ttl: float = PRIME_TTL,
+        server_started: datetime | None = None,
     ) -> None:
         self._pool = pool
         # READ COMMITTED whatever the database's default: the claim needs a new snapshot per
@@ -336,6 +346,9 @@ class PgOutboxStore:
         self._timeout = command_timeout
         #: The relay's low-water mark (migration 0006), advanced by every claim.
         self.marks = MarkKeeper()
+        # When the server the mark was learnt on started (pg_postmaster_start_time): the
+        # fallback poll reads it again (see poll()).
+        self._server_started = server_started
         #: Set while the relay pulses (pulse.py): another relay ends a claim of this one that
         #: sat idle this long while this process did not run.
         self.reaped_after: float | None = None
@@ -538,7 +551,27 @@ class PgOutboxStore:
             # A parked row is first of its key: what released it promoted nothing (its
             # earlier row was deleted by hand, or published by a relay of migration 0005).
             await self._pool.execute(self._q["promote_stuck"], timeout=self._timeout)
-        return bool(row[0]), None if row[1] is None else float(row[1])
+        due = bool(row[0])
+        started: datetime | None = row[3]
+        if started != self._server_started:
+            if self._server_started is not None and self.server_changed():
+                due = True  # claim now: rows whose marks were lost sit below the old mark
+            self._server_started = started
+        return due, None if row[1] is None else float(row[1])
+
+    def server_changed(self) -> bool:
+        """The server restarted, or another took over (a failover): drop the low-water mark.
+        A failover to an asynchronous standby loses the transactions the standby had not
+        received, claims' marks among them: their rows are pending again, below this relay's
+        mark, and no claim from it would ever read them. True when a mark was dropped."""
+        if self.marks.mark == LowWaterMark():
+            return False
+        self.marks.reset()
+        log.warning(
+            "the database server restarted or another took over: claims read the outbox from "
+            "its start again (rows whose marks a failover lost are published again)"
+        )
+        return True
 
     async def count_pending(self, limit: int) -> int:
         return int(

@@ -142,6 +142,7 @@ async def open_postgres(
         # Not behind a transaction pooler: a primed transaction would pin a server connection
         # while it waits for the next claim.
         prime=not behind_pooler and not shared,
+        server_started=config["server_started"],
     )
     pulse = None
     if s.frozen_relay_timeout > 0 and not behind_pooler and not shared:

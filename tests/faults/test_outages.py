@@ -101,6 +101,50 @@ async def test_07_postgres_restart_mid_stream(db_dsn: str, services: Services, t
     report.assert_ok()
 
 
+async def test_07b_a_row_left_below_the_mark_by_a_failover_is_published_after_it(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A failover to an asynchronous standby loses the transactions the standby had not
+    received, claims' marks among them: their rows are pending again, below the relay's
+    low-water mark, where no claim from that mark reads. Simulated: PostgreSQL restarts (its
+    start time changes, as it differs on the server that takes over), and a row the relay
+    published is made pending again, as a lost mark leaves it. The relay's fallback poll sees
+    the new start time, drops its mark, and the row is published again."""
+    postgres, _ = restartable(services)
+    await durable_commits(db_dsn)  # nothing but the row made pending by hand is lost
+    env = {**KEEP, "NOTIFY_OUTBOX_POLL_INTERVAL": "0.5"}
+    insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}') RETURNING id"
+    async with (
+        relays(FaultRelay(db_dsn, services.bootstrap, env=env)) as (relay,),
+        KafkaTail(services.bootstrap, [topic]) as tail,
+    ):
+        await relay.ready()
+        async with connect(db_dsn) as conn:
+            ids = [await conn.fetchval(insert, topic, f"k{n}") for n in range(20)]
+        await eventually(lambda: _drained(db_dsn), within=30, what="the 20 rows published")
+        await eventually(lambda: _grows(lambda: tail.messages, 20), within=30, what="in Kafka")
+        await run_blocking(lambda: postgres.stop(mode="immediate"))
+        await run_blocking(postgres.start)
+        lost = ids[0]
+        async with connect(db_dsn) as conn:
+            await conn.execute("UPDATE outbox SET published_at = NULL WHERE id = $1", lost)
+            # The relay works again meanwhile: a new row goes at once, from the old mark.
+            await conn.fetchval(insert, topic, "after")
+        await eventually(
+            lambda: _grows(lambda: tail.messages, 21), within=30, what="the new row in Kafka"
+        )
+        await eventually(
+            lambda: _drained(db_dsn),
+            within=30,
+            what="the row left below the mark published again",
+        )
+        await relay.line("restarted or another took over", within=30)
+        await eventually(
+            lambda: _grows(lambda: tail.messages, 22), within=30, what="its second copy in Kafka"
+        )
+        await relay.stop_ok()
+
+
 async def test_12_kafka_down_while_the_app_keeps_inserting(
     db_dsn: str, services: Services, topic: str
 ) -> None:

@@ -12,14 +12,16 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 
 import anyio
 import asyncpg
 import pytest
 
 from notify_outbox import OutboxNames, migrate
+from notify_outbox.core.outbox import BatchOutcome
 from notify_outbox.pg.sqlfiles import Queries
-from notify_outbox.pg.store import LowWaterMark, MarkKeeper, claim_scan
+from notify_outbox.pg.store import LowWaterMark, MarkKeeper, PgOutboxStore, claim_scan
 
 pytestmark = pytest.mark.anyio
 
@@ -324,3 +326,54 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
             await conn.close()
     assert_claimed_once_in_order(claimed, committed)
     assert len(committed) > 100
+
+
+async def test_a_new_server_start_drops_the_mark_so_rows_left_below_it_are_claimed(
+    db_dsn: str,
+) -> None:
+    """After a failover to an asynchronous standby, a row whose claim's mark the standby never
+    received is pending again, below the relay's low-water mark: claims from that mark never
+    read it, nor does the fallback poll's look. The store learns at its start when the server
+    started (``server_started``); a poll that finds another start time drops the mark, and
+    the row is claimed. Here the store believes it started on a server that started an hour
+    earlier (the old primary)."""
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+    assert pool is not None
+    try:
+        started = await pool.fetchval("SELECT pg_postmaster_start_time()")
+        store = PgOutboxStore(
+            pool,
+            Q,
+            delete_on_publish=False,
+            command_timeout=10,
+            server_started=started - timedelta(hours=1),
+        )
+
+        async def claim_and_publish() -> list[int]:
+            async with store.claim(100) as batch:
+                ids = [r.id for r in batch.rows]
+                await batch.complete(BatchOutcome(published=ids))
+            return ids
+
+        first = [await pool.fetchval(INSERT, f"k{n}") for n in range(5)]
+        assert sorted(await claim_and_publish()) == first
+        later = await pool.fetchval(INSERT, "k9")
+        assert await claim_and_publish() == [later]
+        assert store.marks.mark.low > first[0]
+        # The lost mark: the first row is pending again, below the mark.
+        await pool.execute("UPDATE outbox SET published_at = NULL WHERE id = $1", first[0])
+        assert await store.has_due() is False, "the look from the mark should not see it"
+        assert await claim_and_publish() == [], "a claim from the mark should not see it"
+        due, _ = await store.poll()  # another server's start time: the mark is dropped
+        assert due is True
+        assert store.marks.mark == LowWaterMark()
+        assert await claim_and_publish() == [first[0]]
+        # The same server at the next poll: the mark stays.
+        await claim_and_publish()
+        kept = store.marks.mark
+        assert kept != LowWaterMark()
+        due, _ = await store.poll()
+        assert due is False
+        assert store.marks.mark == kept
+    finally:
+        await pool.close()
