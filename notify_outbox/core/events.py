@@ -25,7 +25,9 @@ class RelayEvents:
     Names used by the relay: ``listening``, ``listener_lost``, ``wake:<source>`` (source is
     notification, poll, reconnect, start, backlog, retry (a row's retry time came) or gate
     (producers that may have skipped their NOTIFY have finished)), ``poll`` (a fallback poll
-    ran), ``gate_awake`` / ``gate_sleep`` (the awake marker taken / let go), ``gate_busy``
+    ran), ``gate_awake`` / ``gate_sleep`` (the awake marker taken / let go), ``gate_renewed``
+    (the marker's epochs taken again), ``gate_lapse`` (taken again only after the epochs held
+    had ended: producers notified in between), ``gate_busy``
     (producers were in flight when the relay tried to sleep, or while it watched the gate),
     ``idle`` (a worker found nothing more to claim and waits for the next wake-up),
     ``claimed``, ``claimed_none`` (a claim that got no row), ``published``, ``retried``,

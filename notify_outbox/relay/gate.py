@@ -189,6 +189,11 @@ class Gate:
                 self._asleep()
                 return
             conn, now_held = result
+            self._events.emit("gate_renewed")
+            if held and now_held and min(now_held) > max(held):
+                # Renewed late (a late wake-up, a slow statement): the epochs held had ended,
+                # and producers notified meanwhile, as they should.
+                self._events.emit("gate_lapse")
             self._held = list(now_held)
             if self._marked_on is None and self._held:
                 self._marked_on = conn

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -294,6 +295,41 @@ async def test_the_awake_marker_dies_with_a_killed_relay(
         assert await heard.notified_before_sentinel(conn)
 
 
+async def test_a_marker_renewed_after_its_epochs_ended_says_so(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """An awake relay whose event loop stalls past the epochs it holds renews its marker late:
+    producers notified in between (as they should), and the gate counts it (``gate_lapse``).
+    The stream is the steady one of the next test, which marks the relay awake."""
+    settings = OutboxSettings(
+        dsn=db_dsn, kafka_bootstrap_servers=services.bootstrap, workers=4, gate_awake_rate=100
+    )
+    insert = "INSERT INTO outbox (topic, key, payload) VALUES ($1, $2, '{}')"
+    async with connections(db_dsn, 2) as producers, Relay(settings) as relay:
+        events = relay.events
+        stop = anyio.Event()
+
+        async def produce(conn: asyncpg.Connection, first: int) -> None:
+            n = first
+            while not stop.is_set():
+                await conn.execute(insert, topic, f"k{n % 40}")
+                n += 2
+                await anyio.sleep(0.004)  # pacing the stream
+
+        with anyio.fail_after(40):
+            async with anyio.create_task_group() as tg:
+                for i, conn in enumerate(producers):
+                    tg.start_soon(produce, conn, i)
+                await events.wait_for("gate_awake")
+                await events.wait_for("gate_renewed", events.counts["gate_renewed"] + 4)
+                lapses = events.counts["gate_lapse"]
+                # The whole event loop stalls for four epochs (the relay runs in this process):
+                # no renewal can run in time. A deliberate stall, not a wait.
+                time.sleep(4 * relay.gate.epoch_ms / 1000)  # noqa: ASYNC251
+                await events.wait_for("gate_lapse", lapses + 1)
+                stop.set()
+
+
 async def test_a_steady_stream_shared_by_several_workers_marks_the_relay_awake(
     db_dsn: str, services: Services, topic: str
 ) -> None:
@@ -333,19 +369,31 @@ async def test_a_steady_stream_shared_by_several_workers_marks_the_relay_awake(
         async def notified_while_awake() -> bool:
             """Whether the stream's commits notified between two sentinels while the relay
             stayed awake (the first sentinel passes the NOTIFYs of the commits before the
-            marker was taken, and of those in flight when it was)."""
+            marker was taken, and of those in flight when it was). A round in which the relay
+            went to sleep, or renewed its marker only after the epochs it held had ended (it
+            says so: ``gate_lapse``; a late wake-up on a loaded host), is run again: producers
+            rightly notify then."""
             for _ in range(5):
-                sleeps = events.counts["gate_sleep"]
+                sleeps, lapses = events.counts["gate_sleep"], events.counts["gate_lapse"]
                 await heard.notified_before_sentinel(other)
                 nonlocal target
                 target = (sent + 50, anyio.Event())  # 50 commits of the stream, then look
                 await target[1].wait()
                 notified = await heard.notified_before_sentinel(other)
-                if events.counts["gate_sleep"] == sleeps and events.counts["gate_awake"]:
+                # A gap that began before the sentinel ends at the next renewal: wait for it.
+                await events.wait_for("gate_renewed", events.counts["gate_renewed"] + 1)
+                slept = events.counts["gate_sleep"] != sleeps
+                if (
+                    not slept
+                    and events.counts["gate_lapse"] == lapses
+                    and events.counts["gate_awake"]
+                ):
                     return notified
-                await events.wait_for("gate_awake", events.counts["gate_awake"] + 1)
+                if slept:
+                    await events.wait_for("gate_awake", events.counts["gate_awake"] + 1)
             raise AssertionError(
-                f"the relay went to sleep again in each of 5 rounds: {events.counts}"
+                f"the relay went to sleep or let its marker lapse in each of 5 rounds: "
+                f"{events.counts}"
             )
 
         with anyio.fail_after(40):
