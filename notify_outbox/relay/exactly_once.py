@@ -26,7 +26,7 @@ import random
 import secrets
 import socket
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -778,7 +778,7 @@ class ExactlyOnceRelay:
             refused = bool(result.failed)
             self._too_large_batches(rows, result)
             if refused or result.unavailable:
-                await asyncio.wait_for(producer.abort_transaction(), s.kafka_send_timeout)
+                await _end_transaction(producer.abort_transaction(), s.kafka_send_timeout)
                 self.counters["aborted"] += 1
                 self.events.emit("eos_aborted")
                 if result.unavailable and not self.kafka_outage.failed(result.unavailable):
@@ -798,7 +798,7 @@ class ExactlyOnceRelay:
                     await asyncio.sleep(self._unavailable.next_delay())
                 return self._aborted(seq, rows, result), producer
             self._fault("eos_before_commit")
-            await asyncio.wait_for(producer.commit_transaction(), s.kafka_send_timeout)
+            await _end_transaction(producer.commit_transaction(), s.kafka_send_timeout)
         except _FENCED as e:
             raise SlotLost(f"its producer was fenced ({_describe(e)})") from None
         except (kafka_errors.KafkaError, OSError, TimeoutError) as e:
@@ -1029,6 +1029,21 @@ class ExactlyOnceRelay:
                 log.warning(
                     "exactly-once: settling abandoned slot %d failed (%s)", slot, _describe(e)
                 )
+
+
+async def _end_transaction(call: Awaitable[Any], within: float) -> None:
+    """aiokafka's commit or abort, within ``within`` seconds. When its sender routine crashed
+    on a lost connection, aiokafka's transaction manager is left in FATAL_ERROR and the call
+    fails an
+    ``assert`` of its state machine (seen in the fault suite: "Invalid state transition
+    TransactionState.FATAL_ERROR -> TransactionState.ABORTING_TRANSACTION" during a broker
+    restart, which ended the relay). That is a transaction whose outcome is unknown, like any
+    other failure of it: raised as a KafkaError, so the caller fences the producer and settles
+    the batch from the markers."""
+    try:
+        await asyncio.wait_for(call, within)
+    except AssertionError as e:
+        raise kafka_errors.KafkaError(f"the producer's transaction state is broken: {e}") from e
 
 
 async def _stop_quietly(producer: AIOKafkaProducer) -> None:
