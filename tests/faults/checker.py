@@ -14,7 +14,7 @@ Producers record what they did, and the database records what committed:
   rolled back, failed, uncertain), to explain phantoms and to cross-check the ground truth.
 
 ``OutboxChecker.drain_and_check`` waits until the outbox has no pending row, reads the topics
-from the beginning to the end offsets seen at that moment, and reports lost / phantom /
+from the beginning to the high watermarks seen at that moment, and reports lost / phantom /
 duplicated / out-of-order events. Per key, order is judged on the first occurrence of each
 ``outbox-event-id``.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import anyio
 import asyncpg
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from tests.faults.harness import connect as _connect
 from tests.faults.harness import partitions
@@ -543,6 +543,10 @@ class CheckReport:
     pending_left: int = 0
     seconds: float = 0.0
     records: list[Seen] = field(default_factory=list)
+    # read_committed checks only: where the consumer stopped short of a partition's high
+    # watermark (an open transaction), and where the lost events are in the log, if at all.
+    stuck: list[str] = field(default_factory=list)
+    lost_in_log: str = ""
 
     @property
     def duplicates(self) -> int:
@@ -618,6 +622,10 @@ class CheckReport:
             )
         if self.ledger_problems:
             lines.append(f"  ledger vs database: {some(self.ledger_problems)}")
+        if self.stuck:
+            lines.append(f"  read_committed stopped short of the end: {some(self.stuck)}")
+        if self.lost_in_log:
+            lines.append(f"  the lost events in the log (read_uncommitted): {self.lost_in_log}")
         return "\n".join(lines)
 
     def figures(self) -> dict[str, Any]:
@@ -742,6 +750,7 @@ class OutboxChecker:
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             records: list[Seen] = []
+            ends: dict[TopicPartition, int] = {}
 
             async def read(ms: int) -> None:
                 for batch in (await consumer.getmany(*tps, timeout_ms=ms)).values():
@@ -749,7 +758,13 @@ class OutboxChecker:
                         records.append(_seen(r))
 
             # The outbox is drained when no row is pending; everything marked was acked by
-            # Kafka before, so the end offsets read *after* that moment cover it all.
+            # Kafka before, so the end offsets read *after* that moment cover it all. They are
+            # the high watermarks (a read_uncommitted client's): a read_committed consumer's
+            # end_offsets is the last stable offset, which can still stand below a transaction
+            # the relay saw committed (the coordinator writes its markers after it answered
+            # the commit) or below one left open; reading only up to it would call the rows
+            # behind it lost. A read_committed consumer passes the high watermark once every
+            # transaction below it has ended.
             with anyio.move_on_after(within):
                 while True:
                     await read(100)
@@ -758,7 +773,7 @@ class OutboxChecker:
                     )
                     if report.pending_left == 0:
                         break
-                ends = await consumer.end_offsets(tps)
+                ends = await high_watermarks(self.bootstrap, tps)
 
                 async def behind() -> bool:
                     for tp, end in ends.items():
@@ -769,6 +784,15 @@ class OutboxChecker:
                 while await behind():
                     await read(100)
                 report.drained = True
+            if not report.drained and self.isolation_level == "read_committed":
+                stable = await consumer.end_offsets(tps)
+                for tp in tps:
+                    position = await consumer.position(tp)
+                    if position < ends.get(tp, 0):
+                        report.stuck.append(
+                            f"{tp.topic}[{tp.partition}] at {position}, last stable offset "
+                            f"{stable[tp]}, high watermark {ends[tp]}"
+                        )
             committed = {
                 str(r["event_id"]): r
                 for r in await conn.fetch(
@@ -786,9 +810,48 @@ class OutboxChecker:
         report.seconds = time.monotonic() - started
         report.records = records
         self._compare(report, committed, records)
+        if report.lost and self.isolation_level == "read_committed":
+            report.lost_in_log = await self._find_in_log(tps, set(report.lost))
         if record:
             FIGURES.checks.append(report.figures())
         return report
+
+    async def _find_in_log(self, tps: list[TopicPartition], lost: set[str]) -> str:
+        """Where events a read_committed check did not see are in the log: in a
+        transaction that was aborted or is still open, or nowhere (never written)."""
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_uncommitted",
+        )
+        await consumer.start()
+        found: dict[str, Seen] = {}
+        try:
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            ends = await consumer.end_offsets(tps)
+            with anyio.move_on_after(30):
+                while any([await consumer.position(tp) < end for tp, end in ends.items()]):
+                    for batch in (await consumer.getmany(*tps, timeout_ms=200)).values():
+                        for r in batch:
+                            seen = _seen(r)
+                            if seen.event_id in lost and seen.event_id not in found:
+                                found[seen.event_id] = seen
+        finally:
+            await consumer.stop()
+        places = Counter(f"{s.topic}[{s.partition}]" for s in found.values())
+        offsets = sorted((s.partition, s.offset) for s in found.values())
+        span = (
+            f", from partition {offsets[0][0]} offset {offsets[0][1]} to partition "
+            f"{offsets[-1][0]} offset {offsets[-1][1]}"
+            if offsets
+            else ""
+        )
+        return (
+            f"{len(found)} of {len(lost)} written (not committed: aborted or still open) "
+            f"{dict(places)}{span}; {len(lost) - len(found)} never written"
+        )
 
     def _compare(
         self, report: CheckReport, committed: dict[str, asyncpg.Record], records: list[Seen]
@@ -860,6 +923,16 @@ class OutboxChecker:
             if bad:
                 report.inversions += bad
                 report.out_of_order[f"*/{key}"] = [seq for seq, _ in rows]
+
+
+async def high_watermarks(bootstrap: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+    """Each partition's high watermark: the end offsets a read_uncommitted client sees."""
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_uncommitted")
+    await probe.start()
+    try:
+        return dict(await probe.end_offsets(tps))
+    finally:
+        await probe.stop()
 
 
 def _seen(record: Any) -> Seen:

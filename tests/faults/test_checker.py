@@ -3,7 +3,7 @@
 A checker that always says OK would make the whole suite worthless, so this stages one lost
 event, one phantom, one duplicate and one same-key pair committed out of id order, and
 requires the report to count exactly those; and a key whose rows on two topics were sent in
-the wrong order.
+the wrong order; and, read_committed, a transaction left open in front of committed records.
 """
 
 from __future__ import annotations
@@ -121,3 +121,57 @@ async def test_the_checker_sees_a_key_out_of_order_across_topics(
     assert list(report.out_of_order) == ["*/key-inverted"]
     assert report.inversions == 1
     assert not report.ok
+
+
+async def test_a_read_committed_check_waits_for_open_transactions_and_names_them(
+    db_dsn: str, services: Services, topic: str
+) -> None:
+    """A read_committed consumer stops at the last stable offset: below a transaction still
+    open, or one committed whose markers the coordinator has not written yet (it answers the
+    commit first). A check that read only up to there would call every event behind it lost.
+    Staged: event A's record in a transaction left open, then event B's record outside any
+    transaction. While A's transaction is open the check fails as not drained, names where
+    it stopped, and finds both events written but not committed; once it commits, the same
+    check passes with both."""
+    checker = await OutboxChecker(
+        db_dsn,
+        services.bootstrap,
+        [topic],
+        "checker control, read_committed",
+        isolation_level="read_committed",
+    ).setup()
+    async with checker.producer() as p:
+        a = await p.produce("key-a")
+        b = await p.produce("key-b")
+    async with connect(db_dsn) as admin:
+        await admin.execute("UPDATE outbox SET published_at = now()")  # no relay: sent below
+    transactional = AIOKafkaProducer(
+        bootstrap_servers=services.bootstrap, transactional_id=f"checker-{uuid.uuid4().hex}"
+    )
+    plain = AIOKafkaProducer(bootstrap_servers=services.bootstrap)
+    await transactional.start()
+    await plain.start()
+    try:
+        await transactional.begin_transaction()
+        for event_id, key in ((a, b"key-a"), (b, b"key-b")):
+            sender = transactional if event_id == a else plain
+            await sender.send_and_wait(
+                topic, b"{}", key=key, partition=0, headers=[("outbox-event-id", event_id.encode())]
+            )
+        report = await checker.drain_and_check(within=3, record=False)
+        print(report.text())
+        assert not report.drained
+        assert len(report.stuck) == 1
+        assert report.stuck[0].startswith(f"{topic}[0]")
+        assert sorted(report.lost) == sorted([a, b])
+        assert report.lost_in_log.startswith("2 of 2 written")
+        assert not report.ok
+        await transactional.commit_transaction()
+    finally:
+        await transactional.stop()
+        await plain.stop()
+    report = await checker.drain_and_check(within=30, record=False)
+    print(report.text())
+    assert report.drained
+    assert report.lost == []
+    report.assert_ok()
