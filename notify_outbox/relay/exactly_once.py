@@ -1034,8 +1034,7 @@ class ExactlyOnceRelay:
 async def _end_transaction(call: Awaitable[Any], within: float) -> None:
     """aiokafka's commit or abort, within ``within`` seconds. When its sender routine crashed
     on a lost connection, aiokafka's transaction manager is left in FATAL_ERROR and the call
-    fails an
-    ``assert`` of its state machine (seen in the fault suite: "Invalid state transition
+    fails an ``assert`` of its state machine (seen in the fault suite: "Invalid state transition
     TransactionState.FATAL_ERROR -> TransactionState.ABORTING_TRANSACTION" during a broker
     restart, which ended the relay). That is a transaction whose outcome is unknown, like any
     other failure of it: raised as a KafkaError, so the caller fences the producer and settles
