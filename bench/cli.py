@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
         "event's commit ack -> receipt into the relay's stages",
     )
     p.add_argument(
+        "--no-db-baseline",
+        action="store_true",
+        help="leave out the cells of the same writers with no relay (the database CPU a relay "
+        "adds per event is then not reported)",
+    )
+    p.add_argument(
         "--skip",
         nargs="+",
         default=[],
@@ -176,6 +182,7 @@ def _apply(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
         cfg.variant_modes = with_alt_modes(cfg.variant_modes, alt_of)
     cfg.profile = args.profile
     cfg.stages = args.stages
+    cfg.db_baseline = not args.no_db_baseline
     cfg.skip = list(args.skip)
     return cfg
 
@@ -215,6 +222,13 @@ def _check_smoke(path: Path, cfg: RunConfig) -> list[str]:
                 problems.append(f"mode {mode} cell {c['cell']}: no stage-log record")
         if MODES[mode].kind != "floor" and not any(i["mode"] == mode for i in result["idle"]):
             problems.append(f"no idle measurement for mode {mode}")
+    relays = [m for m in cfg.modes if MODES[m].kind == "relay"]
+    if cfg.db_baseline and relays and result.get("postmaster_pid"):
+        if not any(c.get("db_cpu_us_per_event") for c in result.get("baseline_cells", [])):
+            problems.append("no database CPU measured for the writers with no relay")
+        for c in result["latency_cells"]:
+            if MODES[c["mode"]].kind != "floor" and c.get("db_cpu_us_per_event") is None:
+                problems.append(f"mode {c['mode']} cell {c['cell']}: no database CPU")
     for v in cfg.variants:
         if not any(p["variant"] == v and p["commits"] > 0 for p in result["producer_cells"]):
             problems.append(f"no producer-overhead cell with commits for variant {v}")

@@ -293,6 +293,9 @@ class RunConfig(JsonRecord):
     fsync_test_seconds: int = 2  # pg_test_fsync -s N; 0: only the short fdatasync probe
     profile: bool = False  # run the notify relay under py-spy at the variant load
     stages: bool = False  # relay modes write a stage log (NOTIFY_OUTBOX_STAGE_LOG), joined per cell
+    # After each round's modes, the same writers at each load into an outbox no relay serves:
+    # the database's CPU without a relay (what the relay adds is the difference).
+    db_baseline: bool = True
     alt_relay: str | None = None  # the tree of the *-alt modes (--alt-relay, --compare-rev)
     alt_revision: dict[str, str] | None = None  # --compare-rev: what alt_relay holds
     skip: list[str] = field(default_factory=list)  # phases left out: idle, latency, producer

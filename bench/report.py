@@ -56,6 +56,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "missing": sum(int(c["missing"]) for c in cells),
             "limits": sorted({str(c.get("limit")) for c in cells if c.get("limit")}),
             "mode_cpu_us_per_event": _med(c.get("mode_cpu_us_per_event") for c in cells),
+            "db_cpu_us_per_event": _med(c.get("db_cpu_us_per_event") for c in cells),
             "host_cpu_busy": _med(c.get("host_cpu_busy") for c in cells),
         }
         for metric in ("e2e", "ack_to_recv"):
@@ -67,6 +68,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if any("stage_log" in c for c in cells):
             row["stage_log"] = _stage_log_summary([c["stage_log"] for c in cells])
         latency.append(row)
+    # The database's CPU per event with the same writers and no relay, per load; what a mode
+    # adds is its own minus that (medians over rounds each).
+    baseline_cells: dict[float, list[dict[str, Any]]] = defaultdict(list)
+    for c in result.get("baseline_cells", []):
+        baseline_cells[float(c["load"])].append(c)
+    db_baseline = {
+        load: _med(c.get("db_cpu_us_per_event") for c in cells)
+        for load, cells in sorted(baseline_cells.items())
+    }
+    for row in latency:
+        base = db_baseline.get(row["load"], math.nan)
+        row["db_added_us_per_event"] = row["db_cpu_us_per_event"] - base
     mode_order = list(result["config"]["modes"])
     floors = _floor_modes(result)
 
@@ -111,6 +124,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "throughput": throughput,
         "producer": producer_rows,
         "idle": idle,
+        "db_baseline": db_baseline,
         "final_cells": sorted(int(c["cell"]) for c in final.values()),
         "over_floor": _over_floor(final.values(), floors[0] if floors else None, rank),
     }
@@ -254,6 +268,24 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             f"(from schedule: p50 {r['e2e']['p50']:.2f}, p99 {r['e2e']['p99']:.2f})",
             ok,
             stretch,
+        )
+    for load, limit in ((100, 1000), (1000, 150)):
+        r = _find(summary, "notify", load)
+        if r is None:
+            continue
+        relay, added = r["mode_cpu_us_per_event"], r["db_added_us_per_event"]
+        add(
+            f"notify @ {load} ev/s, CPU per event: relay <= {limit} µs",
+            f"{num(relay, 0)} µs",
+            None if math.isnan(relay) else relay <= limit,
+        )
+        add(
+            f"notify @ {load} ev/s, CPU per event: database added by the relay <= {limit} µs",
+            "not measured (no cells without a relay)"
+            if math.isnan(added)
+            else f"{num(added, 0)} µs ({num(r['db_cpu_us_per_event'], 0)} with the relay, "
+            f"{num(summary['db_baseline'][load], 0)} without)",
+            None if math.isnan(added) else added <= limit,
         )
     for common in (100.0, 1000.0):
         n, p = _find(summary, "notify", common), _find(summary, "poll-100ms", common)
@@ -437,6 +469,7 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
         "at `send()` with millisecond resolution.",
     ]
     lines += _stage_log_lines(summary)
+    lines += _cost_lines(summary)
     for c in result.get("latency_cells", []):
         if c.get("profile"):
             lines += profile_lines(
@@ -483,6 +516,46 @@ def render_markdown(result: dict[str, Any], summary: dict[str, Any], plots: list
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _cost_lines(summary: dict[str, Any]) -> list[str]:
+    """CPU per event at each steady load: the mode's process, the database, and the
+    database's share added by the mode (against the same writers with no relay)."""
+    rows = [
+        r
+        for r in summary["latency"]
+        if r["arrival"] == "constant"
+        and r["producer"] == "sql"
+        and not math.isnan(r.get("db_cpu_us_per_event", math.nan))
+    ]
+    if not rows:
+        return []
+    base = summary.get("db_baseline", {})
+    lines = [
+        "",
+        "## Cost per event at steady load (CPU µs per event, from /proc)",
+        "",
+        "Over each cell from its first event to the outbox emptied; **no relay** is the same "
+        "writers and load into an outbox with the same triggers that no relay serves (so its "
+        "commits NOTIFY every time), in the same rounds; **added** is the mode's database CPU "
+        "minus that.",
+        "",
+    ]
+    lines += table(
+        "mode | offered ev/s | relay/poller | database | database, no relay | added by the mode",
+        [
+            [
+                r["mode"],
+                num(r["load"]),
+                num(r["mode_cpu_us_per_event"], 0),
+                num(r["db_cpu_us_per_event"], 0),
+                num(base.get(r["load"]), 0),
+                num(r.get("db_added_us_per_event"), 0),
+            ]
+            for r in rows
+        ],
+    )
+    return lines
 
 
 def _row_label(r: dict[str, Any]) -> str:

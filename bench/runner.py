@@ -11,7 +11,7 @@ import math
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,14 @@ from bench.hist import Histogram
 from bench.loadgen import LoadConfig
 from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
-from bench.procs import BenchError, Child
+from bench.procs import BenchError, Child, cluster_cpu_seconds
 from bench.profile import start_profiler, stop_profiler, top_self
 from bench.services import (
     Services,
     connection,
     db_counters,
     open_services,
+    postmaster_pid,
     prepare_mode,
     set_notify,
     statements_delta,
@@ -74,7 +75,9 @@ class Runner:
                 "producer_cells": [],
             }
         )
+        self.result["baseline_cells"] = []
         self._cell_no = 0
+        self._postmaster: int | None = None  # whose processes are the database's CPU
         self._dir_no = 0  # numbers the pgbench and closed-loop working directories
 
     # --- the run ------------------------------------------------------------------------------
@@ -194,9 +197,112 @@ class Runner:
     async def _latency_phase(self, services: Services, dbs: dict[str, _ModeDb]) -> None:
         loads_of: dict[str, list[float]] = {}
         cfg = self.cfg
+        self._postmaster = await postmaster_pid(services.dsn)
+        self.result["postmaster_pid"] = self._postmaster
+        if self._postmaster is None:
+            self.result["notes"].append(
+                "the PostgreSQL server's processes are not visible on this host: no database CPU"
+            )
+        elif not services.own_stack:
+            self.result["notes"].append(
+                "database CPU is the whole cluster's: with given services, other databases' "
+                "work counts too"
+            )
+        relays = [db for db in dbs.values() if db.mode.kind == "relay"]
+        baseline: _ModeDb | None = None
+        if cfg.db_baseline and relays and self._postmaster is not None:
+            baseline = await self._baseline_db(services)
         for rep in range(cfg.repeat):
             for db in dbs.values():
                 await self._mode_block(services, db, rep, loads_of)
+            if baseline is not None:
+                loads = sorted({x for db in relays for x in loads_of.get(db.mode.name, [])})
+                for load in loads:
+                    await self._baseline_cell(baseline, rep, load)
+
+    async def _baseline_db(self, services: Services) -> _ModeDb:
+        """The outbox of the database's baseline: migrated by this checkout, its triggers as
+        shipped, served by no relay."""
+        name = "writers"
+        mode = replace(MODES["notify"], name=name, description="no relay")
+        topic = f"bench-{self.run_id.lower()}-{name}"
+        dsn, notify = await prepare_mode(
+            services, mode, f"bench_{self.run_id.lower()}_{name}", topic, partitions=1
+        )
+        self.result["baseline"] = {
+            "description": "the same load generator and writers at each load, into an outbox "
+            "migrated by this checkout with its triggers as shipped and no relay: nothing is "
+            "published (so every commit NOTIFYs, no relay being awake); its database CPU per "
+            "event is subtracted from each mode's",
+            "database_setup": notify,
+        }
+        return _ModeDb(mode, dsn, topic, notify)
+
+    async def _baseline_cell(self, db: _ModeDb, rep: int, load: float) -> None:
+        """One cell of the database's baseline: the writers alone, its rows deleted after."""
+        assert self._postmaster is not None
+        cfg = self.cfg
+        self._cell_no += 1
+        n = self._cell_no
+        writers = cfg.writers or writers_for(load)
+        label = f"no relay {load:g} ev/s rep {rep + 1}"
+        self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
+        gen_path, _ = self._run.array_paths(f"c{n}")
+        lc = LoadConfig(
+            dsn=db.dsn,
+            topic=db.topic,
+            cell=n,
+            rate=load,
+            warmup=cfg.warmup,
+            duration=cfg.duration,
+            writers=writers,
+            out=str(gen_path),
+            keys=cfg.keys,
+            seed=n,
+            grace=max(2.0, cfg.duration / 2),
+            tx_events=cfg.tx_events,
+            sink="postgres",
+            bootstrap="",
+        )
+        db0 = cluster_cpu_seconds(self._postmaster)
+        gen = await self._run.start_loadgen(lc, name=f"loadgen-{n}")
+        try:
+            summary = json.loads(await gen.read_line(cfg.warmup + cfg.duration + lc.grace + 60.0))
+            code = await gen.wait(10)
+            if code != 0:
+                raise BenchError(f"load generator of cell {n} exited {code}:\n{gen.tail()}")
+        finally:
+            await gen.stop(5)
+        db1 = cluster_cpu_seconds(self._postmaster)
+        ack = load_arrays(gen_path)["ack"]
+        for p in (gen_path, gen_path.with_suffix(".config.json")):
+            p.unlink(missing_ok=True)
+        async with connection(db.dsn, within=_QUERY_TIMEOUT) as conn:
+            await conn.execute("DELETE FROM outbox", timeout=_QUERY_TIMEOUT)
+        start, end = summary["window_start"], summary["window_end"]
+        seconds = (end - start) / 1e9
+        events = summary["acked"]
+        db_cpu = db1 - db0 if db0 is not None and db1 is not None else None
+        cell = {
+            "cell": n,
+            "mode": db.mode.name,
+            "rep": rep,
+            "load": load,
+            "writers": writers,
+            "events": events,
+            "commit_rate": sum(1 for v in ack if start <= v < end) / seconds if seconds else 0.0,
+            "db_cpu_s": round(db_cpu, 3) if db_cpu is not None else None,
+            "db_cpu_us_per_event": (
+                round(1e6 * db_cpu / events, 1) if db_cpu is not None and events else None
+            ),
+            "host_cpu_busy": None,
+        }
+        self.result["baseline_cells"].append(cell)
+        self.progress.line(
+            f"{label:<42} commit {cell['commit_rate']:8.0f}/s  database CPU "
+            f"{opt(cell['db_cpu_us_per_event'], '.0f')} µs per event",
+            cell=True,
+        )
 
     async def _mode_block(
         self, services: Services, db: _ModeDb, rep: int, loads_of: dict[str, list[float]]
@@ -306,6 +412,7 @@ class Runner:
         )
         cpu0 = process.cpu() if process is not None else 0.0
         host0 = envinfo.cpu_times()
+        db0 = self._db_cpu(db)
         started = utc()
         gen = await self._run.start_loadgen(lc, name=f"loadgen-{n}")
         profiler = None
@@ -333,6 +440,9 @@ class Runner:
         window = (summary["window_start"], summary["window_end"])
         analysis = analyse_cell(gen_arrays, got_arrays, *window)
         drained, residual = await self._wait_empty(conn) if conn is not None else (True, 0)
+        # Counted until the outbox emptied: the marks of the cell's last rows are the relay's.
+        db1 = self._db_cpu(db)
+        db_cpu = db1 - db0 if db0 is not None and db1 is not None else None
         # After the outbox emptied: every claim of the cell is marked, its line written.
         stages = (
             await collect_stages(stage_log, gen_arrays, got_arrays, n, *window)
@@ -364,6 +474,12 @@ class Runner:
                 else None
             ),
             "host_cpu_busy": envinfo.busy_share(host0, host1),
+            "db_cpu_s": round(db_cpu, 3) if db_cpu is not None else None,
+            "db_cpu_us_per_event": (
+                round(1e6 * db_cpu / total_events, 1)
+                if total_events and db_cpu is not None
+                else None
+            ),
             "load_average": loadavg(),
             "drained": drained,
             "residual_rows": residual,
@@ -392,6 +508,13 @@ class Runner:
                 f"cell {n} ({label}): {cell['missing']} of {cell['events']} events never arrived"
             )
         return cell
+
+    def _db_cpu(self, db: _ModeDb) -> float | None:
+        """The database's CPU seconds so far (None for the floor, which has no database, or
+        when the server's processes are not visible here)."""
+        if not db.dsn or self._postmaster is None:
+            return None
+        return cluster_cpu_seconds(self._postmaster)
 
     async def _wait_empty(self, conn: asyncpg.Connection) -> tuple[bool, int]:
         """Wait until the outbox is empty; after the deadline, delete what is left."""

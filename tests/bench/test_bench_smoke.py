@@ -46,6 +46,14 @@ def test_smoke_run_writes_a_result_with_every_mode(services: Services, tmp_path:
     ]
     assert relay_cells
     assert all(c["stage_log"]["status"] in ("ok", "no stage log") for c in relay_cells)
+    # The database's CPU over every relay cell, and over the same writers with no relay at
+    # each load the relays ran (the baseline of what a relay adds).
+    assert result["postmaster_pid"], "the test PostgreSQL runs on this host: its CPU is visible"
+    assert all(c["db_cpu_us_per_event"] > 0 for c in relay_cells)
+    baseline = result["baseline_cells"]
+    assert {c["load"] for c in baseline} == {c["load"] for c in relay_cells}, baseline
+    assert all(c["db_cpu_us_per_event"] > 0 and c["events"] > 0 for c in baseline), baseline
+    assert "## Cost per event at steady load" in results[0].with_suffix(".md").read_text()
     # The Kafka floor has no process of its own to idle.
     assert {i["mode"] for i in result["idle"]} == modes - {"floor"}
     assert {p["variant"] for p in result["producer_cells"]} == set(result["config"]["variants"])
