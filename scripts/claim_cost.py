@@ -15,10 +15,10 @@ at the client. Variants, alternating per round:
   (``outbox_claim_<x>(batch, scan, low, xids, lows)``), to time a part of the claim.
 
 Usage: ``NOTIFY_OUTBOX_DSN=postgresql://.../scratch .venv/bin/python scripts/claim_cost.py
-[--pace 0.01] [--claims 200] [--rounds 4] [--variants ours,bare] [--create-probe]`` on a
-migrated scratch
-database: it deletes every row of ``public.outbox``. Prints each variant's median round trip
-(ms) per round and over the rounds.
+[--pace 0.01] [--claims 200] [--rounds 4] [--rows 1] [--variants ours,bare] [--create-probe]``
+on a migrated scratch database: it deletes every row of ``public.outbox``. ``--rows N``
+commits N rows (of N keys) before each claim. Prints each variant's median round trip (ms) per
+round and over the rounds.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ async def main() -> None:
     parser.add_argument("--pace", type=float, default=0.01)
     parser.add_argument("--claims", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=1, help="rows committed before each claim")
     parser.add_argument("--variants", default="ours,bare")
     parser.add_argument("--create-probe", action="store_true", help="(re)create the lockrow probe")
     args = parser.parse_args()
@@ -118,7 +119,8 @@ async def main() -> None:
             for variant in variants if round_no % 2 == 0 else variants[::-1]:
                 trips = []
                 for i in range(args.claims):
-                    await writer.execute(INSERT, f"k{i % 100}")
+                    for j in range(args.rows):
+                        await writer.execute(INSERT, f"k{(i * args.rows + j) % 100}")
                     await relay.execute("BEGIN")
                     began = time.perf_counter()
                     ids = await _claim(relay, variant, marks)
