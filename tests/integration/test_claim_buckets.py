@@ -1,6 +1,7 @@
 """The bucket claim (migration 0005) against a real PostgreSQL: concurrent claims each get a
 full batch of a keyed backlog, never share a key, and each takes a gapless prefix of every key
-it touches; a key's rows wait while another claim holds its bucket."""
+it touches; a key's rows wait while another claim holds its bucket; a quiet claim (migration
+0009's path) holds only the buckets its batch needs and counts those others hold."""
 
 from __future__ import annotations
 
@@ -81,3 +82,73 @@ async def test_a_key_waits_while_another_claim_holds_its_bucket(db_dsn: str) -> 
     finally:
         await a.close()
         await b.close()
+
+
+async def _keys_in_distinct_buckets(conn: asyncpg.Connection, n: int) -> list[tuple[str, int]]:
+    """``n`` keys and their buckets (hashtext(key) & 255, as the claim computes them), each
+    bucket different."""
+    rows = await conn.fetch(
+        "SELECT k, hashtext(k) & 255 AS b FROM (SELECT 'q' || g AS k FROM generate_series(1, 50) g)"
+        " AS x"
+    )
+    out: dict[int, str] = {}
+    for r in rows:
+        out.setdefault(r["b"], r["k"])
+    assert len(out) >= n
+    return [(k, b) for b, k in list(out.items())[:n]]
+
+
+async def _claim_buckets(conn: asyncpg.Connection) -> list[int]:
+    """The claim's key buckets ``conn``'s transaction holds."""
+    # A lock on two int4 keys: classid the first (the namespace, as an unsigned oid), objid
+    # the second, objsubid 2.
+    rows = await conn.fetch(
+        "SELECT objid::text::int AS b FROM pg_locks WHERE locktype = 'advisory' "
+        "AND pid = pg_backend_pid() AND objsubid = 2 AND classid = $1::int::oid ORDER BY 1",
+        OutboxNames().claim_namespace,
+    )
+    return [r["b"] for r in rows]
+
+
+async def test_a_quiet_claim_locks_only_the_buckets_its_batch_needs(db_dsn: str) -> None:
+    # Migration 0009's quiet path (no row waits, the whole queue in view): the head's buckets
+    # are tried oldest first until they hold a batch, then read in one statement. A bucket
+    # another claim holds is counted busy and its rows left; buckets past the batch stay free.
+    conns = [await asyncpg.connect(db_dsn) for _ in range(4)]
+    a, b, other, setup = conns
+    try:
+        (ka, ba), (kb, bb), (kc, bc) = await _keys_in_distinct_buckets(setup, 3)
+        await setup.execute(
+            "INSERT INTO outbox (topic, key) VALUES ('t', $1), ('t', $1), ('t', $2), ('t', $3)",
+            ka,
+            kb,
+            kc,
+        )
+        ids = [r["id"] for r in await setup.fetch("SELECT id FROM outbox ORDER BY id")]
+        async with other.transaction():
+            # Another claim holds kc's bucket.
+            await other.execute(
+                "SELECT pg_advisory_xact_lock($1::int, $2::int)",
+                OutboxNames().claim_namespace,
+                bc,
+            )
+            async with a.transaction():
+                rows = await a.fetch(
+                    Queries(OutboxNames())["claim"], 2, claim_scan(2), *LowWaterMark().args()
+                )
+                assert [r["id"] for r in rows[:-1]] == ids[:2]  # ka's two rows fill the batch
+                assert rows[-1]["busy"] == 0
+                assert rows[-1]["changed"] is False
+                assert await _claim_buckets(a) == [ba]  # kb's and kc's buckets left free
+                async with b.transaction():
+                    rows = await b.fetch(
+                        Queries(OutboxNames())["claim"], 10, claim_scan(10), *LowWaterMark().args()
+                    )
+                    assert [r["id"] for r in rows[:-1]] == ids[2:3]  # kb's row; not kc's
+                    assert rows[-1]["busy"] == 2  # ka's bucket (a) and kc's (other)
+                    assert await _claim_buckets(b) == [bb]
+        async with b.transaction():
+            assert [r["id"] for r in await _claim(b)] == ids  # every lock gone with its claim
+    finally:
+        for c in conns:
+            await c.close()

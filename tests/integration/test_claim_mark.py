@@ -302,7 +302,7 @@ async def test_an_upgrade_while_old_claims_run_loses_and_reorders_nothing(
             for conn in conns[4:]:
                 tg.start_soon(new_claims, conn)
             await until("old", 200)
-            assert await migrate(setup, names) == [6, 7, 8]  # while all of them run
+            assert await migrate(setup, names) == [6, 7, 8, 9]  # while all of them run
             migrated.set()
             # Old and new claims side by side, then the new ones alone.
             old_then = rows_by["old"]

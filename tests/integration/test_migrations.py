@@ -141,7 +141,7 @@ async def test_upgrade_never_locks_a_default_sequence_a_savepoint_holds(
     producer = await _rolled_back_savepoint(empty_db_dsn)
     try:
         # No retry allowed: the first attempt must not wait for any lock.
-        assert await migrate(conn, OutboxNames(), retry_for=0) == [6, 7, 8]
+        assert await migrate(conn, OutboxNames(), retry_for=0) == [6, 7, 8, 9]
         await producer.execute(_INSERT)
         await producer.execute("COMMIT")
         assert await conn.fetchval("SELECT count(*) FROM outbox") == 1
@@ -166,7 +166,7 @@ async def test_upgrade_that_must_alter_the_sequence_gives_way_to_producers(
         # Its insert waits for the migration's next attempt to give up, at most.
         await asyncio.wait_for(producer.execute(_INSERT), timeout=30)
         await producer.execute("COMMIT")
-        assert await asyncio.wait_for(upgrade, timeout=30) == [6, 7, 8]
+        assert await asyncio.wait_for(upgrade, timeout=30) == [6, 7, 8, 9]
         seqcache = "SELECT seqcache FROM pg_sequence WHERE seqrelid = 'outbox_id_seq'::regclass"
         assert await conn.fetchval(seqcache) == 1
         assert await conn.fetchval("SELECT count(*) FROM outbox") == 1
@@ -194,9 +194,9 @@ async def test_upgrade_behind_a_long_transaction_holds_producers_briefly_then_sa
             await asyncio.wait_for(producer.execute(_INSERT), timeout=30)
         with pytest.raises(MigrationError, match="long transaction"):
             await asyncio.wait_for(upgrade, timeout=60)
-        assert (await verify(conn, OutboxNames())).pending == [6, 7, 8]
+        assert (await verify(conn, OutboxNames())).pending == [6, 7, 8, 9]
         await long.execute("COMMIT")
-        assert await migrate(conn, OutboxNames(), retry_for=0) == [6, 7, 8]
+        assert await migrate(conn, OutboxNames(), retry_for=0) == [6, 7, 8, 9]
     finally:
         for c in (producer, long, conn):
             await c.close()
