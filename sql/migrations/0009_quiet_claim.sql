@@ -21,10 +21,11 @@
 -- references ("see 4") to 0006's header.
 --
 -- Measured (scripts/claim_cost.py, one row or four of distinct keys every 10 ms, variants
--- alternating): the quiet claim's round trip 0.59 against 0.63 ms for one row, 0.71 against
--- 0.79 for four. A relay at 1,000 ev/s from 8 writers (/proc, pg_stat_statements, 15 s, two
--- runs each): the claim's execution 408 and 380 us a call against 556 and 569, the relay's
--- database sessions 177 and 167 us of CPU per event against 191 and 195.
+-- alternating, medians of 4 rounds): the quiet claim's round trip 0.51 against 0.57 ms for one
+-- row, 0.62 against 0.73 for four. A relay at 1,000 ev/s from 8 writers (/proc and
+-- pg_stat_statements over 15 s, two runs each): the claim's execution 408 and 380 us a call
+-- against 556 and 569, the relay's database sessions 177 and 167 us of CPU per event against
+-- 191 and 195.
 CREATE OR REPLACE FUNCTION @schema@.@prefix@_claim(batch integer, scan integer, low bigint,
                                         wait_xids bigint[], wait_lows bigint[])
 RETURNS TABLE (id bigint, event_id uuid, topic text, key text, payload text, payload_bytes bytea,
@@ -133,6 +134,8 @@ BEGIN
                 busy := busy + 1;
             END IF;
         END LOOP;
+        -- Each bucket as a range of the bucket index, whatever the statistics say (see 4).
+        PERFORM set_config('enable_sort', 'off', true);
         RETURN QUERY
             SELECT o.id, o.event_id, o.topic, o.key, o.payload::text, o.payload_bytes,
                    o.headers::text, o.event_type, o.aggregate_type, o.aggregate_id, o.attempts,
