@@ -431,15 +431,16 @@ class OutboxSettings(DatabaseSettings):
         "workers then bounds the database's pool (workers + 2 connections)",
     )
     outbox_drain_share: float = Field(
-        0.25,
+        0.15,
         gt=0,
         le=1,
         description="With outboxes: the share of the time an outbox draining a backlog may "
         "claim while other outboxes of its database had events in the last second (after "
         "each full claim its worker pauses for the rest, and its claims take at most 100 "
         "rows); alone, it drains at full speed. 1: never paused. A drain's claims and marks "
-        "slow every commit of its database: at 0.25 the others' p99 during a 100,000-row "
-        "drain was 15-21 ms against 52-364 ms at 1, the drain at 0.15x its speed "
+        "slow every commit of its database: at 0.15 the others' p99 during a 100,000-row "
+        "drain was 12-18 ms in four runs (0.25: 15-22 ms, above 20 ms in three runs of six) "
+        "against 52-364 ms at 1, the drain at about 0.08x its speed "
         "(docs/operations/many-outboxes.md)",
     )
     discovery_interval: Seconds = Field(

@@ -207,7 +207,7 @@ async def test_the_fleet_pauses_a_drain_only_while_other_outboxes_have_events(
     assert len(slept) == 2
     never = Fleet([FleetDatabase(settings(outbox_drain_share=1), discover=True)])
     assert never._pacer(drain, activity) is None
-    assert Fleet([FleetDatabase(settings(), discover=True)])._drain_share == 0.25  # default
+    assert Fleet([FleetDatabase(settings(), discover=True)])._drain_share == 0.15  # default
 
 
 def test_a_drain_claims_fewer_rows_while_other_outboxes_have_events() -> None:
