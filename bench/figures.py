@@ -32,7 +32,7 @@ END = "<!-- end of bench figures -->"
 
 # The runs shown (bench/results/<id>.json); docs/benchmarks.md tells each one's story.
 # run --quick --repeat 3 --loads 100 1000, floor and poller, --compare-rev 6979fc3
-LATENCY_RUN = "20261129T070703Z"
+LATENCY_RUN = "20261129T133530Z"
 DRAIN_RUN = "drain-20261129T071102Z"
 HELD_RUN = "held-snapshot-20261127T061409Z"  # 10 min hold, medians of 3
 FAILING_RUN = "failing-head-20261127T131719Z"  # medians of 3
@@ -66,6 +66,28 @@ def _latency_row(load: float) -> list[str]:
         _latency("notify", load),
         f"Kafka floor {_latency('floor', load)}; the build before "
         f"{_latency('notify-alt', load)}; plain 100 ms poller {_latency('poll-100ms', load)}",
+        f"`{LATENCY_RUN}`",
+    ]
+
+
+def _cost(mode: str) -> str:
+    """Relay and added database CPU per event at 100 and 1,000 ev/s (µs)."""
+    summary = summarize(_result(LATENCY_RUN))
+    rows = [_find(summary, mode, load) for load in (100, 1000)]
+    if any(r is None for r in rows):
+        raise ValueError(f"{LATENCY_RUN}: no {mode} cells at 100 and 1,000 ev/s")
+    relay = " / ".join(f"{r['mode_cpu_us_per_event']:,.0f}" for r in rows if r is not None)
+    added = " / ".join(f"{r['db_added_us_per_event']:,.0f}" for r in rows if r is not None)
+    return f"{relay} relay, {added} database added"
+
+
+def _cost_row() -> list[str]:
+    return [
+        "CPU per event at 100 / 1,000 ev/s (µs; the database's against the same writers with no "
+        "relay), medians of 3",
+        _cost("notify"),
+        f"the build before {_cost('notify-alt')}; plain 100 ms poller, its table without "
+        f"the NOTIFY trigger: {_cost('poll-100ms')}",
         f"`{LATENCY_RUN}`",
     ]
 
@@ -152,6 +174,7 @@ def _stalled_row() -> list[str]:
 ROWS: tuple[Callable[[], list[str]], ...] = (
     lambda: _latency_row(100),
     lambda: _latency_row(1000),
+    _cost_row,
     _idle_row,
     _drain_row,
     _held_row,
