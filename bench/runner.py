@@ -242,28 +242,10 @@ class Runner:
         """One cell of the database's baseline: the writers alone, its rows deleted after."""
         assert self._postmaster is not None
         cfg = self.cfg
-        self._cell_no += 1
-        n = self._cell_no
-        writers = cfg.writers or writers_for(load)
         label = f"no relay {load:g} ev/s rep {rep + 1}"
-        self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
-        gen_path, _ = self._run.array_paths(f"c{n}")
-        lc = LoadConfig(
-            dsn=db.dsn,
-            topic=db.topic,
-            cell=n,
-            rate=load,
-            warmup=cfg.warmup,
-            duration=cfg.duration,
-            writers=writers,
-            out=str(gen_path),
-            keys=cfg.keys,
-            seed=n,
-            grace=max(2.0, cfg.duration / 2),
-            tx_events=cfg.tx_events,
-            sink="postgres",
-            bootstrap="",
-        )
+        n, lc = self._load_config(db, load, label, sink="postgres", bootstrap="")
+        gen_path = Path(lc.out)
+        writers = lc.writers
         db0 = cluster_cpu_seconds(self._postmaster)
         gen = await self._run.start_loadgen(lc, name=f"loadgen-{n}")
         try:
@@ -386,30 +368,18 @@ class Runner:
         stage_log: StageLog | None = None,
     ) -> dict[str, Any]:
         cfg = self.cfg
-        self._cell_no += 1
-        n = self._cell_no
-        writers = cfg.writers or writers_for(load)
         label = f"{db.mode.name} {load:g} ev/s {arrival}/{producer} rep {rep + 1}"
-        self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
-        gen_path, got_path = self._run.array_paths(f"c{n}")
-        lc = LoadConfig(
-            dsn=db.dsn,
-            topic=db.topic,
-            cell=n,
-            rate=load,
-            warmup=cfg.warmup,
-            duration=cfg.duration,
-            writers=writers,
-            out=str(gen_path),
+        n, lc = self._load_config(
+            db,
+            load,
+            label,
             producer=producer,
             arrival=arrival,
-            keys=cfg.keys,
-            seed=n,
-            grace=max(2.0, cfg.duration / 2),
-            tx_events=cfg.tx_events,
             sink="kafka" if db.mode.kind == "floor" else "postgres",
             bootstrap=services.bootstrap,
         )
+        writers = lc.writers
+        gen_path, got_path = self._run.array_paths(f"c{n}")
         cpu0 = process.cpu() if process is not None else 0.0
         host0 = envinfo.cpu_times()
         db0 = self._db_cpu(db)
@@ -508,6 +478,32 @@ class Runner:
                 f"cell {n} ({label}): {cell['missing']} of {cell['events']} events never arrived"
             )
         return cell
+
+    def _load_config(
+        self, db: _ModeDb, load: float, label: str, **kw: Any
+    ) -> tuple[int, LoadConfig]:
+        """The next cell's number and its load generator's config (``kw``: LoadConfig's
+        fields that differ between cells), its start announced."""
+        cfg = self.cfg
+        self._cell_no += 1
+        n = self._cell_no
+        self.progress.status(f"{label}: running ({cfg.warmup:g}s warm-up + {cfg.duration:g}s)")
+        gen_path, _ = self._run.array_paths(f"c{n}")
+        return n, LoadConfig(
+            dsn=db.dsn,
+            topic=db.topic,
+            cell=n,
+            rate=load,
+            warmup=cfg.warmup,
+            duration=cfg.duration,
+            writers=cfg.writers or writers_for(load),
+            out=str(gen_path),
+            keys=cfg.keys,
+            seed=n,
+            grace=max(2.0, cfg.duration / 2),
+            tx_events=cfg.tx_events,
+            **kw,
+        )
 
     def _db_cpu(self, db: _ModeDb) -> float | None:
         """The database's CPU seconds so far (None for the floor, which has no database, or
