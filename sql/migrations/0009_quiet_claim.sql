@@ -13,9 +13,10 @@
 -- it won in one statement that also takes the row locks: the statement starts after the last
 -- lock, so the property above holds for every bucket at once. Each key's rows are still a
 -- gapless prefix (a bucket read in id order from the floor, held-back rows left out: they
--- follow a key's waiting row and are followed by held rows only). A row that starts waiting
--- between the first look and the read is seen by the held-back check; such a claim does not
--- park or widen (the next claim, seeing a waiting row, takes the full path). The next mark
+-- follow a key's waiting row and are followed by held rows only). When a row starts waiting
+-- between the first look and the read, the held-back check leaves its key's later rows out;
+-- such a claim does not park or widen (the next one, seeing a waiting row, takes the full
+-- path). The next mark
 -- and the count of buckets other claims held are returned as before; "changed" is false (the
 -- quiet path writes nothing). Everything else is 0006's claim unchanged, its numbered
 -- references ("see 4") to 0006's header.
