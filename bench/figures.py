@@ -52,11 +52,16 @@ def _num(v: float) -> str:
     return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
-def _latency(mode: str, load: float) -> str:
+def _row(mode: str, load: float) -> dict[str, Any]:
+    """The latency run's row of ``mode`` at ``load`` (constant arrivals, SQL writers)."""
     row = _find(summarize(_result(LATENCY_RUN)), mode, load)
     if row is None:
         raise ValueError(f"{LATENCY_RUN}: no {mode} cell at {load:g} ev/s")
-    a = row["ack_to_recv"]
+    return row
+
+
+def _latency(mode: str, load: float) -> str:
+    a = _row(mode, load)["ack_to_recv"]
     return f"{_num(a['p50'])} / {_num(a['p99'])}"
 
 
@@ -72,12 +77,9 @@ def _latency_row(load: float) -> list[str]:
 
 def _cost(mode: str) -> str:
     """Relay and added database CPU per event at 100 and 1,000 ev/s (µs)."""
-    summary = summarize(_result(LATENCY_RUN))
-    rows = [_find(summary, mode, load) for load in (100, 1000)]
-    if any(r is None for r in rows):
-        raise ValueError(f"{LATENCY_RUN}: no {mode} cells at 100 and 1,000 ev/s")
-    relay = " / ".join(f"{r['mode_cpu_us_per_event']:,.0f}" for r in rows if r is not None)
-    added = " / ".join(f"{r['db_added_us_per_event']:,.0f}" for r in rows if r is not None)
+    rows = [_row(mode, load) for load in (100, 1000)]
+    relay = " / ".join(f"{r['mode_cpu_us_per_event']:,.0f}" for r in rows)
+    added = " / ".join(f"{r['db_added_us_per_event']:,.0f}" for r in rows)
     return f"{relay} relay, {added} database added"
 
 

@@ -28,12 +28,12 @@ from bench.phase import READY_TIMEOUT, PhaseRun, loadavg, slug, utc
 from bench.pooler import needs_pgbouncer
 from bench.procs import BenchError, Child, cluster_cpu_seconds
 from bench.profile import start_profiler, stop_profiler, top_self
+from bench.regimes import database_postmaster
 from bench.services import (
     Services,
     connection,
     db_counters,
     open_services,
-    postmaster_pid,
     prepare_mode,
     set_notify,
     statements_delta,
@@ -197,17 +197,7 @@ class Runner:
     async def _latency_phase(self, services: Services, dbs: dict[str, _ModeDb]) -> None:
         loads_of: dict[str, list[float]] = {}
         cfg = self.cfg
-        self._postmaster = await postmaster_pid(services.dsn)
-        self.result["postmaster_pid"] = self._postmaster
-        if self._postmaster is None:
-            self.result["notes"].append(
-                "the PostgreSQL server's processes are not visible on this host: no database CPU"
-            )
-        elif not services.own_stack:
-            self.result["notes"].append(
-                "database CPU is the whole cluster's: with given services, other databases' "
-                "work counts too"
-            )
+        self._postmaster = await database_postmaster(services, self._run)
         relays = [db for db in dbs.values() if db.mode.kind == "relay"]
         baseline: _ModeDb | None = None
         if cfg.db_baseline and relays and self._postmaster is not None:
@@ -277,7 +267,6 @@ class Runner:
             "db_cpu_us_per_event": (
                 round(1e6 * db_cpu / events, 1) if db_cpu is not None and events else None
             ),
-            "host_cpu_busy": None,
         }
         self.result["baseline_cells"].append(cell)
         self.progress.line(
